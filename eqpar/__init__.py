@@ -1,0 +1,7 @@
+"""eqpar: Equinox-based functional parallelism for JAX."""
+
+from . import collectives as collectives
+from ._paths import leaf_paths as leaf_paths
+from ._typing import DeclaresPartitionSpecs as DeclaresPartitionSpecs
+
+__version__ = "0.1.0"

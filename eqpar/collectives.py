@@ -1,0 +1,366 @@
+"""Ring collectives built on `lax.ppermute`, for use inside `shard_map`.
+
+Each function here splits an `all_gather` or a `psum_scatter` into the `n - 1` neighbour
+exchanges of a ring. Written this way, every step is a separate `collective-permute` that the
+compiler can schedule next to the matmul consuming (or producing) its block, which is how the
+tensor-parallel layers overlap communication with compute.
+
+Direction convention (`n` devices on the axis, `d` this device's index):
+
+- *shifting up* sends device `j`'s block to `j + 1`; after `i` steps device `d` holds the
+  block of `d - i`;
+- *shifting down* sends it to `j - 1`; after `i` steps device `d` holds the block of `d + i`.
+
+All functions accept any pytree of arrays in place of a single array. The rings are unrolled
+Python loops: `n` is a static mesh-axis size (typically 2-16), and each step must be its own
+operation for the scheduler to overlap it.
+"""
+
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jaxtyping import PyTree
+
+from ._typing import AxisName
+
+__all__ = [
+    "async_gather",
+    "async_gather_bidirectional",
+    "async_gather_split",
+    "async_scatter",
+    "async_scatter_bidirectional",
+    "async_scatter_split",
+]
+
+
+def _axis_size(axis_name: AxisName) -> int:
+    try:
+        return lax.axis_size(axis_name)
+    except NameError as error:
+        raise ValueError(
+            f"axis_name={axis_name!r} is not a mesh axis bound here. Ring collectives run inside "
+            "`jax.shard_map` (or `eqpar.shard_map`) over a mesh that has this axis; check the "
+            "name and that the call happens inside the mapped function."
+        ) from error
+
+
+def _shift(tree: PyTree, axis_name: AxisName, n: int, up: bool) -> PyTree:
+    offset = 1 if up else -1
+    permutation = [(j, (j + offset) % n) for j in range(n)]
+    return lax.ppermute(tree, axis_name, permutation)
+
+
+def _source_offsets(n: int, shift_up: bool) -> list[int]:
+    """Item `i` of a gather comes from device `d + offsets[i]`."""
+    sign = -1 if shift_up else 1
+    return [(sign * i) % n for i in range(n)]
+
+
+def _ring_walk(tree: PyTree, axis_name: AxisName, n: int, up: bool, steps: int) -> list[PyTree]:
+    """`[tree, shift(tree), shift(shift(tree)), ...]` with `steps` shifts."""
+    received = [tree]
+    for _ in range(steps):
+        received.append(_shift(received[-1], axis_name, n, up))
+    return received
+
+
+def async_gather(x: PyTree, axis_name: AxisName, shift_up: bool = True) -> list[PyTree]:
+    """All-gather `x` over `axis_name` as `n - 1` ring steps in one direction.
+
+    **Arguments:**
+
+    - `x`: this device's block (an array or a pytree of arrays).
+    - `axis_name`: the mesh axis to gather over (inside `shard_map`).
+    - `shift_up`: direction of the ring; see **Returns**.
+
+    **Returns:** a list of `n` items (`n` is the axis size). Item `i` is the block of axis
+    index `(d - i) % n` when shifting up and `(d + i) % n` when shifting down, where `d` is this
+    device's index; item 0 is `x` itself.
+
+    ```python
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import Mesh, PartitionSpec as P
+    from eqpar.collectives import async_gather
+
+    mesh = Mesh(np.array(jax.devices()[:4]), ("model",))
+
+    def f(x):
+        return jnp.stack(async_gather(x, "model"))  # [n, 1]
+
+    out = jax.shard_map(f, mesh=mesh, in_specs=P("model"), out_specs=P("model"))(
+        jnp.arange(4.0)
+    )
+    # device 2 received the blocks of devices 2, 1, 0, 3
+    assert out.reshape(4, 4)[2].tolist() == [2.0, 1.0, 0.0, 3.0]
+    ```
+    """
+    n = _axis_size(axis_name)
+    return _ring_walk(x, axis_name, n, shift_up, n - 1)
+
+
+def async_gather_bidirectional(
+    x: PyTree, axis_name: AxisName, shift_up: bool = True
+) -> list[PyTree]:
+    """Same result as `async_gather`, using both ring directions.
+
+    The nearest `ceil((n - 1) / 2)` blocks on one side travel one way and the rest travel the
+    other way, so each direction carries about half of the blocks and the last block arrives
+    after about `n / 2` steps instead of `n - 1`.
+
+    **Arguments:**
+
+    - `x`: this device's block (an array or a pytree of arrays).
+    - `axis_name`: the mesh axis to gather over.
+    - `shift_up`: the item order, exactly as in `async_gather`.
+
+    **Returns:** the same list as `async_gather(x, axis_name, shift_up)`.
+
+    ```python
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import Mesh, PartitionSpec as P
+    from eqpar.collectives import async_gather_bidirectional
+
+    mesh = Mesh(np.array(jax.devices()[:4]), ("model",))
+    f = lambda x: jnp.stack(async_gather_bidirectional(x, "model"))
+    out = jax.shard_map(f, mesh=mesh, in_specs=P("model"), out_specs=P("model"))(
+        jnp.arange(4.0)
+    )
+    assert out.reshape(4, 4)[2].tolist() == [2.0, 1.0, 0.0, 3.0]
+    ```
+    """
+    n = _axis_size(axis_name)
+    steps_forward = n // 2  # items 1..n//2 in the requested direction
+    steps_backward = n - 1 - steps_forward
+    forward = _ring_walk(x, axis_name, n, shift_up, steps_forward)
+    backward = _ring_walk(x, axis_name, n, not shift_up, steps_backward)
+    # item i (i > n//2) is the block n - i steps the other way
+    return forward + [backward[n - i] for i in range(steps_forward + 1, n)]
+
+
+def _split_last(x: jax.Array, name: str) -> tuple[jax.Array, jax.Array]:
+    if x.ndim == 0:
+        raise ValueError(
+            f"{name} needs arrays with at least one dimension to split in two halves; got a "
+            "scalar leaf. Reshape it to shape (1,) or use `async_gather` / `async_scatter`."
+        )
+    half = x.shape[-1] // 2
+    return x[..., :half], x[..., half:]
+
+
+def _split_tree(tree: PyTree, name: str) -> tuple[PyTree, PyTree]:
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    pairs = [_split_last(leaf, name) for leaf in leaves]
+    first = jax.tree_util.tree_unflatten(treedef, [p[0] for p in pairs])
+    second = jax.tree_util.tree_unflatten(treedef, [p[1] for p in pairs])
+    return first, second
+
+
+def _join_tree(first: PyTree, second: PyTree) -> PyTree:
+    return jax.tree.map(lambda a, b: jnp.concatenate([a, b], axis=-1), first, second)
+
+
+def async_gather_split(x: PyTree, axis_name: AxisName, shift_up: bool = True) -> list[PyTree]:
+    """Same result as `async_gather`, half of each block going each way round the ring.
+
+    Every leaf is cut in two on its last axis; the first half goes around the ring one way
+    and the second half the other way, so each direction moves half the bytes of
+    `async_gather` in the same `n - 1` steps. An odd last dimension is split unevenly
+    (`k // 2` and `k - k // 2`) and works the same.
+
+    **Arguments:**
+
+    - `x`: this device's block (an array or a pytree of arrays, each at least 1-D).
+    - `axis_name`: the mesh axis to gather over.
+    - `shift_up`: the item order, exactly as in `async_gather`.
+
+    **Returns:** the same list as `async_gather(x, axis_name, shift_up)`.
+
+    ```python
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import Mesh, PartitionSpec as P
+    from eqpar.collectives import async_gather_split
+
+    mesh = Mesh(np.array(jax.devices()[:4]), ("model",))
+    f = lambda x: jnp.stack(async_gather_split(x, "model"))
+    x = jnp.arange(12.0).reshape(4, 3)  # feature size 3 splits as 1 + 2
+    out = jax.shard_map(f, mesh=mesh, in_specs=P("model"), out_specs=P("model"))(x)
+    assert out.reshape(4, 4, 3)[1, 1].tolist() == x[0].tolist()
+    ```
+    """
+    n = _axis_size(axis_name)
+    first, second = _split_tree(x, "async_gather_split")
+    along = _ring_walk(first, axis_name, n, shift_up, n - 1)
+    against = _ring_walk(second, axis_name, n, not shift_up, n - 1)
+    # the block i steps one way is n - i steps the other way
+    return [_join_tree(along[i], against[(n - i) % n]) for i in range(n)]
+
+
+def _check_chunks(xs: Sequence[PyTree], n: int, name: str) -> None:
+    if not isinstance(xs, Sequence):
+        raise TypeError(
+            f"{name}: xs must be a list or tuple of n = {n} chunks (one per destination "
+            f"device); got {type(xs).__name__}."
+        )
+    if len(xs) != n:
+        raise ValueError(
+            f"{name}: len(xs) must equal the size of the mesh axis ({n}), one chunk per "
+            f"destination device; got {len(xs)} chunks."
+        )
+
+
+def _ring_reduce(
+    chunk_at_step: Callable[[int], PyTree], axis_name: AxisName, n: int, up: bool, steps: int
+) -> PyTree:
+    """Pass a running sum `steps` times around the ring, adding `chunk_at_step(t)` after hop t."""
+    total = chunk_at_step(0)
+    for step in range(1, steps + 1):
+        total = jax.tree.map(jnp.add, _shift(total, axis_name, n, up), chunk_at_step(step))
+    return total
+
+
+def async_scatter(xs: Sequence[PyTree], axis_name: AxisName, shift_up: bool = True) -> PyTree:
+    """Reduce-scatter over `axis_name` as `n - 1` ring steps passing running sums.
+
+    On every device, `xs[k]` is the partial result that step `k` of the ring adds; the
+    running sum moves one device per step. The result on device `d` is the sum over devices
+    `j` of `xs[k]` on `j` where `(j - 1 - k) % n == d` when shifting up and
+    `(j + 1 + k) % n == d` when shifting down: a `lax.psum_scatter` whose chunks are listed
+    in the order the ring consumes them.
+
+    **Arguments:**
+
+    - `xs`: a list of `n` chunks of equal structure and shape (arrays or pytrees).
+    - `axis_name`: the mesh axis to reduce over.
+    - `shift_up`: direction of the ring.
+
+    **Returns:** one chunk: this device's sum.
+
+    **Raises:** `ValueError` when `len(xs)` differs from the axis size.
+
+    ```python
+    import jax, jax.numpy as jnp, numpy as np
+    from jax import lax
+    from jax.sharding import Mesh, PartitionSpec as P
+    from eqpar.collectives import async_scatter
+
+    n = 4
+    mesh = Mesh(np.array(jax.devices()[:n]), ("model",))
+
+    def f(block):  # block: [1, n, 2] -- this device's n chunks
+        d = lax.axis_index("model")
+        chunks = [block[0, i] for i in range(n)]  # chunk i is meant for device i
+        # the ring adds, at step k, the chunk meant for device (d - 1 - k) % n
+        ordered = [jnp.take(block[0], (d - 1 - k) % n, axis=0) for k in range(n)]
+        ring = async_scatter(ordered, "model")
+        reference = lax.psum_scatter(jnp.stack(chunks), "model", tiled=False)
+        return (ring - reference)[None]
+
+    x = jnp.arange(n * n * 2.0).reshape(n, n, 2)
+    err = jax.shard_map(f, mesh=mesh, in_specs=P("model"), out_specs=P("model"))(x)
+    assert float(abs(err).max()) == 0.0
+    ```
+    """
+    n = _axis_size(axis_name)
+    _check_chunks(xs, n, "async_scatter")
+    return _ring_reduce(lambda t: xs[t], axis_name, n, shift_up, n - 1)
+
+
+def async_scatter_split(xs: Sequence[PyTree], axis_name: AxisName) -> PyTree:
+    """Same result as `async_scatter(xs, axis_name)`, half of each chunk per ring direction.
+
+    Every chunk is cut in two on its last axis; the first halves are reduced around the
+    ring shifting up, the second halves shifting down (in the chunk order that lands each sum
+    on the same device as the one-direction version), so each direction moves half the bytes.
+    Odd last dimensions are split unevenly and work the same.
+
+    **Arguments:**
+
+    - `xs`: a list of `n` chunks, ordered as for `async_scatter(xs, axis_name)` (shifting up).
+    - `axis_name`: the mesh axis to reduce over.
+
+    **Returns:** the same chunk as `async_scatter(xs, axis_name)`.
+
+    ```python
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import Mesh, PartitionSpec as P
+    from eqpar.collectives import async_scatter, async_scatter_split
+
+    mesh = Mesh(np.array(jax.devices()[:4]), ("model",))
+
+    def f(block):  # [1, 4, 3]
+        xs = [block[0, k] for k in range(4)]
+        return (async_scatter_split(xs, "model") - async_scatter(xs, "model"))[None]
+
+    x = jax.random.normal(jax.random.key(0), (4, 4, 3))
+    err = jax.shard_map(f, mesh=mesh, in_specs=P("model"), out_specs=P("model"))(x)
+    assert float(abs(err).max()) < 1e-6
+    ```
+    """
+    n = _axis_size(axis_name)
+    _check_chunks(xs, n, "async_scatter_split")
+    halves = [_split_tree(chunk, "async_scatter_split") for chunk in xs]
+    up = _ring_reduce(lambda t: halves[t][0], axis_name, n, True, n - 1)
+    # Shifting down, step t on device j must add the chunk the upward ring sends to
+    # device (j + 1 + t) % n, which is chunk (-2 - t) % n.
+    down = _ring_reduce(lambda t: halves[(-2 - t) % n][1], axis_name, n, False, n - 1)
+    return _join_tree(up, down)
+
+
+def async_scatter_bidirectional(xs: Sequence[PyTree], axis_name: AxisName) -> PyTree:
+    """Same result as `async_scatter(xs, axis_name)`, each sum gathered from both sides.
+
+    The running sum for device `d` is built in two parts that meet at `d`: one collects the
+    devices below `d` while shifting up, the other the devices above `d` while shifting down.
+    Each direction carries whole chunks, but only about `n / 2` steps are needed instead of
+    `n - 1`, halving the latency of the last arriving sum.
+
+    **Arguments:**
+
+    - `xs`: a list of `n` chunks, ordered as for `async_scatter(xs, axis_name)` (shifting up).
+    - `axis_name`: the mesh axis to reduce over.
+
+    **Returns:** the same chunk as `async_scatter(xs, axis_name)`.
+
+    ```python
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import Mesh, PartitionSpec as P
+    from eqpar.collectives import async_scatter, async_scatter_bidirectional
+
+    mesh = Mesh(np.array(jax.devices()[:8]), ("model",))
+
+    def f(block):  # [1, 8, 2]
+        xs = [block[0, k] for k in range(8)]
+        return (async_scatter_bidirectional(xs, "model") - async_scatter(xs, "model"))[None]
+
+    x = jax.random.normal(jax.random.key(0), (8, 8, 2))
+    err = jax.shard_map(f, mesh=mesh, in_specs=P("model"), out_specs=P("model"))(x)
+    assert float(abs(err).max()) < 1e-5
+    ```
+    """
+    n = _axis_size(axis_name)
+    _check_chunks(xs, n, "async_scatter_bidirectional")
+    if n == 1:
+        return xs[0]
+    # Device j contributes xs[k] to destination (j - 1 - k) % n. The sum for d is built by an
+    # upward partial sum over the `hops_up` devices below d and a downward one over the
+    # `hops_down` devices above d (hops_up + hops_down = n - 1); d adds its own chunk last.
+    hops_up = n // 2
+    hops_down = n - 1 - hops_up
+
+    def chunk_for(offset: int) -> PyTree:
+        """The chunk this device holds for the device `offset` positions up the ring."""
+        return xs[(-1 - offset) % n]
+
+    # Upward ring: at step t (0..hops_up-1) device j handles destination j + hops_up - t.
+    up = _ring_reduce(lambda t: chunk_for(hops_up - t), axis_name, n, True, hops_up - 1)
+    up = _shift(up, axis_name, n, True)
+    total = jax.tree.map(jnp.add, up, chunk_for(0))
+    if hops_down:
+        down = _ring_reduce(
+            lambda t: chunk_for(-(hops_down - t)), axis_name, n, False, hops_down - 1
+        )
+        down = _shift(down, axis_name, n, False)
+        total = jax.tree.map(jnp.add, total, down)
+    return total
