@@ -1,6 +1,8 @@
 """eqpar: Equinox-based functional parallelism for JAX."""
 
 from . import collectives as collectives
+from . import nn as nn
+from . import placement as placement
 from ._paths import leaf_paths as leaf_paths
 from ._typing import DeclaresPartitionSpecs as DeclaresPartitionSpecs
 

@@ -1,0 +1,14 @@
+"""Equinox modules built from eqpar's primitives."""
+
+from .tensor_parallel import (
+    ModelParallelismWrapper as ModelParallelismWrapper,
+)
+from .tensor_parallel import (
+    TPAsyncDense as TPAsyncDense,
+)
+from .tensor_parallel import (
+    TPDense as TPDense,
+)
+from .tensor_parallel import (
+    scale_init as scale_init,
+)

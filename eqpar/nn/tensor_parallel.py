@@ -1,0 +1,560 @@
+"""Tensor-parallel Equinox layers.
+
+Every layer here stores its parameters in the *global view* (`weight` is
+`[out_features, in_features]` exactly as in `eqx.nn.Linear`) and declares how they are
+sharded through `__partition_specs__`. Inside `shard_map` each device sees its own block of
+the parameters and of the activations, which are sharded on the feature (last) axis.
+"""
+
+from collections.abc import Callable, Hashable, Mapping
+from typing import Any, Literal
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import PartitionSpec as P
+from jaxtyping import Array, Float, PRNGKeyArray
+
+from .. import collectives
+from .._declare import prefixed, stacked_partition_specs
+
+__all__ = ["ModelParallelismWrapper", "TPAsyncDense", "TPDense", "scale_init"]
+
+TPMode = Literal["gather", "scatter", "none"]
+_MODES = ("gather", "scatter", "none")
+
+Initializer = Callable[[PRNGKeyArray, tuple[int, ...], Any], Array]
+
+
+def scale_init(init_fn: Initializer, scale_factor: float = 1.0) -> Initializer:
+    """An initialiser returning `scale_factor` times what `init_fn` returns.
+
+    Useful to shrink the output projections of residual blocks by `1 / sqrt(2 * depth)`.
+
+    **Arguments:**
+
+    - `init_fn`: any `(key, shape, dtype) -> array` initialiser, e.g. from
+      `jax.nn.initializers`.
+    - `scale_factor`: the factor applied to the result.
+
+    **Returns:** an initialiser with the same signature.
+
+    ```python
+    import jax, jax.numpy as jnp
+    from eqpar.nn import scale_init
+
+    init = scale_init(jax.nn.initializers.ones, 0.5)
+    assert init(jax.random.key(0), (2, 3), jnp.float32).tolist() == [[0.5] * 3] * 2
+    ```
+    """
+    if not callable(init_fn):
+        raise TypeError(f"scale_init: init_fn must be callable; got {type(init_fn).__name__}.")
+
+    def scaled(key: PRNGKeyArray, shape: tuple[int, ...], dtype: Any = jnp.float32) -> Array:
+        return init_fn(key, shape, dtype) * jnp.asarray(scale_factor, dtype=dtype)
+
+    return scaled
+
+
+def _axis_size(axis_name: Hashable, owner: str) -> int:
+    try:
+        return lax.axis_size(axis_name)
+    except NameError as error:
+        raise ValueError(
+            f"{owner}: model_axis_name={axis_name!r} is not bound. Call the layer inside "
+            "`jax.shard_map`/`eqpar.shard_map` over a mesh with that axis, with the parameter "
+            "specs from `eqpar.partition_specs(model)`."
+        ) from error
+
+
+class TPDense(eqx.Module):
+    """A linear layer split over a mesh axis, the same parameters as `eqx.nn.Linear`.
+
+    `weight` (`[out_features, in_features]`) and `bias` (`[out_features]`) are global arrays
+    whose meaning does not depend on the parallel size, so a checkpoint written at one size
+    loads at any other, or into `eqx.nn.Linear` through `to_linear()`.
+
+    Call it inside `shard_map` (with the specs from `eqpar.partition_specs`) on activations
+    whose last axis is sharded over `model_axis_name`:
+
+    - `tp_mode="gather"` (column parallel): the input `[..., in/n]` is all-gathered, the weight
+      is sharded on `out_features`, the output is `[..., out/n]`.
+    - `tp_mode="scatter"` (row parallel): the weight is sharded on `in_features`, the local
+      product `[..., out]` is reduce-scattered to `[..., out/n]`; the bias, sharded like the
+      output, is added once.
+    - `tp_mode="none"`: replicated weight, input `[..., in]`, output `[..., out]`, no
+      communication.
+
+    With `skip_communication=True` the caller does the communication: in gather mode the input
+    is already the full `[..., in]` (so several projections can share one gather); in scatter
+    mode the layer returns its partial sums `[..., out]` for the caller to reduce, and the
+    caller adds the bias block after its reduction, so `use_bias` must be `False`.
+
+    **Arguments:**
+
+    - `in_features`, `out_features`: global sizes; each must divide by the axis size of the
+      mode's sharded dimension at call time.
+    - `model_axis_name`: the mesh axis the layer is split over.
+    - `tp_mode`: `"gather"`, `"scatter"` or `"none"`.
+    - `use_bias`: whether to add a bias.
+    - `skip_communication`: see above.
+    - `kernel_init`: `(key, shape, dtype) -> array` for the weight; by default the weight and
+      bias are initialised exactly as `eqx.nn.Linear` with the same key.
+    - `key`: a `jax.random` key.
+    - `dtype`: parameter dtype (default float32).
+
+    ```python
+    import equinox as eqx, jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import Mesh, PartitionSpec as P
+    import eqpar
+    from eqpar.nn import TPDense
+
+    mesh = Mesh(np.array(jax.devices()[:4]), ("model",))
+    layer = TPDense(8, 12, tp_mode="gather", key=jax.random.key(0))
+    specs = eqpar.partition_specs(layer)  # weight P("model", None), bias P("model")
+    x = jnp.ones((2, 8))
+
+    @eqpar.shard_map(mesh=mesh, in_specs=(specs, P(None, "model")), out_specs=P(None, "model"))
+    def forward(layer, x):
+        return layer(x)
+
+    reference = jax.vmap(layer.to_linear())(x)
+    assert jnp.allclose(forward(layer, x), reference, atol=1e-6)
+    ```
+    """
+
+    weight: Float[Array, "out_features in_features"]
+    bias: Float[Array, " out_features"] | None
+    in_features: int = eqx.field(static=True)
+    out_features: int = eqx.field(static=True)
+    model_axis_name: Hashable = eqx.field(static=True)
+    tp_mode: str = eqx.field(static=True)
+    use_bias: bool = eqx.field(static=True)
+    skip_communication: bool = eqx.field(static=True)
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        model_axis_name: Hashable = "model",
+        tp_mode: str,
+        use_bias: bool = True,
+        skip_communication: bool = False,
+        kernel_init: Initializer | None = None,
+        key: PRNGKeyArray,
+        dtype: Any = None,
+    ):
+        _check_config(type(self).__name__, in_features, out_features, tp_mode)
+        if skip_communication and tp_mode == "scatter" and use_bias:
+            raise ValueError(
+                f"{type(self).__name__}: with tp_mode='scatter' and skip_communication=True the "
+                "layer returns partial sums that the caller reduces, so a bias added here would "
+                "be counted once per device. Pass use_bias=False and add the bias after your "
+                "reduction."
+            )
+        dtype = jnp.float32 if dtype is None else dtype
+        # Same draws as eqx.nn.Linear with the same key, so serial and parallel models
+        # built from one key start from the same parameters.
+        linear = eqx.nn.Linear(in_features, out_features, use_bias=use_bias, key=key, dtype=dtype)
+        weight = linear.weight
+        if kernel_init is not None:
+            weight_key, _ = jax.random.split(key)
+            weight = kernel_init(weight_key, (out_features, in_features), dtype)
+            if weight.shape != (out_features, in_features):
+                raise ValueError(
+                    f"{type(self).__name__}: kernel_init returned shape {weight.shape}; expected "
+                    f"({out_features}, {in_features}) = (out_features, in_features)."
+                )
+        self.weight = weight
+        self.bias = linear.bias
+        self.in_features = in_features
+        self.out_features = out_features
+        self.model_axis_name = model_axis_name
+        self.tp_mode = tp_mode
+        self.use_bias = use_bias
+        self.skip_communication = skip_communication
+
+    @classmethod
+    def from_linear(
+        cls,
+        linear: eqx.nn.Linear,
+        *,
+        model_axis_name: Hashable = "model",
+        tp_mode: str,
+        skip_communication: bool = False,
+        **kwargs: Any,
+    ) -> Any:
+        """The tensor-parallel layer holding `linear`'s weight and bias.
+
+        **Arguments:**
+
+        - `linear`: an `eqx.nn.Linear` (its `in_features`/`out_features` must be integers).
+        - `model_axis_name`, `tp_mode`, `skip_communication`: as in the constructor; other
+          keyword options of the subclass (e.g. `use_bidirectional_gather`) pass through.
+
+        **Returns:** a layer of this class with the same parameters.
+
+        ```python
+        import equinox as eqx, jax
+        from eqpar.nn import TPDense
+
+        linear = eqx.nn.Linear(4, 6, key=jax.random.key(0))
+        layer = TPDense.from_linear(linear, tp_mode="scatter")
+        assert (layer.to_linear().weight == linear.weight).all()
+        ```
+        """
+        if not isinstance(linear, eqx.nn.Linear):
+            raise TypeError(
+                f"{cls.__name__}.from_linear: expected an eqx.nn.Linear; got "
+                f"{type(linear).__name__}."
+            )
+        if not isinstance(linear.in_features, int) or not isinstance(linear.out_features, int):
+            raise ValueError(
+                f"{cls.__name__}.from_linear: only linear layers with integer in_features and "
+                f"out_features convert; got in_features={linear.in_features!r}, "
+                f"out_features={linear.out_features!r}."
+            )
+        layer = cls(
+            linear.in_features,
+            linear.out_features,
+            model_axis_name=model_axis_name,
+            tp_mode=tp_mode,
+            use_bias=linear.use_bias,
+            skip_communication=skip_communication,
+            key=jax.random.key(0),
+            dtype=linear.weight.dtype,
+            **kwargs,
+        )
+        return eqx.tree_at(
+            lambda m: (m.weight, m.bias),
+            layer,
+            (linear.weight, linear.bias),
+            is_leaf=lambda x: x is None,
+        )
+
+    def to_linear(self) -> eqx.nn.Linear:
+        """The `eqx.nn.Linear` with the same weight and bias (call it outside `shard_map`).
+
+        **Returns:** an `eqx.nn.Linear`.
+
+        ```python
+        import jax
+        from eqpar.nn import TPDense
+
+        layer = TPDense(4, 6, tp_mode="gather", key=jax.random.key(0))
+        assert layer.to_linear().weight.shape == (6, 4)
+        ```
+        """
+        linear = eqx.nn.Linear(
+            self.in_features,
+            self.out_features,
+            use_bias=self.use_bias,
+            key=jax.random.key(0),
+            dtype=self.weight.dtype,
+        )
+        return eqx.tree_at(
+            lambda m: (m.weight, m.bias),
+            linear,
+            (self.weight, self.bias),
+            is_leaf=lambda x: x is None,
+        )
+
+    def __partition_specs__(self) -> Mapping[str, P]:
+        axis = self.model_axis_name
+        if self.tp_mode == "gather":
+            specs = {"weight": P(axis, None), "bias": P(axis)}
+        elif self.tp_mode == "scatter":
+            specs = {"weight": P(None, axis), "bias": P(axis)}
+        else:
+            specs = {"weight": P(), "bias": P()}
+        if self.bias is None:
+            del specs["bias"]
+        return specs
+
+    def _check_local(self, x: Array, n: int) -> None:
+        name = type(self).__name__
+        for label, size in (("in_features", self.in_features), ("out_features", self.out_features)):
+            if self.tp_mode != "none" and size % n:
+                raise ValueError(
+                    f"{name}({self.in_features} -> {self.out_features}, tp_mode="
+                    f"{self.tp_mode!r}): {label}={size} does not divide by the size of axis "
+                    f"{self.model_axis_name!r} ({n}). Choose sizes that are multiples of {n}."
+                )
+        expected_weight = {
+            "gather": (self.out_features // n, self.in_features),
+            "scatter": (self.out_features, self.in_features // n),
+            "none": (self.out_features, self.in_features),
+        }[self.tp_mode]
+        if self.weight.shape != expected_weight:
+            raise ValueError(
+                f"{name}: the local weight block has shape {self.weight.shape}; tp_mode="
+                f"{self.tp_mode!r} over {n} devices expects {expected_weight}. Pass the layer "
+                "into shard_map with the specs of `eqpar.partition_specs(model)`."
+            )
+        gathered_input = self.tp_mode == "none" or (
+            self.tp_mode == "gather" and self.skip_communication
+        )
+        expected_in = self.in_features if gathered_input else self.in_features // n
+        if x.ndim == 0 or x.shape[-1] != expected_in:
+            raise ValueError(
+                f"{name}: input last dimension must be {expected_in} (in_features="
+                f"{self.in_features}, tp_mode={self.tp_mode!r}, skip_communication="
+                f"{self.skip_communication}, axis size {n}); got input shape {x.shape}."
+            )
+
+    def _matmul(self, x: Array, weight: Array) -> Array:
+        return jnp.einsum("...i,oi->...o", x, weight)
+
+    def __call__(
+        self, x: Float[Array, "*batch features"], *, key: PRNGKeyArray | None = None
+    ) -> Float[Array, "*batch out"]:
+        """Apply the layer to this device's block of `x` (inside `shard_map`).
+
+        **Arguments:**
+
+        - `x`: `[..., in_features / n]` (or `[..., in_features]` in mode `"none"` and in
+          gather mode with `skip_communication=True`); any leading dimensions.
+        - `key`: unused; accepted for `eqx.nn` compatibility.
+
+        **Returns:** `[..., out_features / n]` (`[..., out_features]` in mode `"none"`, and
+        partial sums `[..., out_features]` in scatter mode with `skip_communication=True`).
+        """
+        del key
+        n = 1 if self.tp_mode == "none" else _axis_size(self.model_axis_name, type(self).__name__)
+        self._check_local(x, n)
+        y = self._forward(x, n)
+        if self.bias is not None:
+            y = y + self.bias
+        return y
+
+    def _forward(self, x: Array, n: int) -> Array:
+        axis = self.model_axis_name
+        if self.tp_mode == "none":
+            return self._matmul(x, self.weight)
+        if self.tp_mode == "gather":
+            if not self.skip_communication:
+                x = lax.all_gather(x, axis, axis=x.ndim - 1, tiled=True)
+            return self._matmul(x, self.weight)
+        partial = self._matmul(x, self.weight)
+        if self.skip_communication:
+            return partial
+        return lax.psum_scatter(partial, axis, scatter_dimension=partial.ndim - 1, tiled=True)
+
+
+class TPAsyncDense(TPDense):
+    """[`TPDense`][eqpar.nn.TPDense] computed block by block around a ring.
+
+    Same parameters, layout and results as `TPDense` (a checkpoint of one loads into the
+    other). Instead of one all-gather or reduce-scatter, the communication runs as ring steps
+    (`eqpar.collectives`) interleaved with partial matmuls, so the compiler can overlap each
+    transfer with the compute on the block that has already arrived:
+
+    - gather mode: each arriving input block `[..., in/n]` is multiplied by the matching
+      columns of the local weight and accumulated; the gathered input `[..., in]` is never
+      materialised.
+    - scatter mode: each step computes the partial product for one destination device and
+      adds it to the running sum passing around the ring.
+
+    **Arguments:** as `TPDense`, plus
+
+    - `use_bidirectional_gather`: gather over both ring directions
+      (`async_gather_bidirectional`: about half the steps).
+    - `use_bidirectional_scatter`: reduce over both ring directions
+      (`async_scatter_bidirectional`: about half the steps).
+
+    ```python
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import Mesh, PartitionSpec as P
+    import eqpar
+    from eqpar.nn import TPAsyncDense
+
+    mesh = Mesh(np.array(jax.devices()[:4]), ("model",))
+    layer = TPAsyncDense(8, 4, tp_mode="scatter", key=jax.random.key(0))
+    specs = eqpar.partition_specs(layer)
+    x = jnp.ones((3, 8))
+    forward = eqpar.shard_map(
+        lambda m, x: m(x), mesh=mesh, in_specs=(specs, P(None, "model")),
+        out_specs=P(None, "model"),
+    )
+    assert jnp.allclose(forward(layer, x), jax.vmap(layer.to_linear())(x), atol=1e-5)
+    ```
+    """
+
+    use_bidirectional_gather: bool = eqx.field(static=True)
+    use_bidirectional_scatter: bool = eqx.field(static=True)
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        model_axis_name: Hashable = "model",
+        tp_mode: str,
+        use_bias: bool = True,
+        skip_communication: bool = False,
+        use_bidirectional_gather: bool = False,
+        use_bidirectional_scatter: bool = False,
+        kernel_init: Initializer | None = None,
+        key: PRNGKeyArray,
+        dtype: Any = None,
+    ):
+        super().__init__(
+            in_features,
+            out_features,
+            model_axis_name=model_axis_name,
+            tp_mode=tp_mode,
+            use_bias=use_bias,
+            skip_communication=skip_communication,
+            kernel_init=kernel_init,
+            key=key,
+            dtype=dtype,
+        )
+        self.use_bidirectional_gather = use_bidirectional_gather
+        self.use_bidirectional_scatter = use_bidirectional_scatter
+
+    def _forward(self, x: Array, n: int) -> Array:
+        if self.tp_mode == "none" or self.skip_communication or n == 1:
+            return super()._forward(x, n)
+        axis = self.model_axis_name
+        d = lax.axis_index(axis)
+        if self.tp_mode == "gather":
+            gather = (
+                collectives.async_gather_bidirectional
+                if self.use_bidirectional_gather
+                else collectives.async_gather
+            )
+            block = self.in_features // n
+            total = None
+            for i, x_block in enumerate(gather(x, axis)):
+                source = (d - i) % n  # item i came from device d - i: its input columns
+                columns = lax.dynamic_slice_in_dim(self.weight, source * block, block, axis=1)
+                term = self._matmul(x_block, columns)
+                total = term if total is None else total + term
+            assert total is not None
+            return total
+        block = self.out_features // n
+
+        def partial_for(k: int) -> Array:
+            # ring step k adds the rows of the output block owned by device (d - 1 - k) % n
+            destination = (d - 1 - k) % n
+            rows = lax.dynamic_slice_in_dim(self.weight, destination * block, block, axis=0)
+            return self._matmul(x, rows)
+
+        partials = [partial_for(k) for k in range(n)]
+        if self.use_bidirectional_scatter:
+            return collectives.async_scatter_bidirectional(partials, axis)
+        return collectives.async_scatter(partials, axis)
+
+
+def _check_config(name: str, in_features: Any, out_features: Any, tp_mode: Any) -> None:
+    if tp_mode not in _MODES:
+        raise ValueError(
+            f"{name}: tp_mode must be one of {_MODES}; got {tp_mode!r}. Use 'gather' for a "
+            "column-parallel layer, 'scatter' for a row-parallel one, 'none' to replicate."
+        )
+    for label, size in (("in_features", in_features), ("out_features", out_features)):
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise ValueError(f"{name}: {label} must be a positive integer; got {size!r}.")
+
+
+class ModelParallelismWrapper(eqx.Module):
+    """`axis_size` independent copies of any module, one per device of a mesh axis.
+
+    The copies are stacked on a leading axis (with `eqx.filter_vmap`) that is sharded over
+    `model_axis_name`; inside `shard_map` every device calls its own copy. Use it for parts of
+    a model that are cheaper to run redundantly or independently per device than to split.
+
+    **Arguments:**
+
+    - `module_fn`: `key -> eqx.Module`, builds one copy.
+    - `model_axis_name`: the mesh axis the copies are spread over.
+    - `axis_size`: the size of that axis (the number of copies).
+    - `key`: a `jax.random` key.
+    - `split_keys`: give each copy its own key (`True`) or the same key (identical copies).
+    - `mask_except_model_idx`: if an index `i`, the output is zeroed on every device of the
+      axis but `i` (so a later `psum` counts it once).
+
+    ```python
+    import equinox as eqx, jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import Mesh, PartitionSpec as P
+    import eqpar
+    from eqpar.nn import ModelParallelismWrapper
+
+    mesh = Mesh(np.array(jax.devices()[:2]), ("model",))
+    wrapper = ModelParallelismWrapper(
+        lambda k: eqx.nn.Linear(3, 3, key=k), model_axis_name="model", axis_size=2,
+        key=jax.random.key(0),
+    )
+    specs = eqpar.partition_specs(wrapper)
+    out = eqpar.shard_map(
+        lambda m, x: m(x)[None], mesh=mesh, in_specs=(specs, P()), out_specs=P("model")
+    )(wrapper, jnp.ones(3))
+    assert out.shape == (2, 3)  # one row per device's own copy
+    ```
+    """
+
+    module: eqx.Module
+    model_axis_name: Hashable = eqx.field(static=True)
+    axis_size: int = eqx.field(static=True)
+    mask_except_model_idx: int | None = eqx.field(static=True)
+
+    def __init__(
+        self,
+        module_fn: Callable[[PRNGKeyArray], eqx.Module],
+        *,
+        model_axis_name: Hashable,
+        axis_size: int,
+        key: PRNGKeyArray,
+        split_keys: bool = True,
+        mask_except_model_idx: int | None = None,
+    ):
+        if not isinstance(axis_size, int) or isinstance(axis_size, bool) or axis_size < 1:
+            raise ValueError(
+                f"ModelParallelismWrapper: axis_size must be a positive integer; got {axis_size!r}."
+            )
+        if mask_except_model_idx is not None and not 0 <= mask_except_model_idx < axis_size:
+            raise ValueError(
+                "ModelParallelismWrapper: mask_except_model_idx must be in [0, axis_size) = "
+                f"[0, {axis_size}); got {mask_except_model_idx}."
+            )
+        keys = (
+            jax.random.split(key, axis_size)
+            if split_keys
+            else jnp.broadcast_to(key, (axis_size, *key.shape))
+        )
+        self.module = eqx.filter_vmap(module_fn)(keys)
+        self.model_axis_name = model_axis_name
+        self.axis_size = axis_size
+        self.mask_except_model_idx = mask_except_model_idx
+
+    def __partition_specs__(self) -> Mapping[str, P]:
+        return prefixed("module", stacked_partition_specs(self.module, self.model_axis_name))
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Call this device's copy (inside `shard_map`) with `*args, **kwargs`.
+
+        **Returns:** the copy's output, zeroed on all devices but `mask_except_model_idx` if
+        that is set.
+        """
+        n = _axis_size(self.model_axis_name, "ModelParallelismWrapper")
+        if n != self.axis_size:
+            raise ValueError(
+                f"ModelParallelismWrapper: built with axis_size={self.axis_size} but axis "
+                f"{self.model_axis_name!r} has size {n}. Rebuild it with axis_size={n}."
+            )
+        arrays, static = eqx.partition(self.module, eqx.is_array)
+        leading = {leaf.shape[0] for leaf in jax.tree.leaves(arrays)}
+        if leading - {1}:
+            raise ValueError(
+                "ModelParallelismWrapper: each device must see one copy (leading dimension 1); "
+                f"got leading dimensions {sorted(leading)}. Pass the wrapper into shard_map "
+                "with the specs of `eqpar.partition_specs(model)`."
+            )
+        own = eqx.combine(jax.tree.map(lambda leaf: leaf[0], arrays), static)
+        out = own(*args, **kwargs)  # type: ignore[operator]
+        if self.mask_except_model_idx is None:
+            return out
+        keep = lax.axis_index(self.model_axis_name) == self.mask_except_model_idx
+        return jax.tree.map(lambda y: jnp.where(keep, y, jnp.zeros_like(y)), out)
