@@ -1,14 +1,8 @@
 """Equinox modules built from eqpar's primitives."""
 
-from .tensor_parallel import (
-    ModelParallelismWrapper as ModelParallelismWrapper,
-)
-from .tensor_parallel import (
-    TPAsyncDense as TPAsyncDense,
-)
-from .tensor_parallel import (
-    TPDense as TPDense,
-)
-from .tensor_parallel import (
-    scale_init as scale_init,
-)
+from .blocks import TPAttentionBlock as TPAttentionBlock
+from .blocks import TPMLPBlock as TPMLPBlock
+from .tensor_parallel import ModelParallelismWrapper as ModelParallelismWrapper
+from .tensor_parallel import TPAsyncDense as TPAsyncDense
+from .tensor_parallel import TPDense as TPDense
+from .tensor_parallel import scale_init as scale_init
