@@ -18,7 +18,7 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from eqpar import collectives
+from eqpar import collectives, placement, ragged
 
 
 def ring_collectives(mesh: Mesh) -> None:
@@ -54,11 +54,41 @@ def ring_collectives(mesh: Mesh) -> None:
     print(f"  async_scatter_split vs lax.psum_scatter: largest difference {float(err.max()):.2e}")
 
 
+def ragged_split() -> None:
+    print("== ragged batch split over 4 devices ==")
+    lengths = [5, 1, 2, 7, 3, 3]
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    tokens = np.arange(offsets[-1], dtype=np.int32)
+    splits = ragged.balanced_splits(offsets, 4)
+    print(f"  sequence lengths {lengths} -> balanced splits {np.asarray(splits).tolist()}")
+    pieces, piece_offsets = ragged.split_batch(jax.devices()[:4], tokens, offsets, splits)
+    for piece, rows in zip(pieces, piece_offsets, strict=True):
+        device = next(iter(piece.devices()))
+        print(f"  {device}: {piece.shape[0]:2d} tokens, offsets {np.asarray(rows).tolist()}")
+
+
+def host_placement(mesh: Mesh) -> None:
+    print("== host batch -> global array -> host (placement) ==")
+    local_batch = {"x": np.arange(16.0).reshape(8, 2)}
+    global_batch = placement.host_to_global_device_array(local_batch, mesh=mesh)
+    print(
+        f"  global x: shape {global_batch['x'].shape}, sharding {global_batch['x'].sharding.spec}"
+    )
+    total = jax.jit(lambda b: b["x"].sum())(global_batch)
+    back = placement.global_to_host_array(global_batch, mesh=mesh)
+    same = np.array_equal(back["x"], local_batch["x"])
+    print(
+        f"  jitted sum {float(total)} (numpy: {local_batch['x'].sum()}), round trip exact: {same}"
+    )
+
+
 def main() -> None:
     devices = np.array(jax.devices()[:8]).reshape(2, 4)
     mesh = Mesh(devices, ("data", "model"))
     print(f"mesh: {dict(mesh.shape)} on {jax.device_count()} {jax.devices()[0].platform} devices")
     ring_collectives(mesh)
+    ragged_split()
+    host_placement(mesh)
 
 
 if __name__ == "__main__":
