@@ -8,7 +8,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 from test_tensor_parallel import mesh_of, sharded_apply
 
-from eqpar.nn import TPAttentionBlock, TPMLPBlock
+from eqpar.nn import TPAttentionBlock, TPLayerNorm, TPMLPBlock
 
 D, HIDDEN, HEADS, SEQ = 16, 32, 8, 6
 X_SPEC = P(None, None, "model")  # [batch, seq, features]
@@ -78,3 +78,33 @@ def test_attention_validation():
 
 def test_blocks_are_equinox_modules():
     assert isinstance(BLOCKS["mlp"][0](False), eqx.Module)
+
+
+@pytest.mark.parametrize("n", [1, 4])
+def test_layer_norm_matches_equinox(n):
+    norm = TPLayerNorm(D)
+    norm = eqx.tree_at(
+        lambda m: (m.weight, m.bias), norm, (jnp.linspace(0.5, 2, D), jnp.linspace(-1, 1, D))
+    )
+    serial = eqx.nn.LayerNorm(D)
+    serial = eqx.tree_at(lambda m: (m.weight, m.bias), serial, (norm.weight, norm.bias))
+    x = jax.random.normal(jax.random.key(0), (2, SEQ, D)) * 3 + 1
+    mesh = mesh_of(n)
+
+    def parallel_loss(m, x):
+        return jnp.sum(jnp.cos(sharded_apply(m, x, mesh, X_SPEC, X_SPEC)))
+
+    def serial_loss(m, x):
+        return jnp.sum(jnp.cos(jax.vmap(jax.vmap(m))(x)))
+
+    np.testing.assert_allclose(
+        jax.jit(lambda m, x: sharded_apply(m, x, mesh, X_SPEC, X_SPEC))(norm, x),
+        jax.vmap(jax.vmap(serial))(x),
+        rtol=1e-5,
+        atol=1e-5,
+    )
+    got = jax.jit(jax.grad(parallel_loss, argnums=(0, 1)))(norm, x)
+    want = jax.grad(serial_loss, argnums=(0, 1))(serial, x)
+    np.testing.assert_allclose(got[0].weight, want[0].weight, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got[0].bias, want[0].bias, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got[1], want[1], rtol=1e-5, atol=1e-5)

@@ -1,6 +1,7 @@
 """Equinox modules built from eqpar's primitives."""
 
 from .blocks import TPAttentionBlock as TPAttentionBlock
+from .blocks import TPLayerNorm as TPLayerNorm
 from .blocks import TPMLPBlock as TPMLPBlock
 from .tensor_parallel import ModelParallelismWrapper as ModelParallelismWrapper
 from .tensor_parallel import TPAsyncDense as TPAsyncDense

@@ -5,17 +5,18 @@ so blocks chain without extra communication: the first projection gathers (colum
 the last one reduce-scatters (row parallel).
 """
 
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Mapping
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from .tensor_parallel import TPAsyncDense, TPDense
 
-__all__ = ["TPAttentionBlock", "TPMLPBlock"]
+__all__ = ["TPAttentionBlock", "TPLayerNorm", "TPMLPBlock"]
 
 
 def _layer_class(use_ring: bool) -> type[TPDense]:
@@ -203,3 +204,67 @@ def attend(qkv: Float[Array, "*batch seq heads 3 head_dim"], *, causal: bool) ->
     weights = jax.nn.softmax(scores, axis=-1)
     mixed = jnp.einsum("...hqk,...khd->...qhd", weights, v)
     return mixed.reshape(*mixed.shape[:-2], -1)
+
+
+class TPLayerNorm(eqx.Module):
+    """Layer normalisation of activations whose feature axis is sharded over a mesh axis.
+
+    The mean and variance are taken over all `d_model` features (a `psum` of the local sums
+    across `model_axis_name`), so the result equals `eqx.nn.LayerNorm(d_model)` on the full
+    vector; `weight` and `bias` are global `[d_model]` parameters sharded like the features.
+
+    **Arguments:**
+
+    - `d_model`: the global feature size.
+    - `model_axis_name`: the mesh axis the features are sharded over.
+    - `eps`: added to the variance.
+
+    ```python
+    import equinox as eqx, jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import Mesh, PartitionSpec as P
+    import eqpar
+    from eqpar.nn import TPLayerNorm
+
+    mesh = Mesh(np.array(jax.devices()[:4]), ("model",))
+    norm = TPLayerNorm(8)
+    x = jax.random.normal(jax.random.key(0), (3, 8))
+    out = eqpar.shard_map(
+        lambda m, x: m(x), mesh=mesh,
+        in_specs=(eqpar.partition_specs(norm), P(None, "model")), out_specs=P(None, "model"),
+    )(norm, x)
+    assert jnp.allclose(out, jax.vmap(eqx.nn.LayerNorm(8))(x), atol=1e-5)
+    ```
+    """
+
+    weight: Float[Array, " d_model"]
+    bias: Float[Array, " d_model"]
+    d_model: int = eqx.field(static=True)
+    eps: float = eqx.field(static=True)
+    model_axis_name: Hashable = eqx.field(static=True)
+
+    def __init__(self, d_model: int, *, model_axis_name: Hashable = "model", eps: float = 1e-5):
+        self.weight = jnp.ones((d_model,))
+        self.bias = jnp.zeros((d_model,))
+        self.d_model = d_model
+        self.eps = eps
+        self.model_axis_name = model_axis_name
+
+    def __partition_specs__(self) -> Mapping[str, P]:
+        return {"weight": P(self.model_axis_name), "bias": P(self.model_axis_name)}
+
+    def __call__(
+        self, x: Float[Array, "*batch features"], *, key: PRNGKeyArray | None = None
+    ) -> Float[Array, "*batch features"]:
+        """Normalise this device's feature block `[..., d_model / n]`."""
+        del key
+        axis = self.model_axis_name
+        n = lax.axis_size(axis)
+        if x.shape[-1] * n != self.d_model:
+            raise ValueError(
+                f"TPLayerNorm: expected a feature block of d_model / n = {self.d_model} / {n}; "
+                f"got input shape {x.shape}."
+            )
+        mean = lax.psum(jnp.sum(x, axis=-1, keepdims=True), axis) / self.d_model
+        centered = x - mean
+        variance = lax.psum(jnp.sum(centered**2, axis=-1, keepdims=True), axis) / self.d_model
+        return centered * lax.rsqrt(variance + self.eps) * self.weight + self.bias
