@@ -1,10 +1,36 @@
-"""eqpar: Equinox-based functional parallelism for JAX."""
+"""eqpar: Equinox-based functional parallelism for JAX.
+
+Data, FSDP, tensor and pipeline parallelism for ordinary Equinox models, composed on one
+device mesh. The submodules `collectives`, `ragged`, `placement`, `pipeline`, `schedule`,
+`checkpoint`, `inspect` and `nn` hold the building blocks; the names below are the ones most
+code imports.
+"""
 
 from . import collectives as collectives
+from . import inspect as inspect
 from . import nn as nn
+from . import pipeline as pipeline
 from . import placement as placement
 from . import ragged as ragged
+from . import schedule as schedule
 from ._paths import leaf_paths as leaf_paths
 from ._typing import DeclaresPartitionSpecs as DeclaresPartitionSpecs
+from .distributions import DEFAULT_FSDP_MIN_SIZE_BYTES as DEFAULT_FSDP_MIN_SIZE_BYTES
+from .distributions import FSDP as FSDP
+from .distributions import DataParallel as DataParallel
+from .distributions import Distribution as Distribution
+from .distributions import ModelParallel as ModelParallel
+from .distributions import distribution as distribution
+from .distributions import fsdp_spec as fsdp_spec
+from .distributions import set_distribution as set_distribution
+from .layout import LayoutMap as LayoutMap
+from .layout import TensorLayout as TensorLayout
+from .layout import named_shardings as named_shardings
+from .layout import partition_specs as partition_specs
+from .mesh import DeviceMesh as DeviceMesh
+from .mesh import initialize as initialize
+from .mesh import list_devices as list_devices
+from .spmd import build_sharded as build_sharded
+from .spmd import shard_map as shard_map
 
 __version__ = "0.1.0"

@@ -1,104 +1,269 @@
-"""What a compiled program asks the interconnect and memory to do, read off its HLO.
+"""What a compiled program asks of the interconnect and of memory, read off the compiler.
 
-Used by the tests (the collectives move what they should) and by `benchmarks/`.
+Private helpers shared by the tests and `benchmarks/`:
+
+- `collective_ops(compiled_or_text)`: every collective of a compiled SPMD program with the bytes
+  one device receives for it, counting ops inside `while` loops (`lax.scan`, `fori_loop`) once
+  per iteration when the compiler knows the trip count;
+- `collective_summary(...)` / `collective_bytes(...)`: the same, totalled per kind / overall;
+- `memory_figures(compiled)`: `memory_analysis()` per device, with `total` =
+  argument + output + temp - alias (on CPU the reported peak ignores temp);
+- `compile_timed(jitted, *args)`, `median_seconds(fn, *args)` and
+  `paired_median_seconds((fn, args), (baseline, args))` for compile and step times;
+- `format_bytes(n)`.
+
+The compiled text of an SPMD program is the program of one device, so every shape in it is a
+per-device shape. Bytes per device follow ring algorithms over a replica group of size `g`:
+all-gather receives `(g-1)/g` of its result, reduce-scatter `(g-1)/g` of its operand
+(`g` x the result), all-to-all `(g-1)/g` of its result, all-reduce twice that of its result
+(reduce-scatter then all-gather), and collective-permute its whole block.
+
+```python
+import jax, jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+from eqpar._hlo import collective_summary, memory_figures
+mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+f = jax.jit(lambda w: w.sum(0), in_shardings=NamedSharding(mesh, P("data")))
+compiled = f.lower(jnp.ones((64, 128))).compile()
+summary = collective_summary(compiled)
+assert summary.counts == {"all-reduce": 1}
+assert summary.bytes["all-reduce"] == 2 * 128 * 4 * 7 / 8
+assert memory_figures(compiled)["argument"] == 64 * 128 * 4 // 8
+```
 """
 
 import dataclasses
 import re
+import statistics
+import time
+from collections.abc import Callable
 from typing import Any
 
-_ITEMSIZE = {
-    "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
+ITEMSIZE = {
+    "pred": 1, "s4": 1, "u4": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1,
+    "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
     "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
 }  # fmt: skip
 
-_KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
-_INSTRUCTION = re.compile(
-    r"=\s*(?P<type>\(.*?\)|\w+\[[\d,]*\](?:\{[^}]*\})?)\s+"
-    r"(?P<op>" + "|".join(_KINDS) + r")(?P<start>-start)?\("
+KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+
+_HEADER = re.compile(r"^(?:ENTRY\s+)?%?(?P<name>[^\s(]+)\s*\(.*\{\s*$")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?(?P<name>[^\s=]+)\s*=\s*(?P<rest>.*)$")
+_ARRAY = re.compile(r"\b(?P<dtype>[a-z]\w*)\[(?P<dims>[\d,]*)\]")
+_CALLEE_SINGLE = re.compile(
+    r"\b(?P<attr>body|calls|to_apply|true_computation|false_computation)=%?(?P<name>[^\s,{}()]+)"
 )
-_ARRAY = re.compile(r"(\w+)\[([\d,]*)\]")
-_GROUPS_LIST = re.compile(r"replica_groups=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)\}")
-_GROUPS_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]")
+_CALLEE_LIST = re.compile(r"\b(?:branch_computations|calls)=\{(?P<names>[^}]*)\}")
+_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(?P<n>\d+)"\}')
+_GROUPS_MESH = re.compile(r"replica_groups=mesh\[(?P<axes>[^\]]*)\]\s*\{(?P<used>[^}]*)\}")
+_GROUPS_LIST = re.compile(r"replica_groups=\{\{(?P<first>[\d,]*)\}")
+_GROUPS_IOTA = re.compile(r"replica_groups=\[(?P<groups>\d+),(?P<size>\d+)\]")
+_GROUPS_EMPTY = re.compile(r"replica_groups=\{\}")
 
 
 @dataclasses.dataclass(frozen=True)
 class CollectiveOp:
-    """One collective in a compiled program.
+    """One collective instruction of a compiled program.
 
-    `bytes_per_device` is what each participating device receives for it over the
-    interconnect, using ring algorithms: `(g - 1) / g` of the gathered result for all-gather,
-    of the operand for reduce-scatter and all-to-all, twice that for all-reduce, and the whole
-    block for a collective-permute (`g` is the replica group size).
+    `array_bytes`: its result on one device (summed over a tuple result); `group_size`: devices
+    in its replica group; `bytes_per_device`: what one device receives per execution;
+    `executions`: how often it runs per program run (the product of enclosing loop trip counts).
     """
 
     kind: str
+    name: str
     array_bytes: int
     group_size: int
     bytes_per_device: float
+    executions: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class CollectiveSummary:
+    """Collectives of one program run, per kind: `counts` (executions) and `bytes` (received
+    by one device). `loops_without_trip_count` counts `while` loops whose body was counted
+    once because the compiler did not state a trip count."""
+
+    counts: dict[str, int]
+    bytes: dict[str, float]
+    loops_without_trip_count: int = 0
+
+    @property
+    def total_count(self) -> int:
+        return sum(self.counts.values())
+
+    @property
+    def total_bytes(self) -> float:
+        return sum(self.bytes.values())
+
+
+def _jax_compiled(compiled: Any) -> Any:
+    """Accept `eqx.filter_jit(...).lower(...).compile()` too: it wraps JAX's `Compiled`."""
+    inner = getattr(compiled, "compiled", None)
+    return inner if inner is not None and hasattr(inner, "as_text") else compiled
+
+
+def _text(compiled_or_text: Any) -> str:
+    if isinstance(compiled_or_text, str):
+        return compiled_or_text
+    return _jax_compiled(compiled_or_text).as_text()
+
+
+def _split_type(rest: str) -> tuple[str, str]:
+    """`'(f32[2], f32[4]{0}) all-reduce(...), ...'` -> (type text, remainder)."""
+    if rest.startswith("("):
+        depth = 0
+        for i, char in enumerate(rest):
+            depth += char == "("
+            depth -= char == ")"
+            if depth == 0:
+                return rest[: i + 1], rest[i + 1 :].lstrip()
+    head, _, tail = rest.partition(" ")
+    return head, tail
 
 
 def _array_bytes(type_text: str) -> list[int]:
     sizes = []
-    for dtype, dims in _ARRAY.findall(type_text):
+    for match in _ARRAY.finditer(type_text):
         count = 1
-        for dim in filter(None, dims.split(",")):
+        for dim in filter(None, match["dims"].split(",")):
             count *= int(dim)
-        sizes.append(count * _ITEMSIZE.get(dtype, 4))
+        sizes.append(count * ITEMSIZE.get(match["dtype"], 4))
     return sizes
 
 
-def _group_size(line: str) -> int:
+def _group_size(line: str, num_partitions: int) -> int:
+    mesh = _GROUPS_MESH.search(line)
+    if mesh:
+        sizes = {
+            name.strip().strip("'\""): int(size)
+            for name, size in (axis.split("=") for axis in mesh["axes"].split(",") if "=" in axis)
+        }
+        used = [name.strip().strip("'\"") for name in mesh["used"].split(",") if name.strip()]
+        group = 1
+        for name in used or sizes:
+            group *= sizes[name]
+        return group
     listed = _GROUPS_LIST.search(line)
     if listed:
-        return len(listed.group(1).split("}")[0].strip("{").split(","))
+        return len([i for i in listed["first"].split(",") if i])
     iota = _GROUPS_IOTA.search(line)
     if iota:
-        return int(iota.group(2))
-    return 1
+        return int(iota["size"])
+    if _GROUPS_EMPTY.search(line):
+        return num_partitions
+    return num_partitions
 
 
-def collective_ops(hlo_text: str) -> list[CollectiveOp]:
-    """Every collective of a compiled HLO module (`compiled.as_text()`), in program order."""
-    ops = []
-    for line in hlo_text.splitlines():
-        match = _INSTRUCTION.search(line)
-        if not match:
+def _received(kind: str, result: int, group: int) -> float:
+    share = (group - 1) / group if group > 0 else 0.0
+    if kind == "collective-permute":
+        return float(result)
+    if kind == "all-reduce":
+        return 2 * result * share
+    if kind == "reduce-scatter":
+        return result * group * share
+    return result * share  # all-gather, all-to-all
+
+
+def _parse(text: str):
+    """Computations as {name: (collectives, [(callee, multiplier)], unknown_loops)}, entry name."""
+    partitions = re.search(r"num_partitions=(\d+)", text)
+    num_partitions = int(partitions.group(1)) if partitions else 1
+    computations: dict[str, tuple[list[CollectiveOp], list[tuple[str, int]], int]] = {}
+    entry = None
+    current = None
+    for line in text.splitlines():
+        if current is None:
+            header = _HEADER.match(line)
+            if header and not line.startswith((" ", "\t")):
+                current = header["name"]
+                computations[current] = ([], [], 0)
+                if line.startswith("ENTRY"):
+                    entry = current
             continue
-        kind, sizes = match["op"], _array_bytes(match["type"])
-        if not sizes:
+        if line.startswith("}"):
+            current = None
             continue
-        # async "-start" results are tuples (operand, result, ...); plain ops give the result
-        operand = sizes[0]
-        result = sizes[1] if match["start"] and len(sizes) > 1 else sizes[0]
-        if kind == "collective-permute":
-            group, moved = 2, float(operand)
-        else:
-            group = _group_size(line)
-            share = (group - 1) / group
-            if kind == "all-gather":
-                moved = result * share
-            elif kind == "all-reduce":
-                moved = 2 * result * share
-            elif kind == "reduce-scatter":
-                moved = result * group * share
-            else:  # all-to-all
-                moved = result * share
-        ops.append(CollectiveOp(kind, result, group, moved))
-    return ops
+        instruction = _INSTRUCTION.match(line)
+        if not instruction:
+            continue
+        type_text, remainder = _split_type(instruction["rest"])
+        opcode = remainder.split("(", 1)[0].strip()
+        ops, callees, unknown = computations[current]
+        base = opcode.removesuffix("-start")
+        if base in KINDS and not opcode.endswith("-done"):
+            sizes = _array_bytes(type_text)
+            if opcode.endswith("-start") and len(sizes) > 1 and base != "all-reduce":
+                result = sizes[1]  # async start results are (operand, result, ...)
+            else:
+                result = sum(sizes)
+            group = 2 if base == "collective-permute" else _group_size(line, num_partitions)
+            ops.append(
+                CollectiveOp(
+                    base, instruction["name"], result, group, _received(base, result, group)
+                )
+            )
+        multiplier = 1
+        if opcode == "while":
+            trip = _TRIP_COUNT.search(line)
+            if trip:
+                multiplier = int(trip["n"])
+            else:
+                unknown += 1
+        for match in _CALLEE_SINGLE.finditer(line):
+            callees.append((match["name"], multiplier if match["attr"] == "body" else 1))
+        for match in _CALLEE_LIST.finditer(line):
+            for name in match["names"].split(","):
+                if name.strip():
+                    callees.append((name.strip().lstrip("%"), 1))
+        computations[current] = (ops, callees, unknown)
+    if entry is None:
+        raise ValueError("no ENTRY computation found: pass compiled.as_text() of a program.")
+    return computations, entry
 
 
-def collective_bytes(hlo_text: str) -> float:
-    """Bytes each device receives over the interconnect for one run of the program."""
-    return sum(op.bytes_per_device for op in collective_ops(hlo_text))
+def collective_ops(compiled_or_text: Any) -> list[CollectiveOp]:
+    """Every collective of a compiled program (a `Compiled` or its `as_text()`), each with
+    `executions` = how often one program run executes it (loop trip counts multiplied in).
+    Both branches of a conditional are counted."""
+    computations, entry = _parse(_text(compiled_or_text))
+    found: list[CollectiveOp] = []
+
+    def visit(name: str, executions: int, path: tuple[str, ...]) -> None:
+        if name not in computations or name in path:
+            return
+        ops, callees, _ = computations[name]
+        found.extend(dataclasses.replace(op, executions=executions) for op in ops)
+        for callee, multiplier in callees:
+            visit(callee, executions * multiplier, (*path, name))
+
+    visit(entry, 1, ())
+    return found
+
+
+def collective_summary(compiled_or_text: Any) -> CollectiveSummary:
+    """Collectives per kind for one run of the program: executions and bytes per device."""
+    text = _text(compiled_or_text)
+    counts: dict[str, int] = {}
+    received: dict[str, float] = {}
+    for op in collective_ops(text):
+        counts[op.kind] = counts.get(op.kind, 0) + op.executions
+        received[op.kind] = received.get(op.kind, 0.0) + op.executions * op.bytes_per_device
+    computations, _ = _parse(text)
+    unknown = sum(entry[2] for entry in computations.values())
+    return CollectiveSummary(counts, received, unknown)
+
+
+def collective_bytes(compiled_or_text: Any) -> float:
+    """Bytes one device receives over the interconnect in one run of the program."""
+    return collective_summary(compiled_or_text).total_bytes
 
 
 def memory_figures(compiled: Any) -> dict[str, int]:
-    """Per-device memory of a compiled program from `compiled.memory_analysis()`.
-
-    `total` is argument + output + temp - alias: on CPU the reported peak ignores temp.
-    """
-    stats = compiled.memory_analysis()
+    """Per-device memory of a compiled program from `compiled.memory_analysis()`: `argument`,
+    `output`, `temp`, `alias`, and `total` = argument + output + temp - alias."""
+    stats = _jax_compiled(compiled).memory_analysis()
     figures = {
         "argument": int(stats.argument_size_in_bytes),
         "output": int(stats.output_size_in_bytes),
@@ -107,3 +272,51 @@ def memory_figures(compiled: Any) -> dict[str, int]:
     }
     figures["total"] = figures["argument"] + figures["output"] + figures["temp"] - figures["alias"]
     return figures
+
+
+def compile_timed(jitted: Any, *args: Any, **kwargs: Any) -> tuple[Any, float]:
+    """`jitted.lower(*args, **kwargs).compile()` (a `jax.jit` or `eqx.filter_jit` function) and
+    the seconds it took."""
+    start = time.perf_counter()
+    compiled = jitted.lower(*args, **kwargs).compile()
+    return compiled, time.perf_counter() - start
+
+
+def median_seconds(fn: Callable, *args: Any, repeats: int = 5, warmup: int = 1) -> float:
+    """Median wall time of `fn(*args)` (waiting for its results) over `repeats` runs."""
+    import jax
+
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def paired_median_seconds(
+    first: tuple[Callable, tuple], second: tuple[Callable, tuple], *, repeats: int = 5
+) -> tuple[float, float]:
+    """Median wall times of two `(fn, args)` runs measured alternately, so that load from other
+    processes falls on both alike; for ratios of one to the other."""
+    import jax
+
+    for fn, args in (first, second):
+        jax.block_until_ready(fn(*args))
+    times: tuple[list[float], list[float]] = ([], [])
+    for _ in range(repeats):
+        for (fn, args), bucket in zip((first, second), times):
+            start = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            bucket.append(time.perf_counter() - start)
+    return statistics.median(times[0]), statistics.median(times[1])
+
+
+def format_bytes(n: int | float) -> str:
+    """`1536` -> `'1.50 KiB'`."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} B"

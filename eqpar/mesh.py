@@ -1,0 +1,476 @@
+"""Devices and meshes: `list_devices`, `initialize` and `DeviceMesh`."""
+
+__all__ = [
+    "COORDINATOR_ADDRESS_ENV",
+    "COORDINATOR_BIND_ADDRESS_ENV",
+    "LOCAL_DEVICE_IDS_ENV",
+    "NUM_PROCESSES_ENV",
+    "PROCESS_ID_ENV",
+    "DeviceMesh",
+    "DistributedConfig",
+    "as_jax_mesh",
+    "initialize",
+    "list_devices",
+    "resolve_distributed_config",
+]
+
+import math
+import os
+import threading
+from collections.abc import Mapping, Sequence
+from typing import NamedTuple
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+COORDINATOR_ADDRESS_ENV = "EQPAR_COORDINATOR_ADDRESS"
+"""Environment variable read by `initialize` for `coordinator_address` (process 0's `host:port`)."""
+
+NUM_PROCESSES_ENV = "EQPAR_NUM_PROCESSES"
+"""Environment variable read by `initialize` for `num_processes`."""
+
+PROCESS_ID_ENV = "EQPAR_PROCESS_ID"
+"""Environment variable read by `initialize` for `process_id`."""
+
+COORDINATOR_BIND_ADDRESS_ENV = "EQPAR_COORDINATOR_BIND_ADDRESS"
+"""Environment variable read by `initialize` for `coordinator_bind_address`."""
+
+LOCAL_DEVICE_IDS_ENV = "EQPAR_LOCAL_DEVICE_IDS"
+"""Environment variable read by `initialize` for `local_device_ids` (comma-separated ints)."""
+
+
+def list_devices(device_type: str | None = None) -> list[jax.Device]:  # pyright: ignore[reportInvalidTypeForm]
+    """All global devices, or those of one platform.
+
+    **Arguments:**
+
+    - `device_type`: `None` for the default backend's devices, or a platform name such as
+      `"cpu"`, `"gpu"` or `"tpu"` (case-insensitive).
+
+    **Returns:** a list of `jax.Device`, over every process (global devices).
+
+    ```python
+    import eqpar
+    devices = eqpar.list_devices("cpu")
+    assert len(devices) == 8 and devices[0].platform == "cpu"
+    ```
+    """
+    if device_type is None:
+        return list(jax.devices())
+    platform = device_type.lower()
+    try:
+        return list(jax.devices(platform))
+    except RuntimeError as error:
+        raise ValueError(
+            f"list_devices: device_type={device_type!r} names no available platform "
+            f"(the default backend is {jax.default_backend()!r}); pass one of the platforms "
+            f"JAX was started with, or None. JAX said: {error}"
+        ) from None
+
+
+# ---------------------------------------------------------------------------------------------
+# Multi-controller runtime
+
+
+class DistributedConfig(NamedTuple):
+    """The arguments `initialize` passes to `jax.distributed.initialize`, after resolution.
+
+    Fields still `None` are left to JAX's cluster detection.
+
+    ```python
+    from eqpar.mesh import DistributedConfig, resolve_distributed_config
+    config = resolve_distributed_config("10.0.0.1:1234", 2, 0, environ={})
+    assert config == DistributedConfig("10.0.0.1:1234", 2, 0, "10.0.0.1:1234", None)
+    ```
+    """
+
+    coordinator_address: str | None
+    num_processes: int | None
+    process_id: int | None
+    coordinator_bind_address: str | None
+    local_device_ids: tuple[int, ...] | None
+
+
+def _parse_int(value: str, *, name: str, source: str) -> int:
+    try:
+        return int(value.strip())
+    except ValueError:
+        raise ValueError(
+            f"initialize: {name} must be an integer; {source} holds {value!r}."
+        ) from None
+
+
+def _split_host_port(address: str, *, name: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(
+            f"initialize: {name} must look like 'host:port' (e.g. '10.0.0.1:1234' or "
+            f"'[::1]:1234'); got {address!r}."
+        )
+    return host, int(port)
+
+
+def resolve_distributed_config(
+    coordinator_address: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    *,
+    coordinator_bind_address: str | None = None,
+    local_device_ids: int | Sequence[int] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> DistributedConfig:
+    """Fill the arguments of `initialize` from the environment and check them; starts nothing.
+
+    Each argument left as `None` is read from its environment variable:
+    `EQPAR_COORDINATOR_ADDRESS`, `EQPAR_NUM_PROCESSES`, `EQPAR_PROCESS_ID`,
+    `EQPAR_COORDINATOR_BIND_ADDRESS` and `EQPAR_LOCAL_DEVICE_IDS` (comma-separated).
+    A comma-separated list of addresses (as Keras' `job_addresses`) means its first entry,
+    process 0, is the coordinator. Without an explicit bind address, the coordinator binds
+    to the coordinator address itself, never to every network interface.
+
+    **Arguments:**
+
+    - `coordinator_address`: `host:port` of process 0.
+    - `num_processes`: number of processes of the job.
+    - `process_id`: this process's index in `[0, num_processes)`.
+    - `coordinator_bind_address`: `host:port` the coordinator service listens on.
+    - `local_device_ids`: restrict this process to these local devices.
+    - `environ`: where to read the variables from (default: `os.environ`).
+
+    **Returns:** a `DistributedConfig`; fields still `None` are left to JAX's cluster detection.
+
+    ```python
+    from eqpar.mesh import resolve_distributed_config
+    env = {"EQPAR_COORDINATOR_ADDRESS": "10.0.0.1:1234", "EQPAR_NUM_PROCESSES": "2"}
+    config = resolve_distributed_config(process_id=1, environ=env)
+    assert config.num_processes == 2 and config.process_id == 1
+    assert config.coordinator_bind_address == "10.0.0.1:1234"
+    ```
+    """
+    env = os.environ if environ is None else environ
+
+    def from_env(value, var):
+        if value is not None:
+            return value, "argument"
+        raw = env.get(var)
+        if raw is None or raw.strip() == "":
+            return None, None
+        return raw, f"${var}"
+
+    address, address_source = from_env(coordinator_address, COORDINATOR_ADDRESS_ENV)
+    if address is not None:
+        address = address.split(",")[0].strip()
+        _split_host_port(address, name=f"coordinator_address (from {address_source})")
+
+    count, count_source = from_env(num_processes, NUM_PROCESSES_ENV)
+    if isinstance(count, str):
+        count = _parse_int(count, name="num_processes", source=str(count_source))
+    if count is not None and count < 1:
+        raise ValueError(
+            f"initialize: num_processes (from {count_source}) must be >= 1; got {count}."
+        )
+
+    index, index_source = from_env(process_id, PROCESS_ID_ENV)
+    if isinstance(index, str):
+        index = _parse_int(index, name="process_id", source=str(index_source))
+    if index is not None and index < 0:
+        raise ValueError(f"initialize: process_id (from {index_source}) must be >= 0; got {index}.")
+    if index is not None and count is not None and index >= count:
+        raise ValueError(
+            f"initialize: process_id={index} (from {index_source}) must be smaller than "
+            f"num_processes={count} (from {count_source})."
+        )
+
+    bind, bind_source = from_env(coordinator_bind_address, COORDINATOR_BIND_ADDRESS_ENV)
+    if bind is not None:
+        _split_host_port(bind, name=f"coordinator_bind_address (from {bind_source})")
+    elif address is not None:
+        bind = address
+
+    ids, ids_source = from_env(local_device_ids, LOCAL_DEVICE_IDS_ENV)
+    if isinstance(ids, str):
+        ids = tuple(
+            _parse_int(part, name="local_device_ids", source=str(ids_source))
+            for part in ids.split(",")
+            if part.strip()
+        )
+    elif isinstance(ids, int):
+        ids = (ids,)
+    elif ids is not None:
+        ids = tuple(int(i) for i in ids)
+
+    return DistributedConfig(address, count, index, bind, ids)
+
+
+_initialize_lock = threading.Lock()
+_initialized_by_eqpar: DistributedConfig | None = None
+
+
+def _runtime_is_initialized() -> bool:
+    is_initialized = getattr(jax.distributed, "is_initialized", None)
+    if is_initialized is not None:
+        return bool(is_initialized())
+    return _initialized_by_eqpar is not None
+
+
+def initialize(
+    coordinator_address: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    *,
+    coordinator_bind_address: str | None = None,
+    local_device_ids: int | Sequence[int] | None = None,
+    initialization_timeout: int = 300,
+    cluster_detection_method: str | None = None,
+) -> DistributedConfig:
+    """Start JAX's multi-controller runtime (`jax.distributed.initialize`) once per process.
+
+    Call it first thing in every process of a multi-host job, before any other JAX call.
+    Missing arguments come from the environment variables `EQPAR_COORDINATOR_ADDRESS`,
+    `EQPAR_NUM_PROCESSES`, `EQPAR_PROCESS_ID`, `EQPAR_COORDINATOR_BIND_ADDRESS` and
+    `EQPAR_LOCAL_DEVICE_IDS`; what is still missing is left to JAX's cluster detection
+    (SLURM, Open MPI, TPU pods). The coordinator binds to the host of
+    `coordinator_address` unless `coordinator_bind_address` says otherwise.
+
+    A second call, once the runtime runs, does nothing and returns the configuration in
+    use; it raises if it asks for a different process count or id.
+
+    **Arguments:**
+
+    - `coordinator_address`: `host:port` of process 0.
+    - `num_processes`: number of processes.
+    - `process_id`: this process's index.
+    - `coordinator_bind_address`: `host:port` the coordinator (process 0) listens on.
+    - `local_device_ids`: the local devices this process uses.
+    - `initialization_timeout`: seconds to wait for every process to connect.
+    - `cluster_detection_method`: passed to `jax.distributed.initialize`.
+
+    **Returns:** the `DistributedConfig` that was used.
+
+    ```python
+    import eqpar
+    # In each of two processes (process_id 0 and 1), before any other JAX call:
+    # eqpar.initialize("10.0.0.1:1234", num_processes=2, process_id=0)
+    # or, with EQPAR_COORDINATOR_ADDRESS / EQPAR_NUM_PROCESSES / EQPAR_PROCESS_ID exported:
+    # eqpar.initialize()
+    assert callable(eqpar.initialize)
+    ```
+    """
+    global _initialized_by_eqpar
+    config = resolve_distributed_config(
+        coordinator_address,
+        num_processes,
+        process_id,
+        coordinator_bind_address=coordinator_bind_address,
+        local_device_ids=local_device_ids,
+    )
+    with _initialize_lock:
+        if _runtime_is_initialized():
+            _check_matches_running(config)
+            return _initialized_by_eqpar or config
+        jax.distributed.initialize(
+            coordinator_address=config.coordinator_address,
+            num_processes=config.num_processes,
+            process_id=config.process_id,
+            local_device_ids=list(config.local_device_ids)
+            if config.local_device_ids is not None
+            else None,
+            cluster_detection_method=cluster_detection_method,
+            initialization_timeout=initialization_timeout,
+            coordinator_bind_address=config.coordinator_bind_address,
+        )
+        _initialized_by_eqpar = config
+        return config
+
+
+def _check_matches_running(config: DistributedConfig) -> None:
+    running = (jax.process_count(), jax.process_index())
+    if config.num_processes is not None and config.num_processes != running[0]:
+        raise ValueError(
+            f"initialize: the runtime already runs with num_processes={running[0]}; "
+            f"this call asks for num_processes={config.num_processes}. Restart the process "
+            f"to change it."
+        )
+    if config.process_id is not None and config.process_id != running[1]:
+        raise ValueError(
+            f"initialize: the runtime already runs as process_id={running[1]}; this call "
+            f"asks for process_id={config.process_id}. Restart the process to change it."
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Meshes
+
+
+def _resolve_devices(devices: object, count: int) -> list:
+    if devices is None:
+        found = list(jax.devices())
+        source = "jax.devices()"
+    else:
+        flat = np.asarray(devices, dtype=object).reshape(-1).tolist()
+        by_name = {f"{d.platform}:{d.id}": d for d in jax.devices()}
+        found = []
+        for item in flat:
+            if isinstance(item, str):
+                if item.lower() not in by_name:
+                    raise ValueError(
+                        f"DeviceMesh: devices names {item!r}, which is not a device; known "
+                        f"names look like {next(iter(by_name))!r}."
+                    )
+                found.append(by_name[item.lower()])
+            elif isinstance(item, jax.Device):
+                found.append(item)
+            else:
+                raise TypeError(
+                    f"DeviceMesh: devices must hold jax.Device objects or names like 'cpu:0'; "
+                    f"got {type(item).__name__}."
+                )
+        source = "devices"
+        ids = [d.id for d in found]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"DeviceMesh: devices lists a device twice (ids {ids}).")
+    if len(found) != count:
+        hint = (
+            f"pass devices=jax.devices()[:{count}]"
+            if devices is None and len(found) > count
+            else "make the product of shape equal the number of devices"
+        )
+        raise ValueError(
+            f"DeviceMesh: shape needs {count} devices but {source} has {len(found)}; {hint}."
+        )
+    return found
+
+
+class DeviceMesh:
+    """A named grid of devices, usable wherever eqpar or JAX wants a mesh.
+
+    Axes are `Auto` (the compiler propagates shardings), so `eqpar.shard_map` and
+    `jax.shard_map` accept unsharded inputs on this mesh.
+
+    **Arguments:**
+
+    - `shape`: the size of each mesh axis, e.g. `(2, 4)`.
+    - `axis_names`: one unique name per axis, e.g. `("data", "model")`.
+    - `devices`: the devices, in row-major order over `shape` (a list, an array, or names
+      such as `"cpu:3"`); default: all of `jax.devices()`, whose count must match `shape`.
+
+    **Attributes:** `shape`, `axis_names`, `devices` (an array of devices shaped `shape`),
+    `jax_mesh` (the `jax.sharding.Mesh`), `size`.
+
+    ```python
+    import eqpar
+    from jax.sharding import PartitionSpec as P
+    mesh = eqpar.DeviceMesh((2, 4), ("data", "model"))
+    assert mesh.axis_size("model") == 4 and mesh.jax_mesh.shape["data"] == 2
+    sharding = mesh.sharding(P("data", "model"))
+    ```
+    """
+
+    def __init__(
+        self,
+        shape: Sequence[int],
+        axis_names: Sequence[str],
+        devices: Sequence[jax.Device] | Sequence[str] | np.ndarray | None = None,  # pyright: ignore[reportInvalidTypeForm]
+    ):
+        if isinstance(axis_names, str):
+            raise TypeError(
+                f"DeviceMesh: axis_names must be a sequence of names; got the string "
+                f"{axis_names!r}. Write ({axis_names!r},) for a one-axis mesh."
+            )
+        shape = tuple(shape)
+        axis_names = tuple(axis_names)
+        if len(shape) == 0:
+            raise ValueError("DeviceMesh: shape is empty; give at least one axis, e.g. (8,).")
+        if any(not isinstance(s, int | np.integer) or s < 1 for s in shape):
+            raise ValueError(f"DeviceMesh: every axis size in shape must be >= 1; got {shape}.")
+        if len(shape) != len(axis_names):
+            raise ValueError(
+                f"DeviceMesh: shape {shape} has {len(shape)} axes but axis_names "
+                f"{axis_names} has {len(axis_names)}; give one name per axis."
+            )
+        duplicates = sorted({n for n in axis_names if axis_names.count(n) > 1})
+        if duplicates:
+            raise ValueError(
+                f"DeviceMesh: axis_names {axis_names} repeats {duplicates}; names must be unique."
+            )
+        found = _resolve_devices(devices, math.prod(shape))
+        self._shape = tuple(int(s) for s in shape)
+        self._axis_names = axis_names
+        grid = np.empty(len(found), dtype=object)
+        grid[:] = found
+        self._devices = grid.reshape(self._shape)
+        self._jax_mesh = Mesh(
+            self._devices, self._axis_names, axis_types=(AxisType.Auto,) * len(self._shape)
+        )
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self._shape
+
+    @property
+    def axis_names(self) -> tuple[str, ...]:
+        return self._axis_names
+
+    @property
+    def devices(self) -> np.ndarray:
+        return self._devices
+
+    @property
+    def jax_mesh(self) -> Mesh:
+        return self._jax_mesh
+
+    @property
+    def size(self) -> int:
+        return math.prod(self._shape)
+
+    def axis_size(self, axis: str | Sequence[str]) -> int:
+        """The number of devices along one axis name or a tuple of axis names."""
+        names = (axis,) if isinstance(axis, str) else tuple(axis)
+        for name in names:
+            if name not in self._axis_names:
+                raise ValueError(
+                    f"DeviceMesh.axis_size: unknown axis {name!r}; the mesh has axes "
+                    f"{self._axis_names}."
+                )
+        return math.prod(self._shape[self._axis_names.index(n)] for n in names)
+
+    def sharding(self, spec: PartitionSpec) -> NamedSharding:
+        """A `NamedSharding` of this mesh for `spec`."""
+        return NamedSharding(self._jax_mesh, spec)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, DeviceMesh):
+            return NotImplemented
+        return self._jax_mesh == other._jax_mesh
+
+    def __hash__(self) -> int:
+        return hash(self._jax_mesh)
+
+    def __repr__(self) -> str:
+        axes = ", ".join(f"{n}={s}" for n, s in zip(self._axis_names, self._shape))
+        return f"DeviceMesh({axes}, platform={self._devices.flat[0].platform!r})"
+
+
+def as_jax_mesh(mesh: DeviceMesh | Mesh) -> Mesh:
+    """The `jax.sharding.Mesh` behind a `DeviceMesh` (a `Mesh` is returned as it is).
+
+    **Arguments:**
+
+    - `mesh`: a `DeviceMesh` or a `jax.sharding.Mesh`.
+
+    **Returns:** a `jax.sharding.Mesh`.
+
+    ```python
+    import eqpar, jax
+    mesh = eqpar.DeviceMesh((8,), ("data",))
+    assert isinstance(eqpar.mesh.as_jax_mesh(mesh), jax.sharding.Mesh)
+    ```
+    """
+    if isinstance(mesh, DeviceMesh):
+        return mesh.jax_mesh
+    if isinstance(mesh, Mesh):
+        return mesh
+    raise TypeError(
+        f"mesh must be an eqpar.DeviceMesh or a jax.sharding.Mesh; got {type(mesh).__name__}."
+    )

@@ -1,0 +1,188 @@
+"""Equinox-aware `shard_map` and sharded-at-birth construction of models."""
+
+__all__ = ["build_sharded", "shard_map"]
+
+import functools
+from collections.abc import Callable, Hashable, Set
+from typing import Any
+
+import equinox as eqx
+import jax
+from jax.sharding import Mesh, PartitionSpec
+
+from ._typing import PyTree, Specs
+from .layout import expand_specs, is_array_like, named_shardings, partition_specs
+from .mesh import DeviceMesh, as_jax_mesh
+
+
+def _is_spec_leaf(node: object) -> bool:
+    return node is None or isinstance(node, PartitionSpec)
+
+
+def shard_map(
+    fn: Callable | None = None,
+    /,
+    *,
+    mesh: DeviceMesh | Mesh | None,
+    in_specs: Any,
+    out_specs: Any,
+    check_vma: bool = True,
+    axis_names: Set[Hashable] | None = None,
+) -> Callable:
+    """`jax.shard_map` for functions that take and return Equinox modules.
+
+    Only array leaves cross the `jax.shard_map` boundary; everything else (activation
+    functions, ints, strings) passes through untouched, so modules and other pytrees can be
+    arguments and results. Inside, `fn` sees the local blocks of each array.
+
+    **Arguments:**
+
+    - `fn`: the per-device function. Omit it to use `shard_map(...)` as a decorator.
+    - `mesh`: a `DeviceMesh` or `jax.sharding.Mesh` (`None`: the mesh JAX has in context).
+    - `in_specs`: one entry per positional argument (a tuple), a single `PartitionSpec`
+      for all, or (for a one-argument function) that argument's entry. An entry is a
+      `PartitionSpec` for every array of that argument, `None` for an argument without
+      arrays, or a pytree prefix of the argument with `PartitionSpec`s at array leaves and
+      `None` elsewhere (what `eqpar.partition_specs` returns).
+    - `out_specs`: the same for the result (a prefix of the result's array leaves).
+    - `check_vma`: passed to `jax.shard_map`.
+    - `axis_names`: the mesh axes that are manual inside `fn` (default: all).
+
+    **Returns:** the mapped function (or a decorator when `fn` is omitted).
+
+    ```python
+    import equinox as eqx, jax, jax.numpy as jnp, eqpar
+    from jax.sharding import PartitionSpec as P
+    mesh = eqpar.DeviceMesh((8,), ("data",))
+    mlp = eqx.nn.MLP(4, 2, 8, 1, key=jax.random.key(0))
+
+    @eqpar.shard_map(mesh=mesh, in_specs=(P(), P("data")), out_specs=P("data"))
+    def apply(model, x):
+        return jax.vmap(model)(x)
+
+    x = jnp.ones((16, 4))
+    assert jnp.allclose(apply(mlp, x), jax.vmap(mlp)(x))
+    ```
+    """
+    if fn is None:
+        return functools.partial(
+            shard_map,
+            mesh=mesh,
+            in_specs=in_specs,
+            out_specs=out_specs,
+            check_vma=check_vma,
+            axis_names=axis_names,
+        )
+    if not callable(fn):
+        raise TypeError(f"shard_map: fn must be callable; got {type(fn).__name__}.")
+    jax_mesh = as_jax_mesh(mesh) if mesh is not None else None
+    extra = {} if axis_names is None else {"axis_names": frozenset(axis_names)}
+
+    @functools.wraps(fn)
+    def mapped(*args, **kwargs):
+        if kwargs:
+            raise TypeError(
+                f"shard_map: {getattr(fn, '__name__', 'fn')} got keyword arguments "
+                f"{sorted(kwargs)}; pass them positionally (each with its spec) or close over "
+                f"them."
+            )
+        name = getattr(fn, "__name__", "fn")
+        if _is_spec_leaf(in_specs):
+            arg_prefixes = (in_specs,) * len(args)
+        elif isinstance(in_specs, tuple):
+            if len(in_specs) != len(args):
+                raise ValueError(
+                    f"shard_map: in_specs has {len(in_specs)} entries but {name} got "
+                    f"{len(args)} positional arguments; give one spec (or spec pytree) per "
+                    f"argument."
+                )
+            arg_prefixes = in_specs
+        elif len(args) == 1:
+            arg_prefixes = (in_specs,)
+        else:
+            raise TypeError(
+                f"shard_map: in_specs is a {type(in_specs).__name__} but {name} got {len(args)} "
+                f"positional arguments; give a tuple with one spec (or spec pytree) per argument."
+            )
+        dynamic, static = eqx.partition(args, eqx.is_array)
+        specs = tuple(
+            expand_specs(
+                prefix, arg, where=f"argument {i}", caller="shard_map", is_array=eqx.is_array
+            )
+            for i, (prefix, arg) in enumerate(zip(arg_prefixes, args))
+        )
+        static_out: list = []
+
+        def local(*local_dynamic):
+            out = fn(*eqx.combine(local_dynamic, static))
+            out_dynamic, out_static = eqx.partition(out, eqx.is_array)
+            static_out.append(out_static)
+            return out_dynamic
+
+        inner = jax.shard_map(
+            local,
+            mesh=jax_mesh,
+            in_specs=specs,
+            out_specs=out_specs,
+            check_vma=check_vma,
+            **extra,
+        )
+        out_dynamic = inner(*dynamic)
+        return eqx.combine(out_dynamic, static_out[-1])
+
+    return mapped
+
+
+def build_sharded(
+    constructor: Callable[..., PyTree],
+    *args: Any,
+    mesh: DeviceMesh | Mesh,
+    specs: Specs | Callable[[PyTree], Specs] | None = None,
+) -> PyTree:
+    """Call `constructor(*args)` so that each device only ever materialises its own shards.
+
+    The structure comes from `eqx.filter_eval_shape` (nothing is allocated); the arrays are then
+    created by one `jax.jit` with `out_shardings`, so the compiler writes every parameter
+    straight into its shards. The values equal those of `constructor(*args)` run eagerly.
+
+    **Arguments:**
+
+    - `constructor`: builds the model, e.g. `lambda key: eqx.nn.MLP(..., key=key)`.
+    - `*args`: its positional arguments (arrays, such as a PRNG key, are traced; other
+      values are passed as they are).
+    - `mesh`: a `DeviceMesh` or `jax.sharding.Mesh`.
+    - `specs`: the layout as a specs pytree, or a function from the abstract model to one
+      (e.g. `distribution.partition_specs`); default `eqpar.partition_specs` (what modules
+      declare, the rest replicated).
+
+    **Returns:** the model with every array placed by its spec.
+
+    ```python
+    import equinox as eqx, jax, eqpar
+    from jax.sharding import PartitionSpec as P
+    mesh = eqpar.DeviceMesh((8,), ("data",))
+    make = lambda key: eqx.nn.Linear(16, 8, key=key)
+    specs = lambda model: eqx.tree_at(lambda m: (m.weight, m.bias), model, (P("data"), P()))
+    layer = eqpar.build_sharded(make, jax.random.key(0), mesh=mesh, specs=specs)
+    assert layer.weight.sharding.spec == P("data")
+    assert (layer.weight == make(jax.random.key(0)).weight).all()
+    ```
+    """
+    abstract = eqx.filter_eval_shape(constructor, *args)
+    if specs is None:
+        spec_tree = partition_specs(abstract, mesh=mesh)
+    elif callable(specs) and not isinstance(specs, eqx.Module):
+        spec_tree = specs(abstract)
+    else:
+        spec_tree = specs
+    spec_tree = expand_specs(spec_tree, abstract, where="model", caller="build_sharded")
+    shardings = named_shardings(spec_tree, mesh)
+    _, static_model = eqx.partition(abstract, is_array_like)
+    dynamic_args, static_args = eqx.partition(args, eqx.is_array)
+
+    def make(dynamic):
+        model = constructor(*eqx.combine(dynamic, static_args))
+        return eqx.filter(model, eqx.is_array)
+
+    arrays = jax.jit(make, out_shardings=shardings)(dynamic_args)
+    return eqx.combine(arrays, static_model)

@@ -1,0 +1,196 @@
+import io
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from eqpar.distributions import FSDP, DataParallel, ModelParallel
+from eqpar.inspect import LayoutRow, layout_table, print_layout_table
+from eqpar.layout import LayoutMap, partition_specs
+from eqpar.mesh import DeviceMesh
+
+
+@pytest.fixture(scope="module")
+def mlp():
+    return eqx.nn.MLP(16, 8, 64, 1, key=jax.random.key(0))
+
+
+def model_parallel():
+    mesh = DeviceMesh((2, 4), ("data", "model"))
+    layout_map = LayoutMap(mesh)
+    layout_map["layers/0/weight"] = ("model", None)
+    layout_map["layers/0/bias"] = ("model",)
+    layout_map["layers/1/weight"] = (None, "model")
+    return ModelParallel(layout_map=layout_map)
+
+
+def test_rows_and_totals_for_a_distribution(mlp):
+    table = layout_table(mlp, model_parallel())
+    assert [row.path for row in table.rows] == [
+        "layers/0/weight",
+        "layers/0/bias",
+        "layers/1/weight",
+        "layers/1/bias",
+    ]
+    first = table.rows[0]
+    assert first == LayoutRow(
+        path="layers/0/weight",
+        shape=(64, 16),
+        dtype="float32",
+        spec=P("model", None),
+        bytes_total=64 * 16 * 4,
+        bytes_per_device=64 * 16 * 4 // 4,
+    )
+    assert table.rows[3].spec == P() and table.rows[3].bytes_per_device == 8 * 4
+    assert table.bytes_total == (64 * 16 + 64 + 8 * 64 + 8) * 4
+    assert table.bytes_per_device == (64 * 16 + 64 + 8 * 64) * 4 // 4 + 8 * 4
+    assert table.mesh_shape == {"data": 2, "model": 4}
+
+
+def test_fsdp_table_splits_eight_ways(mlp):
+    table = layout_table(mlp, FSDP(min_size_bytes=0))
+    assert table.bytes_per_device * 8 == table.bytes_total
+
+
+def test_specs_with_a_mesh_and_abstract_models():
+    abstract = eqx.filter_eval_shape(lambda k: eqx.nn.Linear(16, 12, key=k), jax.random.key(0))
+    specs = eqx.tree_at(lambda s: s.weight, partition_specs(abstract), P("data", None))
+    table = layout_table(abstract, specs, mesh=DeviceMesh((8,), ("data",)))
+    # 12 rows over 8 devices: the largest shard has 2 rows (JAX pads uneven shards).
+    assert table.rows[0].bytes_per_device == 2 * 16 * 4
+    # A single spec covers every leaf.
+    everywhere = layout_table(abstract, P(), mesh=DeviceMesh((8,), ("data",)))
+    assert everywhere.bytes_per_device == everywhere.bytes_total
+
+
+def test_reads_the_shardings_of_placed_arrays(mlp):
+    d = model_parallel()
+    table = layout_table(d.distribute_model(mlp))
+    assert table.rows[2].spec == P(None, "model")
+    assert table.bytes_per_device == layout_table(mlp, d).bytes_per_device
+
+
+def test_errors_name_the_problem(mlp):
+    with pytest.raises(ValueError, match="a specs pytree needs mesh="):
+        layout_table(mlp, partition_specs(mlp))
+    with pytest.raises(ValueError, match="leaf 'layers/0/weight' has no NamedSharding"):
+        layout_table(mlp)
+    specs = eqx.tree_at(lambda s: s.layers[1].bias, partition_specs(mlp), None)
+    with pytest.raises(ValueError, match=r"layout_table: model\.layers\[1\]\.bias is an array"):
+        layout_table(mlp, specs, mesh=DeviceMesh((8,), ("data",)))
+    with pytest.raises(ValueError, match="layout_table: the specs for model do not fit"):
+        layout_table(mlp, {"w": P()}, mesh=DeviceMesh((8,), ("data",)))
+    with pytest.raises(ValueError, match="no array leaves"):
+        layout_table({"name": "nothing"})
+    mesh_a = DeviceMesh((8,), ("data",))
+    mesh_b = DeviceMesh((2, 4), ("data", "model"))
+    mixed = {
+        "a": jax.device_put(jnp.ones(8), mesh_a.sharding(P())),
+        "b": jax.device_put(jnp.ones(8), mesh_b.sharding(P())),
+    }
+    with pytest.raises(ValueError, match="different meshes"):
+        layout_table(mixed)
+
+
+def test_plain_text_rendering(mlp):
+    table = layout_table(mlp, model_parallel())
+    text = str(table)
+    lines = text.splitlines()
+    assert lines[0].split() == ["path", "shape", "dtype", "spec", "bytes/device"]
+    assert "layers/0/weight" in lines[2] and "P('model', None)" in lines[2]
+    assert "1.00 KiB" in lines[2]  # 4 KiB over 4 devices
+    assert lines[-1].startswith("total (4 leaves") and "mesh data=2 x model=4" in lines[-1]
+    assert lines[-1].endswith("1.59 KiB")  # (1024 + 64 + 512) * 4 / 4 + 8 * 4 = 1632 bytes
+
+
+class FakeTerminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_print_layout_table_plain_when_piped_rich_in_a_terminal(mlp):
+    piped = io.StringIO()
+    table = print_layout_table(mlp, DataParallel(), file=piped)
+    assert piped.getvalue() == table.to_text() + "\n"
+    terminal = FakeTerminal()
+    print_layout_table(mlp, DataParallel(), file=terminal)
+    rendered = terminal.getvalue()
+    assert "parameter layout" in rendered and "layers/1/bias" in rendered
+    assert "│" in rendered or "┃" in rendered  # box drawing: a rich table
+    assert table.to_rich().row_count == 4
+
+
+# --- eqpar/_hlo.py: reading compiled programs ---------------------------------------------
+
+
+def load_hlo_helpers():
+    from eqpar import _hlo
+
+    return _hlo
+
+
+def test_hlo_counts_collectives_inside_loops_per_iteration():
+    hlo = load_hlo_helpers()
+    mesh = DeviceMesh((8,), ("d",)).jax_mesh
+    ring = [(i, (i + 1) % 8) for i in range(8)]
+
+    def local(x):
+        def body(carry, _):
+            carry = jax.lax.ppermute(carry, "d", ring)
+            return carry + jax.lax.psum(carry, "d"), None
+
+        carry, _ = jax.lax.scan(body, x, None, length=5)
+        return jax.lax.all_gather(carry, "d", tiled=True), jax.lax.psum_scatter(
+            carry, "d", tiled=True
+        )
+
+    f = jax.shard_map(local, mesh=mesh, in_specs=P("d"), out_specs=(P(), P("d")), check_vma=False)
+    compiled = jax.jit(f).lower(jnp.ones((64, 4))).compile()
+    block = 8 * 4 * 4  # the local [8, 4] float32 block
+    summary = hlo.collective_summary(compiled)
+    assert summary.counts == {
+        "collective-permute": 5,
+        "all-reduce": 5,
+        "all-gather": 1,
+        "reduce-scatter": 1,
+    }
+    assert summary.bytes["collective-permute"] == 5 * block
+    assert summary.bytes["all-reduce"] == 5 * 2 * block * 7 / 8
+    assert summary.bytes["all-gather"] == 8 * block * 7 / 8
+    assert summary.bytes["reduce-scatter"] == block * 7 / 8
+    assert summary.loops_without_trip_count == 0
+    assert hlo.collective_bytes(compiled.as_text()) == summary.total_bytes
+
+
+def test_hlo_reads_compiler_partitioned_programs():
+    hlo = load_hlo_helpers()
+    mesh = DeviceMesh((2, 4), ("data", "model"))
+
+    def loss(w, x):
+        return jnp.tanh(x @ w.T).sum()
+
+    f = jax.jit(
+        jax.value_and_grad(loss),
+        in_shardings=(mesh.sharding(P("model", None)), mesh.sharding(P("data", None))),
+    )
+    compiled = f.lower(jnp.ones((16, 8)), jnp.ones((4, 8))).compile()
+    ops = hlo.collective_ops(compiled)
+    # The loss is summed over "model" (4 devices), then the loss and the weight gradient
+    # [4, 8] are summed over "data" (2 devices) in one combined all-reduce.
+    assert [(op.kind, op.group_size, op.array_bytes) for op in ops] == [
+        ("all-reduce", 4, 4),
+        ("all-reduce", 2, 4 + 4 * 8 * 4),
+    ]
+    figures = hlo.memory_figures(compiled)
+    assert figures["argument"] == (4 * 8 + 2 * 8) * 4
+    assert figures["total"] == (
+        figures["argument"] + figures["output"] + figures["temp"] - figures["alias"]
+    )
+    wrapped = eqx.filter_jit(loss).lower(jnp.ones((16, 8)), jnp.ones((4, 8))).compile()
+    assert hlo.collective_ops(wrapped) == []
+    assert hlo.memory_figures(wrapped)["argument"] == (16 * 8 + 4 * 8) * 4
+    assert hlo.format_bytes(1536) == "1.50 KiB" and hlo.format_bytes(12) == "12 B"
+    with pytest.raises(ValueError, match="no ENTRY computation"):
+        hlo.collective_ops("HloModule empty")

@@ -1,0 +1,194 @@
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from eqpar.layout import partition_specs
+from eqpar.mesh import DeviceMesh
+from eqpar.spmd import build_sharded, shard_map
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return DeviceMesh((8,), ("data",))
+
+
+@pytest.fixture(scope="module")
+def mlp():
+    return eqx.nn.MLP(4, 3, 8, 2, activation=jax.nn.gelu, key=jax.random.key(0))
+
+
+def batch(n=16):
+    x = jnp.sin(jnp.arange(n * 4, dtype=jnp.float32)).reshape(n, 4)
+    y = jnp.cos(jnp.arange(n * 3, dtype=jnp.float32)).reshape(n, 3)
+    return x, y
+
+
+def loss_sum(model, x, y):
+    return jnp.sum((jax.vmap(model)(x) - y) ** 2)
+
+
+def test_module_argument_forward_and_gradients_match_serial(mesh, mlp):
+    x, y = batch()
+
+    @shard_map(mesh=mesh, in_specs=(P(), P("data"), P("data")), out_specs=(P(), P()))
+    def data_parallel_grad(model, x, y):
+        # The model is replicated (invariant over "data"), so with check_vma the gradient
+        # arrives already summed over the devices; only the loss needs a psum.
+        loss, grads = eqx.filter_value_and_grad(loss_sum)(model, x, y)
+        return jax.lax.psum(loss, "data"), grads
+
+    loss, grads = eqx.filter_jit(data_parallel_grad)(mlp, x, y)
+    serial_loss, serial_grads = eqx.filter_value_and_grad(loss_sum)(mlp, x, y)
+    np.testing.assert_allclose(loss, serial_loss, rtol=1e-5)
+    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(serial_grads)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    # The gradient is a module like `mlp` (filter_grad puts None at non-array leaves), rebuilt
+    # around the arrays that crossed the shard_map boundary.
+    assert isinstance(grads, eqx.nn.MLP) and grads.activation is None
+    assert grads.layers[0].in_features == mlp.layers[0].in_features
+
+
+def test_function_form_under_jit_with_jax_mesh(mesh, mlp):
+    x, _ = batch()
+    apply = shard_map(
+        lambda model, x: jax.vmap(model)(x),
+        mesh=mesh.jax_mesh,
+        in_specs=(P(), P("data")),
+        out_specs=P("data"),
+    )
+    out = eqx.filter_jit(apply)(mlp, x)
+    np.testing.assert_allclose(out, jax.vmap(mlp)(x), rtol=1e-5)
+    assert out.sharding.spec == P("data")
+
+
+def test_module_result_keeps_static_leaves(mesh, mlp):
+    specs = partition_specs(mlp)
+
+    @shard_map(mesh=mesh, in_specs=specs, out_specs=specs)
+    def scale(model):
+        return jax.tree.map(lambda leaf: 2 * leaf if eqx.is_array(leaf) else leaf, model)
+
+    doubled = scale(mlp)
+    assert doubled.activation is mlp.activation
+    assert doubled.layers[0].in_features == 4
+    np.testing.assert_allclose(doubled.layers[1].weight, 2 * mlp.layers[1].weight)
+
+
+def test_one_spec_for_all_arguments_and_static_arguments(mesh):
+    @shard_map(mesh=mesh, in_specs=P("data"), out_specs=P("data"))
+    def add(a, b, scale):
+        return (a + b) * scale
+
+    a = jnp.arange(16.0)
+    np.testing.assert_allclose(add(a, a, 3), 6 * a)
+
+
+def test_spec_pytree_prefix_per_argument(mesh):
+    x = {"rows": jnp.ones((8, 2)), "table": jnp.arange(4.0), "name": "batch"}
+
+    @shard_map(
+        mesh=mesh, in_specs=({"rows": P("data"), "table": P(), "name": None},), out_specs=P("data")
+    )
+    def f(tree):
+        assert tree["name"] == "batch" and tree["rows"].shape == (1, 2)
+        return tree["rows"] * tree["table"].sum()
+
+    np.testing.assert_allclose(f(x), 6 * jnp.ones((8, 2)))
+
+
+def test_none_spec_for_an_argument_with_arrays_names_it(mesh):
+    f = shard_map(lambda a, b: a, mesh=mesh, in_specs=(P("data"), {"w": None}), out_specs=P("data"))
+    with pytest.raises(
+        ValueError, match=r"shard_map: argument 1\['w'\] is an array but its spec is None"
+    ):
+        f(jnp.ones(8), {"w": jnp.ones(3)})
+
+
+def test_wrong_number_of_specs_raises(mesh):
+    f = shard_map(lambda a, b: a, mesh=mesh, in_specs=(P("data"),), out_specs=P("data"))
+    with pytest.raises(ValueError, match="in_specs has 1 entries but <lambda> got 2 positional"):
+        f(jnp.ones(8), jnp.ones(8))
+
+
+def test_specs_not_fitting_the_argument_raise(mesh):
+    f = shard_map(lambda t: t, mesh=mesh, in_specs=({"a": P("data")},), out_specs=P("data"))
+    with pytest.raises(ValueError, match="the specs for argument 0 do not fit its structure"):
+        f({"b": jnp.ones(8)})
+
+
+def test_keyword_arguments_raise(mesh):
+    f = shard_map(lambda a: a, mesh=mesh, in_specs=(P("data"),), out_specs=P("data"))
+    with pytest.raises(TypeError, match=r"keyword arguments \['a'\]"):
+        f(a=jnp.ones(8))
+
+
+def test_in_specs_pytree_for_several_arguments_raises(mesh):
+    f = shard_map(lambda a, b: a, mesh=mesh, in_specs={"a": P()}, out_specs=P("data"))
+    with pytest.raises(TypeError, match="in_specs is a dict but <lambda> got 2 positional"):
+        f(jnp.ones(8), jnp.ones(8))
+
+
+def test_manual_over_some_axes_only():
+    mesh = DeviceMesh((2, 4), ("data", "model"))
+
+    @shard_map(mesh=mesh, in_specs=P("data"), out_specs=P(), axis_names={"data"})
+    def total(x):
+        return jax.lax.psum(x.sum(keepdims=True), "data")
+
+    x = jnp.arange(8.0)
+    np.testing.assert_allclose(jax.jit(total)(x), jnp.array([28.0]))
+
+
+# --- build_sharded -----------------------------------------------------------------------------
+
+
+def make_mlp(key):
+    return eqx.nn.MLP(16, 8, 32, 1, key=key)
+
+
+def test_build_sharded_equals_eager_construction_and_places_shards(mesh):
+    key = jax.random.key(3)
+
+    def specs(abstract_model):
+        def spec(leaf):
+            if isinstance(leaf, jax.ShapeDtypeStruct):
+                return P("data") if leaf.shape[0] % 8 == 0 else P()
+            return None
+
+        return jax.tree.map(spec, abstract_model)
+
+    built = build_sharded(make_mlp, key, mesh=mesh, specs=specs)
+    eager = make_mlp(key)
+    assert built.activation is eager.activation
+    for got, want in zip(jax.tree.leaves(built), jax.tree.leaves(eager)):
+        np.testing.assert_array_equal(got, want)
+    assert built.layers[0].weight.sharding.spec == P("data")
+    assert built.layers[0].weight.addressable_shards[0].data.shape == (4, 16)
+
+
+def test_build_sharded_default_and_spec_tree(mesh):
+    key = jax.random.key(4)
+    replicated = build_sharded(make_mlp, key, mesh=mesh)
+    assert replicated.layers[1].weight.sharding.spec == P()
+    assert replicated.layers[1].weight.sharding.mesh == mesh.jax_mesh
+    specs = partition_specs(make_mlp(key))
+    specs = eqx.tree_at(lambda s: s.layers[0].weight, specs, P(None, "data"))
+    built = build_sharded(make_mlp, key, mesh=mesh, specs=specs)
+    assert built.layers[0].weight.sharding.spec == P(None, "data")
+
+
+def test_build_sharded_refuses_a_missing_spec(mesh):
+    specs = eqx.tree_at(
+        lambda s: s.layers[1].bias,
+        partition_specs(make_mlp(jax.random.key(0))),
+        None,
+        is_leaf=lambda x: x is None,
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"build_sharded: model\.layers\[1\]\.bias is an array but its spec is None",
+    ):
+        build_sharded(make_mlp, jax.random.key(0), mesh=mesh, specs=specs)
