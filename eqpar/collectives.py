@@ -32,6 +32,7 @@ __all__ = [
     "async_scatter",
     "async_scatter_bidirectional",
     "async_scatter_split",
+    "ring_shift",
 ]
 
 
@@ -50,6 +51,35 @@ def _shift(tree: PyTree, axis_name: AxisName, n: int, up: bool) -> PyTree:
     offset = 1 if up else -1
     permutation = [(j, (j + offset) % n) for j in range(n)]
     return lax.ppermute(tree, axis_name, permutation)
+
+
+def ring_shift(x: PyTree, axis_name: AxisName, *, up: bool = True) -> PyTree:
+    """One step of the ring: every device sends `x` to its neighbour.
+
+    The building block of the ring collectives, for loops that consume each block as it
+    arrives (e.g. inside `lax.scan`).
+
+    **Arguments:**
+
+    - `x`: this device's block (an array or a pytree of arrays).
+    - `axis_name`: the mesh axis of the ring.
+    - `up`: send to index `d + 1` (so `d` receives from `d - 1`); `False` sends to `d - 1`.
+
+    **Returns:** the block of device `d - 1` (up) or `d + 1` (down).
+
+    ```python
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import Mesh, PartitionSpec as P
+    from eqpar.collectives import ring_shift
+
+    mesh = Mesh(np.array(jax.devices()[:4]), ("model",))
+    out = jax.shard_map(
+        lambda x: ring_shift(x, "model"), mesh=mesh, in_specs=P("model"), out_specs=P("model")
+    )(jnp.arange(4.0))
+    assert out.tolist() == [3.0, 0.0, 1.0, 2.0]
+    ```
+    """
+    return _shift(x, axis_name, _axis_size(axis_name), up)
 
 
 def _source_offsets(n: int, shift_up: bool) -> list[int]:

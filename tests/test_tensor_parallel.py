@@ -295,7 +295,7 @@ def test_hlo_bytes_moved_per_device(n, cls):
     for tp_mode, full_bytes in (("gather", batch * d_in * 4), ("scatter", batch * d_out * 4)):
         layer = cls(d_in, d_out, tp_mode=tp_mode, key=jax.random.key(0))
         ops = collective_ops(compiled_layer(layer, n).as_text())
-        moved = sum(op.bytes_per_device for op in ops)
+        moved = sum(op.bytes_per_device * op.executions for op in ops)
         assert moved == pytest.approx(full_bytes * (n - 1) / n), (tp_mode, ops)
 
 

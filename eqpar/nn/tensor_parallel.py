@@ -420,32 +420,62 @@ class TPAsyncDense(TPDense):
         axis = self.model_axis_name
         d = lax.axis_index(axis)
         if self.tp_mode == "gather":
-            gather = (
-                collectives.async_gather_bidirectional
-                if self.use_bidirectional_gather
-                else collectives.async_gather
-            )
-            block = self.in_features // n
-            total = None
-            for i, x_block in enumerate(gather(x, axis)):
-                source = (d - i) % n  # item i came from device d - i: its input columns
-                columns = lax.dynamic_slice_in_dim(self.weight, source * block, block, axis=1)
-                term = self._matmul(x_block, columns)
-                total = term if total is None else total + term
-            assert total is not None
-            return total
-        block = self.out_features // n
+            return self._ring_gather_matmul(x, n, d)
+        # Ring step k adds the output block owned by device (d - 1 - k) % n.
+        rows = self.weight.reshape(n, -1, self.weight.shape[-1])
+        by_step = jnp.take(rows, (d - 1 - jnp.arange(n)) % n, axis=0)
 
         def partial_for(k: int) -> Array:
-            # ring step k adds the rows of the output block owned by device (d - 1 - k) % n
-            destination = (d - 1 - k) % n
-            rows = lax.dynamic_slice_in_dim(self.weight, destination * block, block, axis=0)
-            return self._matmul(x, rows)
+            return self._matmul(x, by_step[k])
 
         partials = [partial_for(k) for k in range(n)]
         if self.use_bidirectional_scatter:
             return collectives.async_scatter_bidirectional(partials, axis)
         return collectives.async_scatter(partials, axis)
+
+    def _ring_gather_matmul(self, x: Array, n: int, d: Array) -> Array:
+        """`all_gather(x) @ weight.T` without holding the gathered input.
+
+        The ring runs as a `lax.scan`, so only the block in flight and the running sum are
+        live at any step, and the program size does not grow with `n`. Item `i` of the ring
+        holds the input columns of device `(d - i) % n` (`eqpar.collectives.async_gather`);
+        the weight's column blocks are reordered once to match, which also keeps the weight
+        gradient to a single scatter in the backward pass.
+        """
+        axis = self.model_axis_name
+        blocks = self.weight.reshape(self.weight.shape[0], n, -1)
+        by_item = jnp.moveaxis(jnp.take(blocks, (d - jnp.arange(n)) % n, axis=1), 1, 0)
+        total = self._matmul(x, by_item[0])
+        if not self.use_bidirectional_gather:
+
+            def step(
+                carry: tuple[Array, Array], w_block: Array
+            ) -> tuple[tuple[Array, Array], None]:
+                block, total = carry
+                block = collectives.ring_shift(block, axis, up=True)
+                return (block, total + self._matmul(block, w_block)), None
+
+            (_, total), _ = lax.scan(step, (x, total), by_item[1:])
+            return total
+        # Both directions at once: step t brings item t one way and item n - t the other.
+        forward_steps, backward_steps = n // 2, n - 1 - n // 2
+        forward_w = by_item[1 : backward_steps + 1]
+        backward_w = by_item[n - backward_steps :][::-1]
+
+        def both(
+            carry: tuple[Array, Array, Array], ws: tuple[Array, Array]
+        ) -> tuple[tuple[Array, Array, Array], None]:
+            up, down, total = carry
+            up = collectives.ring_shift(up, axis, up=True)
+            down = collectives.ring_shift(down, axis, up=False)
+            total = total + self._matmul(up, ws[0]) + self._matmul(down, ws[1])
+            return (up, down, total), None
+
+        (up, _, total), _ = lax.scan(both, (x, x, total), (forward_w, backward_w))
+        if forward_steps > backward_steps:  # n even: the farthest item comes one way only
+            up = collectives.ring_shift(up, axis, up=True)
+            total = total + self._matmul(up, by_item[forward_steps])
+        return total
 
 
 def _check_config(name: str, in_features: Any, out_features: Any, tp_mode: Any) -> None:

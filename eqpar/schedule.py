@@ -1,0 +1,422 @@
+"""Pipeline schedules: which device does what at every step, the bubble, and a Gantt chart.
+
+A schedule is a table with one row per clock step and one column per device of the pipeline
+axis. Each cell is an `Action`: a forward or a backward pass of one microbatch through one
+stage, or nothing (a bubble). Every action lasts one step; real backward passes cost about
+twice a forward pass, which shifts the wall time but not the order or the bubble count.
+
+The timing rules live in small functions (`_circular_slot`, `_one_f_one_b_slot`) written with
+array arithmetic only, so the executors in `eqpar.pipeline` evaluate the very same rules on
+traced step counters inside `lax.scan` that these schedule objects evaluate with NumPy.
+"""
+
+import dataclasses
+import pathlib
+from typing import Any, Literal
+
+import numpy as np
+
+ActionKind = Literal["forward", "backward", "idle"]
+
+_NO_MICROBATCH = -1
+
+
+def _circular_slot(
+    step: Any, device: Any, *, num_stages: int, num_microbatches: int, num_repeats: int, xp: Any
+) -> tuple[Any, Any]:
+    """`(microbatch, repeat)` of the forward pass run by `device` at `step`, `-1` when idle.
+
+    Microbatch `m` on its `r`-th trip around the ring reaches device `d` at step
+    `r * period + m + d`, with `period = max(num_microbatches, num_stages)`: a microbatch
+    leaving the last device may have to wait for the ring to come round before device 0 is
+    free for it again. With `num_repeats == 1` this is GPipe.
+    """
+    period = max(num_microbatches, num_stages)
+    k = step - device
+    repeat = k // period
+    microbatch = k % period
+    valid = (k >= 0) & (repeat < num_repeats) & (microbatch < num_microbatches)
+    return (
+        xp.where(valid, microbatch, _NO_MICROBATCH),
+        xp.where(valid, repeat, _NO_MICROBATCH),
+    )
+
+
+def _one_f_one_b_slot(
+    step: Any, device: Any, *, num_stages: int, num_microbatches: int, xp: Any
+) -> tuple[Any, Any]:
+    """`(forward microbatch, backward microbatch)` of `device` at `step`; `-1` when none.
+
+    The classic one-forward-one-backward order on unit steps: device `d` runs forwards as
+    early as it can until it holds `num_stages - d` microbatches (steps `m + d`), then
+    alternates, with forward `m` at step `2m + d` and backward `m` at `2 * num_stages - 1 - d
+    + 2m`. At most one of the two is not `-1`.
+    """
+    s, m_count = num_stages, num_microbatches
+    k = step - device
+    warmup = (step < s) & (k >= 0) & (k < m_count)
+    steady = (step >= 2 * s - device) & (k % 2 == 0) & (k // 2 < m_count)
+    forward = xp.where(warmup, k, xp.where(steady, k // 2, _NO_MICROBATCH))
+    u = step - (2 * s - 1 - device)
+    has_backward = (u >= 0) & (u % 2 == 0) & (u // 2 < m_count)
+    backward = xp.where(has_backward, u // 2, _NO_MICROBATCH)
+    return forward, backward
+
+
+def _positive_int(name: str, value: object, owner: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        raise TypeError(f"{owner}: `{name}` must be an int, got {type(value).__name__} {value!r}.")
+    if value < 1:
+        raise ValueError(f"{owner}: `{name}` must be at least 1, got {value}.")
+    return int(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class Action:
+    """What one device does during one step of a pipeline schedule.
+
+    **Arguments:**
+
+    - `kind`: `"forward"`, `"backward"` or `"idle"`.
+    - `microbatch`: the microbatch index (`None` when idle).
+    - `stage`: the pipeline stage index in model order (`None` when idle); with a circular
+      schedule a device runs several stages.
+
+    ```python
+    from eqpar.schedule import Action, GPipeSchedule
+    schedule = GPipeSchedule(num_stages=2, num_microbatches=2)
+    assert schedule.action(step=1, device=1) == Action("forward", microbatch=0, stage=1)
+    assert schedule.action(step=0, device=1) == Action("idle")
+    ```
+    """
+
+    kind: ActionKind
+    microbatch: int | None = None
+    stage: int | None = None
+
+    def label(self) -> str:
+        """A short text such as `F3` or `B0` (`.` for idle)."""
+        if self.kind == "idle":
+            return "."
+        return f"{self.kind[0].upper()}{self.microbatch}"
+
+
+_IDLE = Action("idle")
+
+
+class PipelineSchedule:
+    """What every device of a pipeline does at every step: the common interface of
+    `GPipeSchedule`, `CircularSchedule` and `OneFOneBSchedule`.
+
+    A schedule is a table `actions[step][device]` of `Action`s, with the bubble fraction, the
+    most microbatch inputs a device holds, a text rendering (`str(schedule)`) and a Gantt
+    chart (`plot`). Subclasses fill `self._table`.
+
+    ```python
+    from eqpar.schedule import GPipeSchedule, OneFOneBSchedule
+    gpipe = GPipeSchedule(num_stages=4, num_microbatches=8, include_backward=True)
+    one_f_one_b = OneFOneBSchedule(num_stages=4, num_microbatches=8)
+    assert gpipe.bubble_fraction == one_f_one_b.bubble_fraction == 3 / 11
+    assert gpipe.max_stored_inputs() == 8 and one_f_one_b.max_stored_inputs() == 4
+    print(one_f_one_b)
+    ```
+    """
+
+    num_stages: int
+    num_microbatches: int
+    _table: tuple[tuple[Action, ...], ...]
+    _name: str = "pipeline"
+
+    @property
+    def num_devices(self) -> int:
+        """The size of the pipeline axis."""
+        return self.num_stages
+
+    @property
+    def num_steps(self) -> int:
+        """The number of clock steps from the first action to the last."""
+        return len(self._table)
+
+    @property
+    def actions(self) -> tuple[tuple[Action, ...], ...]:
+        """The table: `actions[step][device]` is an `Action`."""
+        return self._table
+
+    def action(self, step: int, device: int) -> Action:
+        """The action of `device` at `step`.
+
+        **Arguments:**
+
+        - `step`: a clock step in `[0, num_steps)`.
+        - `device`: a position on the pipeline axis in `[0, num_devices)`.
+
+        **Returns:** an `Action`.
+        """
+        if not 0 <= step < self.num_steps:
+            raise ValueError(f"`step` must be in [0, {self.num_steps}), got {step}.")
+        if not 0 <= device < self.num_devices:
+            raise ValueError(f"`device` must be in [0, {self.num_devices}), got {device}.")
+        return self._table[step][device]
+
+    @property
+    def busy_steps(self) -> int:
+        """How many (step, device) cells hold a forward or backward action."""
+        return sum(a.kind != "idle" for row in self._table for a in row)
+
+    @property
+    def bubble_fraction(self) -> float:
+        """The idle share of all (step, device) cells: `1 - busy / (num_steps * num_devices)`."""
+        total = self.num_steps * self.num_devices
+        return (total - self.busy_steps) / total
+
+    def max_stored_inputs(self) -> int:
+        """The most microbatch stage inputs any device holds at once, counting from a
+        microbatch's forward on that device up to its backward there (forward-only schedules
+        count up to the forward)."""
+        most = 0
+        for device in range(self.num_devices):
+            held: set[tuple[int | None, int | None]] = set()
+            has_backward = any(row[device].kind == "backward" for row in self._table)
+            for row in self._table:
+                a = row[device]
+                if a.kind == "forward":
+                    held.add((a.microbatch, a.stage))
+                    most = max(most, len(held))
+                    if not has_backward:
+                        held.discard((a.microbatch, a.stage))
+                elif a.kind == "backward":
+                    held.discard((a.microbatch, a.stage))
+        return most
+
+    def __str__(self) -> str:
+        width = max(3, *(len(a.label()) + 1 for row in self._table for a in row))
+        lines = [f"{self._name}: {self.num_devices} devices, {self.num_steps} steps"]
+        for device in range(self.num_devices):
+            cells = "".join(row[device].label().rjust(width) for row in self._table)
+            lines.append(f"device {device}:{cells}")
+        return "\n".join(lines)
+
+    def plot(self, path: str | pathlib.Path, *, title: str | None = None) -> pathlib.Path:
+        """Draw the schedule as a Gantt chart and write it to a PNG file.
+
+        One row per device (device 0 on top), one column per step; forward cells are blue,
+        backward cells orange, labelled with the microbatch (and, for circular schedules, the
+        trip around the ring as `m.r`). Needs matplotlib (`pip install eqpar[plot]`).
+
+        **Arguments:**
+
+        - `path`: the PNG file to write (its folder must exist).
+        - `title`: the chart title; by default the schedule's name, size and bubble fraction.
+
+        **Returns:** `path` as a `pathlib.Path`.
+
+        ```python
+        import pathlib, tempfile
+        from eqpar.schedule import OneFOneBSchedule
+        out = pathlib.Path(tempfile.mkdtemp()) / "1f1b.png"
+        OneFOneBSchedule(num_stages=4, num_microbatches=8).plot(out)
+        assert out.read_bytes()[:4] == b"\\x89PNG"
+        ```
+        """
+        try:
+            from matplotlib.backends.backend_agg import FigureCanvasAgg
+            from matplotlib.figure import Figure
+            from matplotlib.patches import Patch
+            from matplotlib.ticker import MaxNLocator
+        except ImportError as error:  # pragma: no cover - matplotlib is a declared extra
+            raise ImportError(
+                "PipelineSchedule.plot needs matplotlib: `pip install eqpar[plot]`."
+            ) from error
+
+        path = pathlib.Path(path)
+        forward_colours = ["#4c72b0", "#8fb3e0", "#2a4d7a", "#b8cde8"]
+        backward_colours = ["#dd8452", "#f0b48f", "#a8552a"]
+        fig = Figure(figsize=(max(6.0, 0.32 * self.num_steps + 1.5), 0.5 * self.num_devices + 1.3))
+        FigureCanvasAgg(fig)
+        ax = fig.add_subplot()
+        repeats = isinstance(self, CircularSchedule) and self.num_repeats > 1
+        for step, row in enumerate(self._table):
+            for device, a in enumerate(row):
+                if a.kind == "idle":
+                    ax.add_patch(_rectangle(step, device, "#eeeeee", edge="#dddddd"))
+                    continue
+                repeat = 0 if a.stage is None else a.stage // self.num_stages
+                palette = forward_colours if a.kind == "forward" else backward_colours
+                ax.add_patch(_rectangle(step, device, palette[repeat % len(palette)]))
+                text = f"{a.microbatch}.{repeat}" if repeats else str(a.microbatch)
+                ax.text(
+                    step + 0.5,
+                    device + 0.5,
+                    text,
+                    ha="center",
+                    va="center",
+                    fontsize=7 if repeats else 8,
+                    color="white" if repeat % 2 == 0 else "black",
+                )
+        ax.set_xlim(0, self.num_steps)
+        ax.set_ylim(self.num_devices, 0)
+        ax.set_yticks([d + 0.5 for d in range(self.num_devices)])
+        ax.set_yticklabels([f"device {d}" for d in range(self.num_devices)])
+        ax.set_xlabel("step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        handles = [Patch(color=forward_colours[0], label="forward")]
+        if any(a.kind == "backward" for row in self._table for a in row):
+            handles.append(Patch(color=backward_colours[0], label="backward"))
+        handles.append(Patch(color="#eeeeee", label="idle (bubble)"))
+        ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=3)
+        if title is None:
+            title = f"{self._name}: bubble {self.bubble_fraction:.1%}"
+        ax.set_title(title, fontsize=10)
+        fig.tight_layout()
+        fig.savefig(path, format="png", dpi=110)
+        return path
+
+
+def _rectangle(step: int, device: int, colour: str, *, edge: str = "white") -> Any:
+    from matplotlib.patches import Rectangle
+
+    return Rectangle((step, device), 1, 1, facecolor=colour, edgecolor=edge, linewidth=1)
+
+
+class CircularSchedule(PipelineSchedule):
+    """The circular (interleaved) forward schedule: each device holds `num_repeats` stages.
+
+    Stage `s` lives on device `s % num_stages`, so microbatches go round the ring
+    `num_repeats` times. With `num_microbatches >= num_stages` the bubble is
+    `(S - 1) / (V * M + S - 1)` for `S` devices, `V` repeats and `M` microbatches; with fewer
+    microbatches than devices each trip still takes `S` steps and the bubble is larger.
+
+    **Arguments:**
+
+    - `num_stages`: `S`, the size of the pipeline axis (devices).
+    - `num_microbatches`: `M`.
+    - `num_repeats`: `V`, the stages per device (the model has `S * V` stages).
+
+    ```python
+    from eqpar.schedule import CircularSchedule
+    schedule = CircularSchedule(num_stages=4, num_microbatches=8, num_repeats=2)
+    assert schedule.num_steps == 2 * 8 + 4 - 1
+    assert schedule.bubble_fraction == (4 - 1) / (2 * 8 + 4 - 1)
+    ```
+    """
+
+    _name = "circular"
+
+    def __init__(self, num_stages: int, num_microbatches: int, num_repeats: int = 1):
+        owner = type(self).__name__
+        self.num_stages = _positive_int("num_stages", num_stages, owner)
+        self.num_microbatches = _positive_int("num_microbatches", num_microbatches, owner)
+        self.num_repeats = _positive_int("num_repeats", num_repeats, owner)
+        s, m, v = self.num_stages, self.num_microbatches, self.num_repeats
+        period = max(m, s)
+        num_steps = (v - 1) * period + m + s - 1
+        steps = np.arange(num_steps)[:, None]
+        devices = np.arange(s)[None, :]
+        mb, rep = _circular_slot(
+            steps, devices, num_stages=s, num_microbatches=m, num_repeats=v, xp=np
+        )
+        self._table = tuple(
+            tuple(
+                _IDLE
+                if mb[t, d] < 0
+                else Action("forward", microbatch=int(mb[t, d]), stage=int(rep[t, d]) * s + d)
+                for d in range(s)
+            )
+            for t in range(num_steps)
+        )
+
+
+class GPipeSchedule(PipelineSchedule):
+    """The GPipe schedule: every microbatch passes each device once, forward then backward.
+
+    Forward only it takes `M + S - 1` steps with bubble `(S - 1) / (M + S - 1)`. With
+    `include_backward=True` the table adds the backward pass that autodiff of the forward scan
+    runs (the steps in reverse), which doubles the steps and keeps the bubble fraction; it
+    stores all `M` microbatches' activations on each device until their backward.
+
+    **Arguments:**
+
+    - `num_stages`: `S`, the size of the pipeline axis.
+    - `num_microbatches`: `M`.
+    - `include_backward`: add the backward half of a training step.
+
+    ```python
+    from eqpar.schedule import GPipeSchedule
+    schedule = GPipeSchedule(num_stages=4, num_microbatches=4)
+    assert schedule.num_steps == 7
+    assert schedule.bubble_fraction == 3 / 7
+    print(schedule)
+    ```
+    """
+
+    _name = "GPipe"
+
+    def __init__(self, num_stages: int, num_microbatches: int, *, include_backward: bool = False):
+        forward = CircularSchedule(num_stages, num_microbatches, 1)
+        self.num_stages = forward.num_stages
+        self.num_microbatches = forward.num_microbatches
+        self.include_backward = bool(include_backward)
+        table = forward.actions
+        if self.include_backward:
+            table = table + tuple(
+                tuple(
+                    a if a.kind == "idle" else dataclasses.replace(a, kind="backward") for a in row
+                )
+                for row in reversed(forward.actions)
+            )
+        self._table = table
+
+
+class OneFOneBSchedule(PipelineSchedule):
+    """The one-forward-one-backward (1F1B) training schedule.
+
+    Device `d` runs `S - d` forwards, then alternates one backward and one forward, then
+    drains the remaining backwards. It takes `2 * (M + S - 1)` steps with the GPipe bubble
+    `(S - 1) / (M + S - 1)`, but device `d` never holds more than `S - d` microbatch inputs
+    (GPipe holds all `M`).
+
+    **Arguments:**
+
+    - `num_stages`: `S`, the size of the pipeline axis.
+    - `num_microbatches`: `M`.
+
+    ```python
+    from eqpar.schedule import OneFOneBSchedule
+    schedule = OneFOneBSchedule(num_stages=4, num_microbatches=16)
+    assert schedule.num_steps == 2 * (16 + 4 - 1)
+    assert schedule.bubble_fraction == 3 / 19
+    assert schedule.max_stored_inputs() == 4
+    ```
+    """
+
+    _name = "1F1B"
+
+    def __init__(self, num_stages: int, num_microbatches: int):
+        owner = type(self).__name__
+        self.num_stages = _positive_int("num_stages", num_stages, owner)
+        self.num_microbatches = _positive_int("num_microbatches", num_microbatches, owner)
+        s, m = self.num_stages, self.num_microbatches
+        num_steps = 2 * (m + s - 1)
+        steps = np.arange(num_steps)[:, None]
+        devices = np.arange(s)[None, :]
+        fwd, bwd = _one_f_one_b_slot(steps, devices, num_stages=s, num_microbatches=m, xp=np)
+        if np.any((fwd >= 0) & (bwd >= 0)):  # pragma: no cover - guarded by the schedule tests
+            raise AssertionError("1F1B timing put a forward and a backward on one step.")
+
+        def cell(t: int, d: int) -> Action:
+            if fwd[t, d] >= 0:
+                return Action("forward", microbatch=int(fwd[t, d]), stage=d)
+            if bwd[t, d] >= 0:
+                return Action("backward", microbatch=int(bwd[t, d]), stage=d)
+            return _IDLE
+
+        self._table = tuple(tuple(cell(t, d) for d in range(s)) for t in range(num_steps))
+
+
+__all__ = [
+    "Action",
+    "CircularSchedule",
+    "GPipeSchedule",
+    "OneFOneBSchedule",
+    "PipelineSchedule",
+]

@@ -1,0 +1,336 @@
+"""Train a small language model with data x pipeline x tensor parallelism (and optional FSDP).
+
+    python examples/train_lm.py                                  # 8 simulated CPU devices
+    python examples/train_lm.py --mesh data=2,pipe=2,model=2 --schedule 1f1b
+    python examples/train_lm.py --mesh data=8 --fsdp --check     # compare with one device
+    python examples/train_lm.py --ckpt-dir /tmp/ckpt --resume    # continue from the latest
+
+On CPU, 8 devices are simulated; on accelerators the device count comes from JAX. Any mesh
+whose product is the device count works, 1 device included. Outputs (loss curve, pipeline
+schedule) go to `--out` (default `outputs/`).
+"""
+
+import argparse
+import dataclasses
+import json
+import os
+import pathlib
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+if os.environ.get("JAX_PLATFORMS", "cpu") == "cpu" and "--platform-default" not in sys.argv:
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax
+
+if jax.config.jax_platforms in ("cpu", None) and os.environ.get("JAX_PLATFORMS") == "cpu":
+    jax.config.update("jax_num_cpu_devices", int(os.environ.get("EQPAR_NUM_CPU_DEVICES", "8")))
+
+import equinox as eqx
+import numpy as np
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+import lm
+
+import eqpar
+from eqpar.inspect import print_layout_table
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    mesh: dict[str, int]
+    schedule: str = "gpipe"
+    microbatches: int = 2
+    repeats: int = 2
+    fsdp: bool = False
+    remat: bool = False
+    ring: bool = False
+    steps: int = 40
+    batch_size: int = 16
+    lr: float = 3e-3
+    optimizer: str = "adam"
+    seed: int = 0
+
+
+def parse_mesh(text: str, device_count: int) -> dict[str, int]:
+    """`data=2,pipe=2,model=2` -> sizes of all three axes (missing ones are 1)."""
+    sizes = {lm.DATA: 1, lm.PIPE: 1, lm.MODEL: 1}
+    for part in filter(None, text.split(",")):
+        name, _, value = part.partition("=")
+        if name not in sizes or not value.isdigit() or int(value) < 1:
+            raise SystemExit(
+                f"--mesh: expected entries like data=2,pipe=2,model=2 with axes "
+                f"{sorted(sizes)}; got {part!r}."
+            )
+        sizes[name] = int(value)
+    product = int(np.prod(list(sizes.values())))
+    if product != device_count:
+        raise SystemExit(
+            f"--mesh {text}: the axis sizes multiply to {product} but there are "
+            f"{device_count} devices; choose sizes whose product is {device_count}."
+        )
+    return sizes
+
+
+def make_mesh(sizes: dict[str, int], devices: Sequence[Any] | None = None) -> eqpar.DeviceMesh:
+    shape = (sizes[lm.DATA], sizes[lm.PIPE], sizes[lm.MODEL])
+    chosen = list(jax.devices() if devices is None else devices)[: int(np.prod(shape))]
+    return eqpar.DeviceMesh(shape, (lm.DATA, lm.PIPE, lm.MODEL), devices=chosen)
+
+
+def check_sizes(config: lm.LMConfig, run: RunConfig) -> None:
+    pipe, model, data = run.mesh[lm.PIPE], run.mesh[lm.MODEL], run.mesh[lm.DATA]
+    repeats = run.repeats if run.schedule == "circular" else 1
+    problems = []
+    if config.num_layers % (pipe * repeats):
+        problems.append(
+            f"num_layers={config.num_layers} must divide by pipe x repeats = {pipe * repeats}"
+        )
+    for name, size in (("num_heads", config.num_heads), ("vocab_size", config.vocab_size)):
+        if size % model:
+            problems.append(f"{name}={size} must divide by model={model}")
+    if run.batch_size % (data * run.microbatches):
+        problems.append(
+            f"batch_size={run.batch_size} must divide by data x microbatches = "
+            f"{data * run.microbatches}"
+        )
+    if problems:
+        raise SystemExit("invalid sizes: " + "; ".join(problems))
+
+
+def storage_specs(model: lm.LM, mesh: eqpar.DeviceMesh, fsdp: bool) -> Any:
+    """Where each parameter lives: its declared spec, plus the data axis for FSDP."""
+    specs = eqpar.partition_specs(model)
+    if not fsdp or mesh.axis_size(lm.DATA) == 1:
+        return specs
+    data = mesh.axis_size(lm.DATA)
+
+    def add_data_axis(leaf: Any, spec: Any) -> Any:
+        if not eqx.is_array(leaf):
+            return spec
+        entries = list(spec) + [None] * (leaf.ndim - len(spec))
+        free = [d for d in range(leaf.ndim) if entries[d] is None and leaf.shape[d] % data == 0]
+        if not free or leaf.size * leaf.dtype.itemsize < eqpar.DEFAULT_FSDP_MIN_SIZE_BYTES:
+            return spec
+        entries[max(free, key=lambda d: leaf.shape[d])] = lm.DATA
+        return P(*entries)
+
+    return jax.tree.map(add_data_axis, model, specs, is_leaf=lambda x: isinstance(x, P))
+
+
+def build_step(model: lm.LM, mesh: eqpar.DeviceMesh, run: RunConfig, optimizer: Any) -> Any:
+    plan = lm.Parallelism(
+        schedule=run.schedule,
+        num_microbatches=run.microbatches,
+        num_repeats=run.repeats,
+        remat=run.remat,
+    )
+    specs = eqpar.partition_specs(model)
+    batch_spec = P(lm.DATA)
+    if run.schedule == "1f1b":
+        loss_and_grads = eqpar.shard_map(
+            lambda m, t: lm.local_loss_and_grads_1f1b(m, t, plan),
+            mesh=mesh,
+            in_specs=(specs, batch_spec),
+            out_specs=(P(), specs),
+        )
+    else:
+        loss = eqpar.shard_map(
+            lambda m, t: lm.local_loss(m, t, plan),
+            mesh=mesh,
+            in_specs=(specs, batch_spec),
+            out_specs=P(),
+        )
+        loss_and_grads = eqx.filter_value_and_grad(loss)
+
+    param_shardings = eqpar.named_shardings(storage_specs(model, mesh, run.fsdp), mesh)
+
+    @eqx.filter_jit(donate="all-except-first")
+    def step(tokens: jax.Array, model: lm.LM, opt_state: Any) -> tuple[lm.LM, Any, jax.Array]:
+        loss, grads = loss_and_grads(model, tokens)
+        params = eqx.filter(model, eqx.is_inexact_array)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        model = eqx.apply_updates(model, updates)
+        model = eqx.filter_shard(model, param_shardings)
+        return model, opt_state, loss
+
+    return step
+
+
+def place(model: lm.LM, optimizer: Any, mesh: eqpar.DeviceMesh, fsdp: bool) -> tuple[lm.LM, Any]:
+    shardings = eqpar.named_shardings(storage_specs(model, mesh, fsdp), mesh)
+    model = eqx.filter_shard(model, shardings)
+    opt_state = eqx.filter_jit(lambda m: optimizer.init(eqx.filter(m, eqx.is_inexact_array)))(model)
+    return model, opt_state
+
+
+def make_optimizer(run: RunConfig) -> Any:
+    """Adam by default; SGD with momentum (`--optimizer sgd`) for comparisons at float32
+    rounding: Adam divides by the gradient's running magnitude, which turns rounding noise in
+    gradients that are exactly zero in exact arithmetic (e.g. the attention keys' bias) into
+    full-size updates."""
+    if run.optimizer == "adam":
+        return optax.adam(run.lr)
+    if run.optimizer == "sgd":
+        return optax.sgd(run.lr * 30, momentum=0.9)
+    raise SystemExit(f"--optimizer must be adam or sgd; got {run.optimizer!r}")
+
+
+def train(
+    run: RunConfig,
+    *,
+    config: lm.LMConfig | None = None,
+    devices: Sequence[Any] | None = None,
+    progress: bool = True,
+    show_layout: bool = True,
+) -> tuple[list[float], lm.LM]:
+    """Train `run.steps` steps; returns the losses and the final model in model order."""
+    config = lm.LMConfig() if config is None else config
+    check_sizes(config, run)
+    mesh = make_mesh(run.mesh, devices)
+    repeats = run.repeats if run.schedule == "circular" and run.mesh[lm.PIPE] > 1 else 1
+    model = lm.LM(config, use_ring=run.ring, key=jax.random.key(run.seed))
+    model = lm.to_device_major(model, run.mesh[lm.PIPE], repeats)
+    optimizer = make_optimizer(run)
+    model, opt_state = place(model, optimizer, mesh, run.fsdp)
+    if show_layout:
+        print_layout_table(model, mesh=mesh)
+    step = build_step(model, mesh, run, optimizer)
+    corpus = lm.encode(lm.make_corpus(200_000, seed=run.seed), config.vocab_size)
+    batches = lm.Batches(corpus, batch_size=run.batch_size, seq_len=config.seq_len, seed=run.seed)
+    batch_sharding = NamedSharding(mesh.jax_mesh, P(lm.DATA))
+    losses: list[float] = []
+    bar = _progress(run.steps, progress)
+    tokens_per_step = run.batch_size * config.seq_len
+    started = time.perf_counter()
+    for position in range(run.steps):
+        tokens = jax.device_put(batches.batch(position), batch_sharding)
+        model, opt_state, loss = step(tokens, model, opt_state)
+        losses.append(float(loss))
+        elapsed = time.perf_counter() - started
+        bar.set_postfix(
+            loss=f"{losses[-1]:.3f}", tok_s=f"{tokens_per_step * len(losses) / elapsed:.0f}"
+        )
+        bar.update(1)
+    bar.close()
+    return losses, lm.to_model_order(model, run.mesh[lm.PIPE], repeats)
+
+
+def _progress(total: int, enabled: bool) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="training", disable=not enabled, dynamic_ncols=True)
+
+
+def write_pictures(losses: list[float], run: RunConfig, out: pathlib.Path) -> list[pathlib.Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    figure, axes = plt.subplots(figsize=(6, 3.5))
+    axes.plot(range(1, len(losses) + 1), losses)
+    axes.set_xlabel("step")
+    axes.set_ylabel("training loss")
+    axes.set_title(f"mesh {run.mesh}, schedule {run.schedule}")
+    figure.tight_layout()
+    curve = out / "loss_curve.png"
+    figure.savefig(curve, dpi=120)
+    plt.close(figure)
+    written = [curve]
+    stages = run.mesh[lm.PIPE]
+    if stages > 1:
+        from eqpar.schedule import CircularSchedule, GPipeSchedule, OneFOneBSchedule
+
+        if run.schedule == "circular":
+            schedule: Any = CircularSchedule(stages, run.microbatches, run.repeats)
+        elif run.schedule == "1f1b":
+            schedule = OneFOneBSchedule(stages, run.microbatches)
+        else:
+            schedule = GPipeSchedule(stages, run.microbatches, include_backward=True)
+        written.append(schedule.plot(out / f"schedule_{run.schedule}.png"))
+    return written
+
+
+def largest_differences(a: lm.LM, b: lm.LM) -> float:
+    leaves_a = jax.tree.leaves(eqx.filter(a, eqx.is_array))
+    leaves_b = jax.tree.leaves(eqx.filter(b, eqx.is_array))
+    return max(
+        float(np.max(np.abs(np.asarray(x) - np.asarray(y)))) for x, y in zip(leaves_a, leaves_b)
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--mesh", default=None, help="axis sizes, e.g. data=2,pipe=2,model=2")
+    parser.add_argument("--schedule", choices=lm.SCHEDULES, default="gpipe")
+    parser.add_argument("--microbatches", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=2, help="stages per device (circular)")
+    parser.add_argument("--fsdp", action="store_true", help="also shard parameters over data")
+    parser.add_argument("--remat", action="store_true", help="recompute stage activations")
+    parser.add_argument("--ring", action="store_true", help="ring-overlapped TPAsyncDense layers")
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--check", action="store_true", help="also run on one device and compare")
+    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("outputs"))
+    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--json", type=pathlib.Path, help="write the losses and figures here")
+    args = parser.parse_args(argv)
+
+    count = jax.device_count()
+    default_mesh = "data=2,pipe=2,model=2" if count == 8 else f"data={count}"
+    run = RunConfig(
+        mesh=parse_mesh(args.mesh or default_mesh, count),
+        schedule=args.schedule,
+        microbatches=args.microbatches,
+        repeats=args.repeats,
+        fsdp=args.fsdp,
+        remat=args.remat,
+        ring=args.ring,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        optimizer=args.optimizer,
+        seed=args.seed,
+    )
+    print(f"{count} {jax.devices()[0].platform} devices; mesh {run.mesh}; schedule {run.schedule}")
+    started = time.perf_counter()
+    losses, model = train(run, progress=not args.no_progress)
+    seconds = time.perf_counter() - started
+    print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} in {run.steps} steps ({seconds:.1f} s)")
+    for path in write_pictures(losses, run, args.out):
+        print(f"wrote {path}")
+    summary: dict[str, Any] = {"losses": losses, "seconds": seconds, "mesh": run.mesh}
+    if args.check:
+        serial_run = dataclasses.replace(
+            run, mesh={lm.DATA: 1, lm.PIPE: 1, lm.MODEL: 1}, fsdp=False
+        )
+        serial_losses, serial_model = train(
+            serial_run, devices=jax.devices()[:1], progress=False, show_layout=False
+        )
+        loss_diff = max(abs(a - b) for a, b in zip(losses, serial_losses))
+        param_diff = largest_differences(model, serial_model)
+        print(
+            f"check against one device: largest loss difference {loss_diff:.2e}, "
+            f"largest parameter difference {param_diff:.2e}"
+        )
+        summary.update(loss_difference=loss_diff, parameter_difference=param_diff)
+    if args.json:
+        args.json.write_text(json.dumps(summary))
+    return summary
+
+
+if __name__ == "__main__":
+    main()

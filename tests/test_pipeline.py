@@ -1,0 +1,735 @@
+"""Pipeline executors and PipelineModule against their serial twins (float32, rtol 1e-5)."""
+
+import re
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from eqpar._declare import declared_partition_specs
+from eqpar._paths import path_to_str
+from eqpar.nn.pipeline import PipelineModule, ScannedLayers
+from eqpar.pipeline import (
+    execute_1f1b,
+    execute_circular_pipeline,
+    execute_pipeline,
+    execute_pipeline_step,
+)
+from eqpar.schedule import CircularSchedule, GPipeSchedule, OneFOneBSchedule
+
+FEATURES = 4
+ROWS_PER_MICROBATCH = 2
+SCALE = 0.5
+RTOL = 1e-5
+
+
+class Block(eqx.Module):
+    """A residual stage that uses an extra positional and a keyword argument."""
+
+    linear: eqx.nn.Linear
+
+    def __init__(self, key):
+        self.linear = eqx.nn.Linear(FEATURES, FEATURES, key=key)
+
+    def __call__(self, x, shift, *, scale):
+        return x + scale * jnp.tanh(jax.vmap(self.linear)(x) + shift)
+
+
+def mse(y, t):
+    return jnp.mean((y - t) ** 2)
+
+
+def layout(module):
+    """shard_map in_specs for `module`'s arrays from what its modules declare."""
+    declared = declared_partition_specs(module)
+    arrays, static = eqx.partition(module, eqx.is_array)
+    specs = jax.tree_util.tree_map_with_path(
+        lambda path, _: declared.get(path_to_str(path), P()), arrays
+    )
+    return arrays, static, specs
+
+
+def assert_tree_close(actual, expected, rtol=RTOL):
+    """Leaf by leaf, error relative to the largest magnitude of the expected leaf."""
+    flat_a, tree_a = jax.tree.flatten(actual)
+    flat_e, tree_e = jax.tree.flatten(expected)
+    assert tree_a == tree_e
+    for a, e in zip(flat_a, flat_e):
+        a, e = np.asarray(a), np.asarray(e)
+        assert a.shape == e.shape and a.dtype == e.dtype == np.float32
+        np.testing.assert_allclose(a, e, rtol=rtol, atol=rtol * float(np.max(np.abs(e))))
+
+
+def pipe_mesh(size):
+    return Mesh(np.array(jax.devices()[:size]), ("pipe",))
+
+
+def batch(num_microbatches, key=1):
+    k1, k2, k3 = jax.random.split(jax.random.key(key), 3)
+    rows = num_microbatches * ROWS_PER_MICROBATCH
+    x = jax.random.normal(k1, (rows, FEATURES))
+    t = jax.random.normal(k2, (rows, FEATURES))
+    shift = 0.1 * jax.random.normal(k3, (FEATURES,))
+    return x, t, shift
+
+
+def make_module(schedule, num_stages, num_microbatches, **options):
+    return PipelineModule.from_stage_fn(
+        Block,
+        num_stages=num_stages,
+        key=jax.random.key(0),
+        num_microbatches=num_microbatches,
+        num_repeats=2 if schedule == "circular" else 1,
+        **options,
+    )
+
+
+def serial_twin(module, x, t, shift):
+    arrays, static = eqx.partition(module, eqx.is_array)
+
+    def loss(arrays, x):
+        return mse(eqx.combine(arrays, static).apply_serially(x, shift, scale=SCALE), t)
+
+    y = module.apply_serially(x, shift, scale=SCALE)
+    value, (grads, x_grads) = jax.value_and_grad(loss, argnums=(0, 1))(arrays, x)
+    return y, value, grads, x_grads
+
+
+def forward_and_grad(module, mesh, axes=("pipe",)):
+    """jit(shard_map(...)) returning (loss, per-device outputs [S, ...], grads)."""
+    arrays, static, specs = layout(module)
+    last = module.num_stages - 1
+
+    def step(arrays, x, t, shift):
+        def loss(arrays):
+            y = eqx.combine(arrays, static)(x, shift, scale=SCALE)
+            mask = lax.axis_index("pipe") == last
+            return lax.psum(jnp.where(mask, mse(y, t), 0.0), "pipe"), y
+
+        (value, y), grads = jax.value_and_grad(loss, has_aux=True)(arrays)
+        return value, y[None], grads
+
+    fn = jax.shard_map(
+        step, mesh=mesh, in_specs=(specs, P(), P(), P()), out_specs=(P(), P(axes), specs)
+    )
+    return arrays, jax.jit(fn)
+
+
+def one_f_one_b(module, mesh):
+    arrays, static, specs = layout(module)
+
+    def step(arrays, x, t, shift):
+        model = eqx.combine(arrays, static)
+        value, (grads, _, x_grads) = model.value_and_grad_1f1b(
+            mse, x, t, shift, scale=SCALE, return_all_grads=True
+        )
+        return value, eqx.filter(grads, eqx.is_array), x_grads
+
+    fn = jax.shard_map(
+        step, mesh=mesh, in_specs=(specs, P(), P(), P()), out_specs=(P(), specs, P())
+    )
+    return arrays, jax.jit(fn)
+
+
+MATRIX = [
+    (schedule, s, m)
+    for schedule in ("gpipe", "circular", "1f1b")
+    for s in (2, 4, 8)
+    for m in sorted({1, s, 4 * s})
+]
+
+
+@pytest.mark.parametrize(("schedule", "num_stages", "num_microbatches"), MATRIX)
+def test_matches_serial_twin(schedule, num_stages, num_microbatches):
+    """Forward outputs, loss and gradients (with *args and **kwargs) equal the serial run."""
+    module = make_module(schedule, num_stages, num_microbatches)
+    x, t, shift = batch(num_microbatches)
+    y_ref, loss_ref, grads_ref, x_grads_ref = serial_twin(module, x, t, shift)
+    mesh = pipe_mesh(num_stages)
+    if schedule == "1f1b":
+        arrays, fn = one_f_one_b(module, mesh)
+        loss, grads, x_grads = fn(arrays, x, t, shift)
+        assert_tree_close(x_grads, x_grads_ref)
+    else:
+        arrays, fn = forward_and_grad(module, mesh)
+        loss, y, grads = fn(arrays, x, t, shift)
+        assert_tree_close(y[-1], y_ref)
+        assert not np.any(np.asarray(y[:-1])), "non-last stages must return zeros"
+    assert_tree_close(loss, loss_ref)
+    assert_tree_close(grads, grads_ref)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "circular"])
+def test_broadcast_output(schedule):
+    module = make_module(schedule, 4, 4, broadcast_output=True)
+    x, _, shift = batch(4)
+    arrays, static, specs = layout(module)
+    fn = jax.jit(
+        jax.shard_map(
+            lambda a, x, s: eqx.combine(a, static)(x, s, scale=SCALE)[None],
+            mesh=pipe_mesh(4),
+            in_specs=(specs, P(), P()),
+            out_specs=P("pipe"),
+        )
+    )
+    y = fn(arrays, x, shift)
+    expected = module.apply_serially(x, shift, scale=SCALE)
+    for device in range(4):
+        assert_tree_close(y[device], expected)
+
+
+def _scanned_module(schedule, remat):
+    layers = eqx.filter_vmap(Block)(jax.random.split(jax.random.key(3), 8))
+    return PipelineModule.from_layers(
+        layers,
+        num_stages=2,
+        num_microbatches=4,
+        num_repeats=2 if schedule == "circular" else 1,
+        remat=remat,
+    )
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "circular", "1f1b"])
+def test_scanned_layers_with_remat(schedule):
+    """8 scanned layers cut into stages of 2 (or 4), rematerialised, against the serial twin
+    and against running the 8 layers one by one."""
+    module = _scanned_module(schedule, remat=True)
+    assert module.stages.layers.linear.weight.shape[:2] == (
+        (4, 2) if schedule == "circular" else (2, 4)
+    )
+    x, t, shift = batch(4)
+    y_ref, loss_ref, grads_ref, _ = serial_twin(module, x, t, shift)
+    layers = eqx.filter_vmap(Block)(jax.random.split(jax.random.key(3), 8))
+    h = x
+    for i in range(8):
+        h = ScannedLayers(layers).layer(i)(h, shift, scale=SCALE)
+    assert_tree_close(y_ref, h)
+    if schedule == "1f1b":
+        arrays, fn = one_f_one_b(module, pipe_mesh(2))
+        loss, grads, _ = fn(arrays, x, t, shift)
+    else:
+        arrays, fn = forward_and_grad(module, pipe_mesh(2))
+        loss, y, grads = fn(arrays, x, t, shift)
+        assert_tree_close(y[-1], y_ref)
+        jaxpr = str(jax.make_jaxpr(fn)(arrays, x, t, shift))
+        assert "checkpoint" in jaxpr or "remat" in jaxpr
+    assert_tree_close(loss, loss_ref)
+    assert_tree_close(grads, grads_ref)
+
+
+def test_remat_off_has_no_checkpoint():
+    module = _scanned_module("gpipe", remat=False)
+    arrays, fn = forward_and_grad(module, pipe_mesh(2))
+    jaxpr = str(jax.make_jaxpr(fn)(arrays, *batch(4)))
+    assert "checkpoint" not in jaxpr and "remat" not in jaxpr
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "circular", "1f1b"])
+def test_data_by_pipe_mesh(schedule):
+    """Batch split over `data`, stages over `pipe`: equals the serial run on the whole batch."""
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "pipe"))
+    module = make_module(schedule, 4, 4, broadcast_output=True)
+    x, t, shift = batch(8)  # 16 rows: 8 per data shard, 4 microbatches of 2
+    y_ref, loss_ref, grads_ref, _ = serial_twin(module, x, t, shift)
+    arrays, static, specs = layout(module)
+
+    def step(arrays, x, t, shift):
+        model = eqx.combine(arrays, static)
+        if schedule == "1f1b":
+            value, grads = model.value_and_grad_1f1b(mse, x, t, shift, scale=SCALE)
+            # As jax.grad inside shard_map: gradients of parameters replicated over `data`
+            # arrive summed over it, i.e. the gradient of the sum of the shards' losses.
+            data = lax.axis_size("data")
+            grads = jax.tree.map(lambda g: g / data, eqx.filter(grads, eqx.is_array))
+            return lax.pmean(value, "data"), jnp.zeros_like(x), grads
+
+        def loss(arrays):
+            y = eqx.combine(arrays, static)(x, shift, scale=SCALE)
+            return lax.pmean(mse(y, t), "data"), y
+
+        (value, y), grads = jax.value_and_grad(loss, has_aux=True)(arrays)
+        return value, y, grads
+
+    fn = jax.jit(
+        jax.shard_map(
+            step,
+            mesh=mesh,
+            in_specs=(specs, P("data"), P("data"), P()),
+            out_specs=(P(), P("data"), specs),
+        )
+    )
+    loss, y, grads = fn(arrays, x, t, shift)
+    if schedule != "1f1b":
+        assert_tree_close(y, y_ref)
+    assert_tree_close(loss, loss_ref)
+    assert_tree_close(grads, grads_ref)
+
+
+# --------------------------------------------------------------------------------------
+# pipe x model: tensor-parallel layers inside every stage.
+
+
+class TPBlock(eqx.Module):
+    """Column-parallel up projection, row-parallel down projection, residual."""
+
+    up: eqx.Module
+    down: eqx.Module
+
+    def __init__(self, key):
+        from eqpar.nn.tensor_parallel import TPDense
+
+        k1, k2 = jax.random.split(key)
+        self.up = TPDense(FEATURES, 2 * FEATURES, model_axis_name="model", tp_mode="gather", key=k1)
+        self.down = TPDense(
+            2 * FEATURES, FEATURES, model_axis_name="model", tp_mode="scatter", key=k2
+        )
+
+    def __call__(self, x):
+        return x + self.down(jnp.tanh(self.up(x)))
+
+    def serial(self, x):
+        up, down = self.up.to_linear(), self.down.to_linear()  # type: ignore[attr-defined]
+        return x + jax.vmap(down)(jnp.tanh(jax.vmap(up)(x)))
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "circular", "1f1b"])
+def test_pipe_by_model_mesh_with_tpdense(schedule):
+    mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("pipe", "model"))
+    module = PipelineModule.from_stage_fn(
+        TPBlock,
+        num_stages=4,
+        key=jax.random.key(5),
+        num_microbatches=4,
+        num_repeats=2 if schedule == "circular" else 1,
+    )
+    arrays, static, specs = layout(module)
+    assert specs.stages.up.weight == P("pipe", "model", None)
+    assert specs.stages.down.weight == P("pipe", None, "model")
+    x, t, _ = batch(4)
+
+    def serial_loss(arrays):
+        model = eqx.combine(arrays, static)
+        h = x
+        for s in range(4 * model.num_repeats):
+            h = model.stage(s).serial(h)
+        return mse(h, t), h
+
+    serial = jax.jit(jax.value_and_grad(serial_loss, has_aux=True))
+    (loss_ref, y_ref), grads_ref = serial(arrays)
+    features = P(None, "model")
+
+    def step(arrays, x, t):
+        model = eqx.combine(arrays, static)
+        if schedule == "1f1b":
+
+            def loss_fn(y, t):
+                return lax.pmean(mse(y, t), "model")
+
+            value, grads = model.value_and_grad_1f1b(loss_fn, x, t)
+            return value, jnp.zeros_like(x)[None], eqx.filter(grads, eqx.is_array)
+
+        def loss(arrays):
+            y = eqx.combine(arrays, static)(x)
+            last = lax.axis_index("pipe") == 3
+            value = lax.pmean(jnp.where(last, mse(y, t), 0.0), "model")
+            return lax.psum(value, "pipe"), y
+
+        (value, y), grads = jax.value_and_grad(loss, has_aux=True)(arrays)
+        return value, y[None], grads
+
+    fn = jax.jit(
+        jax.shard_map(
+            step,
+            mesh=mesh,
+            in_specs=(specs, features, features),
+            out_specs=(P(), P("pipe", None, "model"), specs),
+        )
+    )
+    loss, y, grads = fn(arrays, x, t)
+    if schedule != "1f1b":
+        assert_tree_close(y[-1], y_ref)
+    assert_tree_close(loss, loss_ref)
+    assert_tree_close(grads, grads_ref)
+
+
+# --------------------------------------------------------------------------------------
+# The primitives on their own.
+
+
+def test_execute_pipeline_step_passes_state_round_the_ring():
+    def run(scale, x, state):
+        stage = lambda h, bias, *, power: (h * scale[0] + bias) ** power
+        new_state, out = execute_pipeline_step(
+            stage, state[0], x, jnp.float32(1.0), model_axis_name="pipe", power=1
+        )
+        return new_state[None], out[None]
+
+    fn = jax.shard_map(
+        run, mesh=pipe_mesh(4), in_specs=(P("pipe"), P(), P("pipe")), out_specs=P("pipe")
+    )
+    scales = jnp.array([2.0, 3.0, 4.0, 5.0])
+    state = jnp.arange(4.0)[:, None] * jnp.ones((4, 3))
+    x = jnp.full((3,), 10.0)
+    new_state, out = fn(scales, x, state)
+    # Device 0 computes from x, device d > 0 from its state; results move one device on.
+    results = np.stack([10 * 2 + 1, 1 * 3 + 1, 2 * 4 + 1, 3 * 5 + 1]).astype(np.float32)
+    np.testing.assert_array_equal(new_state[:, 0], np.roll(results, 1))
+    np.testing.assert_array_equal(out[:, 0], [0, 0, 0, results[3]])
+
+
+def test_pytree_activations_with_integer_leaves():
+    """A stage may carry a dict with an integer leaf; it passes through, untouched by grads."""
+
+    class Masked(eqx.Module):
+        weight: jax.Array
+
+        def __call__(self, h):
+            return {"x": h["x"] * self.weight + h["count"][:, None], "count": h["count"] + 1}
+
+    weights = jnp.array([[1.5], [0.5], [2.0]]) * jnp.ones((3, 2))
+    x = {"x": jnp.arange(12.0).reshape(6, 2), "count": jnp.zeros(6, jnp.int32)}
+    t = jnp.ones((6, 2))
+    loss_fn = lambda y, t: mse(y["x"], t) + 0.0 * jnp.sum(y["count"])
+
+    def serial(w):
+        h = x
+        for i in range(3):
+            h = Masked(w[i])(h)
+        return loss_fn(h, t), h
+
+    (loss_ref, y_ref), grads_ref = jax.value_and_grad(serial, has_aux=True)(weights)
+
+    def run(w, x, t):
+        stage = Masked(w[0])
+        y = execute_pipeline(
+            stage, x, num_microbatches=3, model_axis_name="pipe", broadcast_output=True
+        )
+        loss, grads = execute_1f1b(stage, loss_fn, x, t, num_microbatches=3, model_axis_name="pipe")
+        return y, loss, grads.weight[None]
+
+    fn = jax.jit(
+        jax.shard_map(
+            run, mesh=pipe_mesh(3), in_specs=(P("pipe"), P(), P()), out_specs=(P(), P(), P("pipe"))
+        )
+    )
+    y, loss, grads = fn(weights, x, t)
+    assert_tree_close(y["x"], y_ref["x"])
+    np.testing.assert_array_equal(y["count"], np.full(6, 3))
+    assert_tree_close(loss, loss_ref)
+    assert_tree_close(grads, grads_ref)
+
+
+def test_1f1b_loss_fn_parameters_get_gradients():
+    """An output head inside `loss_fn` and the pipeline input both get gradients."""
+
+    class Head(eqx.Module):
+        linear: eqx.nn.Linear
+
+        def __call__(self, y, t):
+            return mse(jax.vmap(self.linear)(y), t)
+
+    module = make_module("1f1b", 2, 4)
+    head = Head(eqx.nn.Linear(FEATURES, 3, key=jax.random.key(9)))
+    x, _, shift = batch(4)
+    t = jax.random.normal(jax.random.key(4), (x.shape[0], 3))
+    arrays, static, specs = layout(module)
+
+    def serial(arrays, head, x):
+        return head(eqx.combine(arrays, static).apply_serially(x, shift, scale=SCALE), t)
+
+    loss_ref, refs = jax.value_and_grad(serial, argnums=(0, 1, 2))(arrays, head, x)
+
+    def step(arrays, head, x, t, shift):
+        model = eqx.combine(arrays, static)
+        value, (grads, head_grads, x_grads) = model.value_and_grad_1f1b(
+            head, x, t, shift, scale=SCALE, return_all_grads=True
+        )
+        return value, (eqx.filter(grads, eqx.is_array), head_grads, x_grads)
+
+    fn = jax.jit(
+        jax.shard_map(
+            step,
+            mesh=pipe_mesh(2),
+            in_specs=(specs, P(), P(), P(), P()),
+            out_specs=(P(), (specs, P(), P())),
+        )
+    )
+    loss, grads = fn(arrays, head, x, t, shift)
+    assert_tree_close(loss, loss_ref)
+    assert_tree_close(grads, refs)
+
+
+# --------------------------------------------------------------------------------------
+# Compile size and schedule length do not grow with the number of microbatches.
+
+
+def _compiled_size(module, mesh, schedule):
+    x, t, shift = batch(module.num_microbatches)
+    arrays, fn = (one_f_one_b if schedule == "1f1b" else forward_and_grad)(module, mesh)
+    return len(fn.lower(arrays, x, t, shift).compile().as_text())
+
+
+@pytest.mark.parametrize(
+    ("schedule", "few", "many"), [("gpipe", 4, 32), ("circular", 8, 32), ("1f1b", 4, 32)]
+)
+def test_compiled_program_is_flat_in_microbatches(schedule, few, many):
+    mesh = pipe_mesh(4)
+    small = _compiled_size(make_module(schedule, 4, few), mesh, schedule)
+    large = _compiled_size(make_module(schedule, 4, many), mesh, schedule)
+    assert abs(large - small) / small < 0.05, (small, large)
+
+
+def _scan_lengths(fn, *args):
+    return [int(n) for n in re.findall(r"\blength=(\d+)", str(jax.make_jaxpr(fn)(*args)))]
+
+
+@pytest.mark.parametrize(
+    ("schedule", "expected"),
+    [
+        ("gpipe", GPipeSchedule(4, 6)),
+        ("circular", CircularSchedule(4, 6, 2)),
+        ("1f1b", OneFOneBSchedule(4, 6)),
+    ],
+)
+def test_one_scan_with_the_schedule_length(schedule, expected):
+    module = make_module(schedule, 4, 6)
+    assert module.schedule("1f1b" if schedule == "1f1b" else "forward").actions == expected.actions
+    x, t, shift = batch(6)
+    arrays, fn = (one_f_one_b if schedule == "1f1b" else forward_and_grad)(module, pipe_mesh(4))
+    lengths = _scan_lengths(fn, arrays, x, t, shift)
+    assert expected.num_steps in lengths
+    assert len([n for n in lengths if n > 1]) <= 2  # forward scan and, for autodiff, its transpose
+
+
+# --------------------------------------------------------------------------------------
+# Errors.
+
+
+def _in_pipe(fn, size=4, in_specs=None, out_specs=None):
+    in_specs = P() if in_specs is None else in_specs
+    out_specs = P() if out_specs is None else out_specs
+    return jax.shard_map(fn, mesh=pipe_mesh(size), in_specs=in_specs, out_specs=out_specs)
+
+
+def test_batch_not_divisible_by_microbatches():
+    stage = lambda h: h * 2.0
+    fn = _in_pipe(
+        lambda x: execute_pipeline(
+            stage, x, num_microbatches=4, model_axis_name="pipe", broadcast_output=True
+        )
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"batch of 6 rows in `x` does not divide into "
+        r"num_microbatches=4",
+    ):
+        fn(jnp.ones((6, 3)))
+
+
+def test_stage_that_changes_shape():
+    stage = lambda h: jnp.concatenate([h, h], axis=-1)
+    fn = _in_pipe(
+        lambda x: execute_pipeline(
+            stage, x, num_microbatches=2, model_axis_name="pipe", broadcast_output=True
+        )
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"must return exactly the shape and dtype it takes.*"
+        r"float32\[2, 3\].*float32\[2, 6\].*outside the pipeline",
+    ):
+        fn(jnp.ones((4, 3)))
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "circular", "1f1b"])
+def test_batch_must_be_replicated_over_the_pipeline_axis(schedule):
+    stage = lambda h: h * 2.0
+
+    def run(x):
+        options = dict(num_microbatches=1, model_axis_name="pipe")
+        if schedule == "gpipe":
+            return execute_pipeline(stage, x, **options)
+        if schedule == "circular":
+            return execute_circular_pipeline(jnp.ones((2, 1)), x, **options)
+        return execute_1f1b(stage, mse, x, x, **options)[0]
+
+    fn = _in_pipe(run, in_specs=P("pipe"), out_specs=P("pipe"))
+    with pytest.raises(ValueError, match=r"`x` varies over the pipeline axis 'pipe'.*replicated"):
+        fn(jnp.ones((8, 3)))
+
+
+def test_stage_that_changes_dtype():
+    stage = lambda h: h.astype(jnp.bfloat16)
+    fn = _in_pipe(
+        lambda x: execute_pipeline(
+            stage, x, num_microbatches=1, model_axis_name="pipe", broadcast_output=True
+        )
+    )
+    with pytest.raises(ValueError, match=r"float32\[1, 3\].*bfloat16\[1, 3\]"):
+        fn(jnp.ones((1, 3)))
+
+
+@pytest.mark.parametrize(
+    ("bad", "error", "message"),
+    [(0, ValueError, "must be at least 1, got 0"), (True, TypeError, "must be an int, got bool")],
+)
+def test_microbatch_count_must_be_a_positive_int(bad, error, message):
+    fn = _in_pipe(
+        lambda x: execute_pipeline(
+            lambda h: h, x, num_microbatches=bad, model_axis_name="pipe", broadcast_output=True
+        )
+    )
+    with pytest.raises(error, match=f"`num_microbatches` {message}"):
+        fn(jnp.ones((2, 3)))
+
+
+def test_outside_shard_map():
+    module = make_module("gpipe", 2, 2)
+    x, _, shift = batch(2)
+    with pytest.raises(
+        ValueError,
+        match=r"model_axis_name='pipe'` is not a mesh axis in scope.*inside `jax.shard_map`",
+    ):
+        module(x, shift, scale=SCALE)
+
+
+def test_stage_count_differs_from_axis_size():
+    module = make_module("gpipe", 2, 2)
+    arrays, static, _ = layout(module)
+    x, _, shift = batch(2)
+    fn = _in_pipe(
+        lambda a, x, s: eqx.combine(a, static)(x, s, scale=SCALE),
+        size=4,
+        in_specs=(P(), P(), P()),
+        out_specs=P(),
+    )
+    with pytest.raises(ValueError, match=r"num_stages=2 but the mesh axis 'pipe' has 4 devices"):
+        fn(arrays, x, shift)
+
+
+def test_stages_not_sharded_over_the_axis():
+    module = make_module("gpipe", 4, 2)
+    arrays, static, _ = layout(module)
+    x, _, shift = batch(2)
+    fn = _in_pipe(
+        lambda a, x, s: eqx.combine(a, static)(x, s, scale=SCALE),
+        in_specs=(P(), P(), P()),
+        out_specs=P(),
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"each device sees 4 stacked stages but should see "
+        r"num_repeats=1.*sharded over 'pipe'",
+    ):
+        fn(arrays, x, shift)
+
+
+def test_layers_not_divisible_into_stages():
+    layers = eqx.filter_vmap(Block)(jax.random.split(jax.random.key(0), 6))
+    with pytest.raises(
+        ValueError,
+        match=r"6 layers do not divide into num_stages \* num_repeats "
+        r"= 4 \* 1 = 4",
+    ):
+        PipelineModule.from_layers(layers, num_stages=4, num_microbatches=2)
+
+
+def test_stack_depth_must_match_stage_count():
+    stages = eqx.filter_vmap(Block)(jax.random.split(jax.random.key(0), 3))
+    with pytest.raises(
+        ValueError,
+        match=r"stacked 3 deep but num_stages \* num_repeats = "
+        r"2 \* 2 = 4",
+    ):
+        PipelineModule(stages, num_stages=2, num_repeats=2, num_microbatches=1)
+    ragged = {"a": jnp.ones((2, 3)), "b": jnp.ones((3,))}
+    with pytest.raises(ValueError, match=r"same leading stacking axis.*'a': 2, 'b': 3"):
+        PipelineModule(ragged, num_stages=2, num_microbatches=1)
+
+
+def test_1f1b_rejects_circular_modules_and_bad_losses():
+    module = make_module("circular", 2, 2)
+    arrays, static, specs = layout(module)
+    x, t, shift = batch(2)
+    fn = _in_pipe(
+        lambda a, x, t, s: eqx.combine(a, static).value_and_grad_1f1b(mse, x, t, s, scale=SCALE)[0],
+        size=2,
+        in_specs=(specs, P(), P(), P()),
+    )
+    with pytest.raises(ValueError, match=r"one stage per device but this module has num_repeats=2"):
+        fn(arrays, x, t, shift)
+
+    stage = lambda h: h * 2.0
+    per_row = lambda y, t: jnp.mean((y - t) ** 2, axis=-1)
+    fn = _in_pipe(
+        lambda x, t: execute_1f1b(stage, per_row, x, t, num_microbatches=2, model_axis_name="pipe")[
+            0
+        ],
+        size=2,
+        in_specs=(P(), P()),
+    )
+    with pytest.raises(ValueError, match=r"must return one scalar per microbatch.*float32\[2\]"):
+        fn(x, t)
+    fn = _in_pipe(
+        lambda x, t: execute_1f1b(stage, mse, x, t, num_microbatches=2, model_axis_name="pipe")[0],
+        size=2,
+        in_specs=(P(), P()),
+    )
+    with pytest.raises(ValueError, match=r"`x` has 4 rows but `targets` has 2"):
+        fn(x, t[:2])
+
+
+def test_circular_stack_must_be_uniform():
+    fn = _in_pipe(
+        lambda x: execute_circular_pipeline(
+            {"a": jnp.ones((2, 3)), "b": jnp.ones((3, 3))},
+            x,
+            num_microbatches=1,
+            model_axis_name="pipe",
+            broadcast_output=True,
+        ),
+        size=2,
+    )
+    with pytest.raises(
+        ValueError, match=r"same leading stacking axis.*\"\['a'\]\": 2, \"\['b'\]\": 3"
+    ):
+        fn(jnp.ones((2, 3)))
+
+
+def test_schedule_kind():
+    module = make_module("circular", 2, 3)
+    assert module.schedule().bubble_fraction == CircularSchedule(2, 3, 2).bubble_fraction
+    with pytest.raises(ValueError, match=r"`kind` must be 'forward' or '1f1b', got 'zb'"):
+        module.schedule("zb")
+
+
+def test_stage_order_round_trips():
+    stages = eqx.filter_vmap(Block)(jax.random.split(jax.random.key(0), 6))
+    module = PipelineModule(stages, num_stages=3, num_repeats=2, num_microbatches=1)
+    # Device d holds stages d and d + 3, in stored rows 2d and 2d + 1.
+    stored = module.stages.linear.weight
+    np.testing.assert_array_equal(stored[1], stages.linear.weight[3])
+    np.testing.assert_array_equal(stored[2], stages.linear.weight[1])
+    np.testing.assert_array_equal(module.serial_stages().linear.weight, stages.linear.weight)
+    np.testing.assert_array_equal(module.stage(4).linear.weight, stages.linear.weight[4])
+    with pytest.raises(ValueError, match=r"`index` must be in \[0, 6\), got 6"):
+        module.stage(6)
+
+
+def test_partition_specs_prepend_the_pipeline_axis():
+    module = _scanned_module("gpipe", remat=False)
+    specs = module.__partition_specs__()
+    assert specs == {
+        "stages/layers/linear/weight": P("pipe", None),
+        "stages/layers/linear/bias": P("pipe", None),
+    }
+    tp = PipelineModule.from_stage_fn(
+        TPBlock, num_stages=2, key=jax.random.key(0), num_microbatches=1, axis_name="stage"
+    )
+    assert tp.__partition_specs__()["stages/up/weight"] == P("stage", "model", None)
+    assert tp.__partition_specs__()["stages/down/bias"] == P("stage", "model")
