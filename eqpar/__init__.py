@@ -6,6 +6,7 @@ device mesh. The submodules `collectives`, `ragged`, `placement`, `pipeline`, `s
 code imports.
 """
 
+from . import checkpoint as checkpoint
 from . import collectives as collectives
 from . import inspect as inspect
 from . import nn as nn

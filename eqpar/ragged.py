@@ -53,6 +53,18 @@ class RaggedSplit(NamedTuple):
       (`n_i` may be 0), placed on `devices[i]`.
     - `row_offsets`: `row_offsets[i]` has one more entry than device `i` has sequences,
       starts at 0 and ends at `n_i`; placed on `devices[i]`.
+
+    ```python
+    import jax
+    import numpy as np
+    from eqpar.ragged import RaggedSplit, split_batch
+
+    split = split_batch(jax.devices()[:2], np.arange(5.0), [0, 2, 5], [0, 1, 2])
+    assert isinstance(split, RaggedSplit)
+    tokens, row_offsets = split  # a tuple of two lists, one entry per device
+    assert split.tokens is tokens and [t.shape for t in tokens] == [(2,), (3,)]
+    assert [o.tolist() for o in split.row_offsets] == [[0, 2], [0, 3]]
+    ```
     """
 
     tokens: list[Array]
@@ -626,6 +638,19 @@ class PackedBatch(eqx.Module):
       `row_offsets` are all zero / `False`: nothing truncated ever looks valid.
     - `total_tokens`, `total_sequences`: static sizes of the original batch, used by
       `unpack_splits`.
+
+    ```python
+    import numpy as np
+    from eqpar.ragged import PackedBatch, pack_splits
+
+    # 3 sequences (2, 1 and 3 tokens) on 2 devices: the first two, then the last.
+    packed = pack_splits(np.arange(6.0), [0, 2, 3, 6], [0, 2, 3], capacity=4)
+    assert isinstance(packed, PackedBatch)
+    assert packed.tokens.shape == (2, 4)  # [num_devices, capacity]
+    assert packed.tokens[1].tolist() == [3.0, 4.0, 5.0, 0.0]  # zeros after the real tokens
+    assert packed.mask[1].tolist() == [True, True, True, False]
+    assert packed.num_tokens.tolist() == [3, 3] and not packed.overflow.any()
+    ```
     """
 
     tokens: Shaped[Array, " devices capacity *features"]

@@ -17,7 +17,7 @@ import os
 import pathlib
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 if os.environ.get("JAX_PLATFORMS", "cpu") == "cpu" and "--platform-default" not in sys.argv:
@@ -39,6 +39,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import lm
 
 import eqpar
+from eqpar.distributions import match_param_specs
 from eqpar.inspect import print_layout_table
 
 
@@ -46,12 +47,12 @@ from eqpar.inspect import print_layout_table
 class RunConfig:
     mesh: dict[str, int]
     schedule: str = "gpipe"
-    microbatches: int = 2
+    microbatches: int = 4
     repeats: int = 2
     fsdp: bool = False
     remat: bool = False
     ring: bool = False
-    steps: int = 40
+    steps: int = 120
     batch_size: int = 16
     lr: float = 3e-3
     optimizer: str = "adam"
@@ -149,7 +150,8 @@ def build_step(model: lm.LM, mesh: eqpar.DeviceMesh, run: RunConfig, optimizer: 
         )
         loss_and_grads = eqx.filter_value_and_grad(loss)
 
-    param_shardings = eqpar.named_shardings(storage_specs(model, mesh, run.fsdp), mesh)
+    param_specs = storage_specs(model, mesh, run.fsdp)
+    param_shardings = eqpar.named_shardings(param_specs, mesh)
 
     @eqx.filter_jit(donate="all-except-first")
     def step(tokens: jax.Array, model: lm.LM, opt_state: Any) -> tuple[lm.LM, Any, jax.Array]:
@@ -158,16 +160,21 @@ def build_step(model: lm.LM, mesh: eqpar.DeviceMesh, run: RunConfig, optimizer: 
         updates, opt_state = optimizer.update(grads, opt_state, params)
         model = eqx.apply_updates(model, updates)
         model = eqx.filter_shard(model, param_shardings)
+        opt_state = eqx.filter_shard(
+            opt_state, eqpar.named_shardings(match_param_specs(opt_state, model, param_specs), mesh)
+        )
         return model, opt_state, loss
 
     return step
 
 
 def place(model: lm.LM, optimizer: Any, mesh: eqpar.DeviceMesh, fsdp: bool) -> tuple[lm.LM, Any]:
-    shardings = eqpar.named_shardings(storage_specs(model, mesh, fsdp), mesh)
-    model = eqx.filter_shard(model, shardings)
-    opt_state = eqx.filter_jit(lambda m: optimizer.init(eqx.filter(m, eqx.is_inexact_array)))(model)
-    return model, opt_state
+    """The model and a fresh optimizer state, each leaf sharded as its parameter's layout."""
+    specs = storage_specs(model, mesh, fsdp)
+    model = eqx.filter_shard(model, eqpar.named_shardings(specs, mesh))
+    opt_state = optimizer.init(eqx.filter(model, eqx.is_inexact_array))
+    opt_specs = match_param_specs(opt_state, model, specs)
+    return model, eqx.filter_shard(opt_state, eqpar.named_shardings(opt_specs, mesh))
 
 
 def make_optimizer(run: RunConfig) -> Any:
@@ -175,11 +182,17 @@ def make_optimizer(run: RunConfig) -> Any:
     rounding: Adam divides by the gradient's running magnitude, which turns rounding noise in
     gradients that are exactly zero in exact arithmetic (e.g. the attention keys' bias) into
     full-size updates."""
+    warmup = optax.linear_schedule(0.0, run.lr, transition_steps=10)
     if run.optimizer == "adam":
-        return optax.adam(run.lr)
+        return optax.chain(optax.clip_by_global_norm(1.0), optax.adam(warmup))
     if run.optimizer == "sgd":
-        return optax.sgd(run.lr * 30, momentum=0.9)
+        return optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(30 * run.lr, momentum=0.9))
     raise SystemExit(f"--optimizer must be adam or sgd; got {run.optimizer!r}")
+
+
+def place_global_batch(batches: lm.Batches, position: int, mesh: eqpar.DeviceMesh) -> jax.Array:
+    """The whole batch at `position` as one array split over the data axis (one process)."""
+    return jax.device_put(batches.batch(position), NamedSharding(mesh.jax_mesh, P(lm.DATA)))
 
 
 def train(
@@ -189,8 +202,13 @@ def train(
     devices: Sequence[Any] | None = None,
     progress: bool = True,
     show_layout: bool = True,
+    place_batch: Callable[[lm.Batches, int, eqpar.DeviceMesh], jax.Array] = place_global_batch,
 ) -> tuple[list[float], lm.LM]:
-    """Train `run.steps` steps; returns the losses and the final model in model order."""
+    """Train `run.steps` steps; returns the losses and the final model in model order.
+
+    `place_batch(batches, position, mesh)` gives the global token array of a step; with
+    several processes each one feeds its own rows (see `multihost.py`).
+    """
     config = lm.LMConfig() if config is None else config
     check_sizes(config, run)
     mesh = make_mesh(run.mesh, devices)
@@ -204,13 +222,12 @@ def train(
     step = build_step(model, mesh, run, optimizer)
     corpus = lm.encode(lm.make_corpus(200_000, seed=run.seed), config.vocab_size)
     batches = lm.Batches(corpus, batch_size=run.batch_size, seq_len=config.seq_len, seed=run.seed)
-    batch_sharding = NamedSharding(mesh.jax_mesh, P(lm.DATA))
     losses: list[float] = []
     bar = _progress(run.steps, progress)
     tokens_per_step = run.batch_size * config.seq_len
     started = time.perf_counter()
     for position in range(run.steps):
-        tokens = jax.device_put(batches.batch(position), batch_sharding)
+        tokens = place_batch(batches, position, mesh)
         model, opt_state, loss = step(tokens, model, opt_state)
         losses.append(float(loss))
         elapsed = time.perf_counter() - started
@@ -273,12 +290,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     )
     parser.add_argument("--mesh", default=None, help="axis sizes, e.g. data=2,pipe=2,model=2")
     parser.add_argument("--schedule", choices=lm.SCHEDULES, default="gpipe")
-    parser.add_argument("--microbatches", type=int, default=2)
+    parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=2, help="stages per device (circular)")
     parser.add_argument("--fsdp", action="store_true", help="also shard parameters over data")
     parser.add_argument("--remat", action="store_true", help="recompute stage activations")
     parser.add_argument("--ring", action="store_true", help="ring-overlapped TPAsyncDense layers")
-    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")

@@ -1,0 +1,105 @@
+"""The main example end to end: every parallel layout trains like the same model on one device."""
+
+import dataclasses
+import pathlib
+import sys
+
+import equinox as eqx
+import jax
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "examples"))
+
+import lm
+import train_lm
+
+TINY = lm.LMConfig(vocab_size=32, seq_len=16, d_model=32, num_heads=8, d_hidden=64, num_layers=4)
+STEPS = 3
+
+
+def run_config(mesh: str, **options) -> train_lm.RunConfig:
+    return train_lm.RunConfig(
+        mesh=train_lm.parse_mesh(mesh, 8 if mesh != "data=1" else 1),
+        steps=STEPS,
+        batch_size=8,
+        optimizer="sgd",
+        **options,
+    )
+
+
+@pytest.fixture(scope="module")
+def serial():
+    run = run_config("data=1", microbatches=1)
+    return train_lm.train(
+        run, config=TINY, devices=jax.devices()[:1], progress=False, show_layout=False
+    )
+
+
+def arrays(model):
+    return [np.asarray(a) for a in jax.tree.leaves(eqx.filter(model, eqx.is_array))]
+
+
+@pytest.mark.parametrize(
+    ("mesh", "options"),
+    [
+        ("data=2,pipe=2,model=2", {"schedule": "gpipe", "microbatches": 2}),
+        ("data=2,pipe=2,model=2", {"schedule": "circular", "microbatches": 2, "ring": True}),
+        ("pipe=4,model=2", {"schedule": "1f1b", "microbatches": 4, "remat": True}),
+        ("data=8", {"fsdp": True, "microbatches": 1}),
+        ("data=2,model=4", {"fsdp": True, "microbatches": 2}),
+    ],
+    ids=["dp-pp-tp-gpipe", "circular-ring", "pp-tp-1f1b-remat", "fsdp8", "fsdp-tp"],
+)
+def test_parallel_training_equals_one_device(serial, mesh, options):
+    serial_losses, serial_model = serial
+    losses, model = train_lm.train(
+        run_config(mesh, **options), config=TINY, progress=False, show_layout=False
+    )
+    np.testing.assert_allclose(losses, serial_losses, rtol=1e-5)
+    assert losses[-1] < losses[0]
+    for got, want in zip(arrays(model), arrays(serial_model), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-6)
+
+
+def test_parameters_live_where_their_layout_says():
+    run = run_config("data=2,pipe=2,model=2", fsdp=True)
+    mesh = train_lm.make_mesh(run.mesh)
+    model = lm.LM(TINY, key=jax.random.key(0))
+    placed, opt_state = train_lm.place(model, train_lm.make_optimizer(run), mesh, fsdp=True)
+    specs = train_lm.storage_specs(model, mesh, fsdp=True)
+    flat_specs = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+    for leaf, spec in zip(
+        jax.tree.leaves(eqx.filter(placed, eqx.is_array)), flat_specs, strict=True
+    ):
+        assert leaf.sharding.spec == spec
+    qkv = placed.layers.layers.attention.qkv.weight
+    assert qkv.sharding.spec == jax.sharding.PartitionSpec("pipe", "model", "data")
+    # the optimizer's momentum mirrors the parameters' layout
+    momentum = opt_state[1][0].trace.layers.layers.attention.qkv.weight
+    assert momentum.sharding.spec == qkv.sharding.spec
+
+
+def test_cli_errors_name_the_problem(capsys):
+    with pytest.raises(SystemExit, match="multiply to 4 but there are 8 devices"):
+        train_lm.parse_mesh("data=2,model=2", 8)
+    with pytest.raises(SystemExit, match="got 'tensor=2'"):
+        train_lm.parse_mesh("tensor=2", 2)
+    run = dataclasses.replace(run_config("pipe=8"), schedule="circular", repeats=2)
+    with pytest.raises(SystemExit, match="num_layers=4 must divide by pipe x repeats = 16"):
+        train_lm.check_sizes(TINY, run)
+    with pytest.raises(SystemExit, match="batch_size=8 must divide by data x microbatches = 16"):
+        train_lm.check_sizes(TINY, run_config("data=8", microbatches=2))
+
+
+def test_main_writes_pictures_and_checks(tmp_path):
+    summary = train_lm.main(
+        [
+            "--steps", "2", "--microbatches", "2", "--no-progress", "--check",
+            "--optimizer", "sgd", "--out", str(tmp_path), "--batch-size", "8",
+        ]
+    )  # fmt: skip
+    assert (tmp_path / "loss_curve.png").stat().st_size > 1000
+    assert (tmp_path / "schedule_gpipe.png").stat().st_size > 1000
+    assert summary["loss_difference"] < 1e-5
+    assert summary["parameter_difference"] < 1e-5
