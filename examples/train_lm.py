@@ -195,6 +195,26 @@ def place_global_batch(batches: lm.Batches, position: int, mesh: eqpar.DeviceMes
     return jax.device_put(batches.batch(position), NamedSharding(mesh.jax_mesh, P(lm.DATA)))
 
 
+@dataclasses.dataclass(frozen=True)
+class CheckpointOptions:
+    """Where and how often to checkpoint; `resume` continues from the latest good step."""
+
+    directory: pathlib.Path
+    save_every: int = 10
+    keep: int = 3
+    resume: bool = False
+
+
+def _layer_order(tree: Any, num_stages: int, repeats: int, to_model: bool) -> Any:
+    """Reorder the layer stack of every LM-shaped node (the model and the optimizer moments)."""
+    convert = lm.to_model_order if to_model else lm.to_device_major
+    return jax.tree.map(
+        lambda node: convert(node, num_stages, repeats) if isinstance(node, lm.LM) else node,
+        tree,
+        is_leaf=lambda node: isinstance(node, lm.LM),
+    )
+
+
 def train(
     run: RunConfig,
     *,
@@ -203,46 +223,80 @@ def train(
     progress: bool = True,
     show_layout: bool = True,
     place_batch: Callable[[lm.Batches, int, eqpar.DeviceMesh], jax.Array] = place_global_batch,
+    checkpoint: CheckpointOptions | None = None,
 ) -> tuple[list[float], lm.LM]:
-    """Train `run.steps` steps; returns the losses and the final model in model order.
+    """Train until step `run.steps`; returns the losses of the steps run here and the final
+    model in model order.
 
     `place_batch(batches, position, mesh)` gives the global token array of a step; with
-    several processes each one feeds its own rows (see `multihost.py`).
+    several processes each one feeds its own rows (see `multihost.py`). With `checkpoint`,
+    the model, optimizer state and data position are saved every `save_every` steps and at
+    the end (in model order, so any layout can restore them), and `resume` starts from the
+    latest good checkpoint.
     """
     config = lm.LMConfig() if config is None else config
     check_sizes(config, run)
     mesh = make_mesh(run.mesh, devices)
-    repeats = run.repeats if run.schedule == "circular" and run.mesh[lm.PIPE] > 1 else 1
+    stages = run.mesh[lm.PIPE]
+    repeats = run.repeats if run.schedule == "circular" and stages > 1 else 1
     model = lm.LM(config, use_ring=run.ring, key=jax.random.key(run.seed))
-    model = lm.to_device_major(model, run.mesh[lm.PIPE], repeats)
+    model = lm.to_device_major(model, stages, repeats)
     optimizer = make_optimizer(run)
     model, opt_state = place(model, optimizer, mesh, run.fsdp)
+    start = 0
+    checkpointer = None
+    if checkpoint is not None:
+        from eqpar.checkpoint import Checkpointer
+
+        checkpointer = Checkpointer(
+            checkpoint.directory, save_every=checkpoint.save_every, keep=checkpoint.keep
+        )
+        if checkpoint.resume and checkpointer.latest_step() is not None:
+            target = _layer_order(
+                {"model": model, "opt_state": opt_state, "position": 0}, stages, repeats, True
+            )
+            state = _layer_order(checkpointer.restore(target=target), stages, repeats, False)
+            model, opt_state, start = state["model"], state["opt_state"], int(state["position"])
+            print(f"resumed from step {checkpointer.restored_step} ({checkpoint.directory})")
     if show_layout:
         print_layout_table(model, mesh=mesh)
     step = build_step(model, mesh, run, optimizer)
     corpus = lm.encode(lm.make_corpus(200_000, seed=run.seed), config.vocab_size)
     batches = lm.Batches(corpus, batch_size=run.batch_size, seq_len=config.seq_len, seed=run.seed)
     losses: list[float] = []
-    bar = _progress(run.steps, progress)
+    bar = _progress(run.steps, progress, initial=start)
     tokens_per_step = run.batch_size * config.seq_len
     started = time.perf_counter()
-    for position in range(run.steps):
-        tokens = place_batch(batches, position, mesh)
-        model, opt_state, loss = step(tokens, model, opt_state)
-        losses.append(float(loss))
-        elapsed = time.perf_counter() - started
-        bar.set_postfix(
-            loss=f"{losses[-1]:.3f}", tok_s=f"{tokens_per_step * len(losses) / elapsed:.0f}"
-        )
-        bar.update(1)
-    bar.close()
-    return losses, lm.to_model_order(model, run.mesh[lm.PIPE], repeats)
+
+    def save(position: int, *, force: bool) -> None:
+        if checkpointer is not None and (force or checkpointer.should_save(position)):
+            state = {"model": model, "opt_state": opt_state, "position": position}
+            checkpointer.save(position, _layer_order(state, stages, repeats, True), force=force)
+
+    try:
+        for position in range(start, run.steps):
+            tokens = place_batch(batches, position, mesh)
+            model, opt_state, loss = step(tokens, model, opt_state)
+            losses.append(float(loss))
+            elapsed = time.perf_counter() - started
+            bar.set_postfix(
+                loss=f"{losses[-1]:.3f}", tok_s=f"{tokens_per_step * len(losses) / elapsed:.0f}"
+            )
+            bar.update(1)
+            save(position + 1, force=position + 1 == run.steps)
+    finally:
+        bar.close()
+        if checkpointer is not None:
+            checkpointer.close()
+    return losses, lm.to_model_order(model, stages, repeats)
 
 
-def _progress(total: int, enabled: bool) -> Any:
+def _progress(total: int, enabled: bool, *, initial: int = 0) -> Any:
     from tqdm import tqdm
 
-    return tqdm(total=total, desc="training", disable=not enabled, dynamic_ncols=True)
+    return tqdm(
+        total=total, initial=initial, desc="training", disable=not enabled, dynamic_ncols=True
+    )
 
 
 def write_pictures(losses: list[float], run: RunConfig, out: pathlib.Path) -> list[pathlib.Path]:
@@ -276,6 +330,24 @@ def write_pictures(losses: list[float], run: RunConfig, out: pathlib.Path) -> li
     return written
 
 
+SIZES = {
+    "small": lm.LMConfig(),
+    "tiny": lm.LMConfig(
+        vocab_size=32, seq_len=16, d_model=32, num_heads=8, d_hidden=64, num_layers=4
+    ),
+}
+
+
+def parameter_digest(model: lm.LM) -> str:
+    """A hash of every parameter's bytes (equal digests: bitwise equal parameters)."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for leaf in jax.tree.leaves(eqx.filter(model, eqx.is_array)):
+        digest.update(np.asarray(leaf).tobytes())
+    return digest.hexdigest()
+
+
 def largest_differences(a: lm.LM, b: lm.LM) -> float:
     leaves_a = jax.tree.leaves(eqx.filter(a, eqx.is_array))
     leaves_b = jax.tree.leaves(eqx.filter(b, eqx.is_array))
@@ -304,7 +376,19 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("outputs"))
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--json", type=pathlib.Path, help="write the losses and figures here")
+    parser.add_argument("--size", choices=sorted(SIZES), default="small", help="model size")
+    parser.add_argument("--ckpt-dir", type=pathlib.Path, help="checkpoint directory")
+    parser.add_argument("--save-every", type=int, default=20, help="checkpoint every N steps")
+    parser.add_argument("--keep", type=int, default=3, help="checkpoints to keep")
+    parser.add_argument("--resume", action="store_true", help="continue from the latest")
     args = parser.parse_args(argv)
+    if args.resume and args.ckpt_dir is None:
+        parser.error("--resume needs --ckpt-dir")
+    checkpoint = (
+        None
+        if args.ckpt_dir is None
+        else CheckpointOptions(args.ckpt_dir, args.save_every, args.keep, args.resume)
+    )
 
     count = jax.device_count()
     default_mesh = "data=2,pipe=2,model=2" if count == 8 else f"data={count}"
@@ -324,18 +408,29 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     )
     print(f"{count} {jax.devices()[0].platform} devices; mesh {run.mesh}; schedule {run.schedule}")
     started = time.perf_counter()
-    losses, model = train(run, progress=not args.no_progress)
+    config = SIZES[args.size]
+    losses, model = train(run, config=config, progress=not args.no_progress, checkpoint=checkpoint)
     seconds = time.perf_counter() - started
-    print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} in {run.steps} steps ({seconds:.1f} s)")
+    summary: dict[str, Any] = {
+        "losses": losses,
+        "seconds": seconds,
+        "mesh": run.mesh,
+        "parameter_digest": parameter_digest(model),
+    }
+    if not losses:
+        print(f"nothing to do: already at step {run.steps}")
+        if args.json:
+            args.json.write_text(json.dumps(summary))
+        return summary
+    print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} in {len(losses)} steps ({seconds:.1f} s)")
     for path in write_pictures(losses, run, args.out):
         print(f"wrote {path}")
-    summary: dict[str, Any] = {"losses": losses, "seconds": seconds, "mesh": run.mesh}
     if args.check:
         serial_run = dataclasses.replace(
             run, mesh={lm.DATA: 1, lm.PIPE: 1, lm.MODEL: 1}, fsdp=False
         )
         serial_losses, serial_model = train(
-            serial_run, devices=jax.devices()[:1], progress=False, show_layout=False
+            serial_run, config=config, devices=jax.devices()[:1], progress=False, show_layout=False
         )
         loss_diff = max(abs(a - b) for a, b in zip(losses, serial_losses))
         param_diff = largest_differences(model, serial_model)
