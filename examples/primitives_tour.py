@@ -1,6 +1,6 @@
 """A tour of eqpar's primitives on a 2x4 mesh of simulated CPU devices.
 
-Run with `bash scripts/demo.sh` (or `python examples/primitives_tour.py` inside the venv).
+Run with `python examples/primitives_tour.py` inside the venv (`.venv/bin/python`).
 """
 
 import os

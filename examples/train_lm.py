@@ -20,13 +20,14 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-if os.environ.get("JAX_PLATFORMS", "cpu") == "cpu" and "--platform-default" not in sys.argv:
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
-
 import jax
 
-if jax.config.jax_platforms in ("cpu", None) and os.environ.get("JAX_PLATFORMS") == "cpu":
+# On a machine without accelerators JAX runs on the CPU: simulate 8 devices there (or
+# EQPAR_NUM_CPU_DEVICES). Accelerators are unaffected and keep their real device count.
+try:
     jax.config.update("jax_num_cpu_devices", int(os.environ.get("EQPAR_NUM_CPU_DEVICES", "8")))
+except RuntimeError:  # the backends are already running (imported by a test or a launcher)
+    pass
 
 import equinox as eqx
 import numpy as np

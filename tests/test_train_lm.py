@@ -103,3 +103,38 @@ def test_main_writes_pictures_and_checks(tmp_path):
     assert (tmp_path / "schedule_gpipe.png").stat().st_size > 1000
     assert summary["loss_difference"] < 1e-5
     assert summary["parameter_difference"] < 1e-5
+
+
+@pytest.mark.parametrize("target_mesh", ["pipe=4,model=2", "data=2,model=4", "data=1"])
+def test_checkpoint_restores_under_other_layouts(tmp_path_factory, target_mesh, saved_run):
+    from eqpar.checkpoint import Checkpointer
+
+    directory, saved_model = saved_run
+    run = run_config(target_mesh)
+    devices = jax.devices()[:1] if target_mesh == "data=1" else None
+    mesh = train_lm.make_mesh(run.mesh, devices)
+    fresh = lm.LM(TINY, key=jax.random.key(123))
+    model, opt_state = train_lm.place(fresh, train_lm.make_optimizer(run), mesh, fsdp=True)
+    target = {"model": model, "opt_state": opt_state, "position": 0}
+    with Checkpointer(directory) as checkpointer:
+        restored = checkpointer.restore(target=target)
+    assert restored["position"] == STEPS
+    for got, want, placed in zip(
+        jax.tree.leaves(eqx.filter(restored["model"], eqx.is_array)),
+        arrays(saved_model),
+        jax.tree.leaves(eqx.filter(model, eqx.is_array)),
+        strict=True,
+    ):
+        np.testing.assert_array_equal(np.asarray(got), want)  # bitwise
+        assert got.sharding == placed.sharding
+
+
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("lm-checkpoint")
+    run = run_config("data=2,pipe=2,model=2", schedule="circular", microbatches=2)
+    options = train_lm.CheckpointOptions(directory, save_every=2, keep=1)
+    _, model = train_lm.train(
+        run, config=TINY, progress=False, show_layout=False, checkpoint=options
+    )
+    return directory, arrays(model)
