@@ -35,3 +35,33 @@ from .spmd import build_sharded as build_sharded
 from .spmd import shard_map as shard_map
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "DEFAULT_FSDP_MIN_SIZE_BYTES",
+    "FSDP",
+    "DataParallel",
+    "DeclaresPartitionSpecs",
+    "DeviceMesh",
+    "Distribution",
+    "LayoutMap",
+    "ModelParallel",
+    "TensorLayout",
+    "build_sharded",
+    "checkpoint",
+    "collectives",
+    "distribution",
+    "fsdp_spec",
+    "initialize",
+    "inspect",
+    "leaf_paths",
+    "list_devices",
+    "named_shardings",
+    "nn",
+    "partition_specs",
+    "pipeline",
+    "placement",
+    "ragged",
+    "schedule",
+    "set_distribution",
+    "shard_map",
+]

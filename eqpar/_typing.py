@@ -26,6 +26,22 @@ class DeclaresPartitionSpecs(Protocol):
 
     A module that stacks copies of other modules (one per device) prepends its own
     axis to whatever the stacked modules declare themselves.
+
+    ```python
+    import equinox as eqx, jax, jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+    import eqpar
+
+    class RowSplit(eqx.Module):
+        weight: jax.Array
+
+        def __partition_specs__(self):
+            return {"weight": P("model", None)}
+
+    layer = RowSplit(jnp.ones((8, 4)))
+    assert isinstance(layer, eqpar.DeclaresPartitionSpecs)
+    assert eqpar.partition_specs(layer).weight == P("model", None)
+    ```
     """
 
     def __partition_specs__(self) -> Mapping[str, PartitionSpec]: ...

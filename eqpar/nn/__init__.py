@@ -9,3 +9,15 @@ from .tensor_parallel import ModelParallelismWrapper as ModelParallelismWrapper
 from .tensor_parallel import TPAsyncDense as TPAsyncDense
 from .tensor_parallel import TPDense as TPDense
 from .tensor_parallel import scale_init as scale_init
+
+__all__ = [
+    "ModelParallelismWrapper",
+    "PipelineModule",
+    "ScannedLayers",
+    "TPAsyncDense",
+    "TPAttentionBlock",
+    "TPDense",
+    "TPLayerNorm",
+    "TPMLPBlock",
+    "scale_init",
+]
