@@ -57,6 +57,34 @@ def _cast_tree(tree: Any, axes: Any) -> Any:
     return jax.tree.map(_cast_varying, tree, axes)
 
 
+def _vary_like_input(tree: Any, x: Any, axis_name: AxisName) -> Any:
+    """`tree`'s inexact arrays marked varying over the mesh axes the batch `x` varies over.
+
+    Parameters replicated over, say, a data axis would otherwise become varying only inside
+    the pipeline's scan, and autodiff would then sum their gradients over that axis at every
+    step of the scan; cast once here, the sum happens once, outside the loop.
+    """
+    axes = frozenset().union(*(_varying_axes(leaf) for leaf in jax.tree.leaves(x)))
+    axes = axes - {axis_name}
+    if not axes:
+        return tree
+    return jax.tree.map(
+        lambda leaf: _cast_varying(leaf, axes) if eqx.is_inexact_array(leaf) else leaf, tree
+    )
+
+
+def _sum_over_cast_axes(grads: Any, original_axes: Any, x: Any, axis_name: AxisName) -> Any:
+    """Undo `_vary_like_input` for gradients: `psum` each over the axes it was cast to."""
+    axes = frozenset().union(*(_varying_axes(leaf) for leaf in jax.tree.leaves(x)))
+    axes = axes - {axis_name}
+
+    def total(g: Any, original: frozenset) -> Any:
+        added = tuple(sorted(axes - original, key=str))
+        return lax.psum(g, added) if added else g
+
+    return jax.tree.map(total, grads, original_axes)
+
+
 def _axes_tree(tree: Any) -> Any:
     return jax.tree.map(_varying_axes, tree)
 
@@ -437,6 +465,7 @@ def execute_circular_pipeline(
     if batch is None:
         raise ValueError(f"{caller}: `x` has no array leaves; pass the batch to pipeline.")
     _check_replicated(x, "x", model_axis_name, caller)
+    stages = _vary_like_input(stages, x, model_axis_name)
     microbatches = _split_microbatches(x, num_microbatches, batch, "x", caller)
     arrays, static = eqx.partition(stages, eqx.is_array)
 
@@ -589,6 +618,12 @@ def execute_1f1b(
     microbatches = _split_microbatches(x, num_microbatches, batch, "x", caller)
     target_microbatches = _split_microbatches(targets, num_microbatches, batch, "targets", caller)
     first = _take(microbatches, 0)
+    replicated_axes = (
+        _axes_tree(eqx.filter(module, eqx.is_inexact_array)),
+        _axes_tree(eqx.filter(loss_fn, eqx.is_inexact_array)),
+    )
+    module = _vary_like_input(module, x, model_axis_name)
+    loss_fn = _vary_like_input(loss_fn, x, model_axis_name)
     _check_stage_keeps_shape(module, first, args, kwargs, caller)
 
     params, static = eqx.partition(module, eqx.is_inexact_array)
@@ -714,6 +749,10 @@ def execute_1f1b(
     )
     carry, _ = _scan(step, init, _steps(2 * (num_microbatches + num_stages - 1)))
     _, _, _, grads, loss_grads, loss, x_grads = carry
+    # Parameters replicated over the batch's axes were cast to varying before the loop: sum
+    # their gradients over those axes once, as autodiff through the replication would.
+    grads = _sum_over_cast_axes(grads, replicated_axes[0], x, model_axis_name)
+    loss_grads = _sum_over_cast_axes(loss_grads, replicated_axes[1], x, model_axis_name)
     loss = lax.psum(jnp.where(is_last, loss, jnp.zeros_like(loss)), model_axis_name)
     if not return_all_grads:
         return loss, grads
