@@ -221,6 +221,7 @@ def test_scatter_gradients_equal_psum_scatter(n, scatter):
 
 # --- what the compiler is asked to move ------------------------------------------------------
 
+
 def permute_sends(fn, n, x):
     """Bytes of each collective-permute in the compiled HLO, in program order."""
     mapped = jax.shard_map(fn, mesh=mesh_of(n), in_specs=P("x"), out_specs=P("x"))
