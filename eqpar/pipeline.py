@@ -368,6 +368,7 @@ def execute_pipeline(
     if batch is None:
         raise ValueError(f"{caller}: `x` has no array leaves; pass the batch to pipeline.")
     _check_replicated(x, "x", model_axis_name, caller)
+    module = _vary_like_input(module, x, model_axis_name)
     microbatches = _split_microbatches(x, num_microbatches, batch, "x", caller)
     _check_stage_keeps_shape(module, _take(microbatches, 0), args, kwargs, caller)
 
