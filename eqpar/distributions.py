@@ -361,30 +361,38 @@ def match_param_specs(tree: PyTree, model: PyTree, param_specs: Specs) -> Specs:
     ```
     """
     params = eqx.filter(model, is_array_like)
-    params_def = jax.tree.structure(params)
-    param_leaves = jax.tree.leaves(params)
+    flat_params = jax.tree_util.tree_flatten_with_path(params)[0]
     spec_leaves = jax.tree.leaves(param_specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
-    if len(spec_leaves) != len(param_leaves):
+    if len(spec_leaves) != len(flat_params):
         raise ValueError(
             f"match_param_specs: param_specs has {len(spec_leaves)} specs for "
-            f"{len(param_leaves)} array leaves of the model; pass the specs of this model."
+            f"{len(flat_params)} array leaves of the model; pass the specs of this model."
         )
+    by_path = {
+        path_to_str(path): (tuple(leaf.shape), spec)
+        for (path, leaf), spec in zip(flat_params, spec_leaves)
+    }
+    # Optimizers are initialised on the array part of a model filtered one way or another
+    # (`eqx.is_array`, `eqx.is_inexact_array`); a subtree shaped like either mirrors it.
+    mirrored_defs = {
+        jax.tree.structure(eqx.filter(model, keep))
+        for keep in (is_array_like, eqx.is_array, eqx.is_inexact_array)
+    }
 
     def mirrors_params(node: object) -> bool:
         if is_array_like(node) or node is None:
             return False
-        return jax.tree.structure(node) == params_def
+        return jax.tree.structure(node) in mirrored_defs
 
     def assign(node: object):
         if mirrors_params(node):
-            leaves = jax.tree.leaves(node)
-            specs = [
-                spec
-                if is_array_like(leaf) and tuple(leaf.shape) == tuple(param.shape)
-                else PartitionSpec()
-                for leaf, param, spec in zip(leaves, param_leaves, spec_leaves)
-            ]
-            return jax.tree.unflatten(params_def, specs)
+            flat, treedef = jax.tree_util.tree_flatten_with_path(node)
+            specs = []
+            for path, leaf in flat:
+                shape, spec = by_path.get(path_to_str(path), (None, PartitionSpec()))
+                same_shape = is_array_like(leaf) and tuple(leaf.shape) == shape
+                specs.append(spec if same_shape else PartitionSpec())
+            return jax.tree.unflatten(treedef, specs)
         return PartitionSpec() if is_array_like(node) else None
 
     return jax.tree.map(assign, tree, is_leaf=mirrors_params)

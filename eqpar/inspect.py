@@ -209,6 +209,14 @@ def layout_table(
     for (path, leaf), spec in zip(arrays, specs_list):
         shape = tuple(leaf.shape)
         itemsize = np.dtype(leaf.dtype).itemsize
+        for entry in tuple(spec):
+            for name in () if entry is None else entry if isinstance(entry, tuple) else (entry,):
+                if name not in sizes:
+                    raise ValueError(
+                        f"layout_table: the spec {spec} of {path!r} names the axis {name!r}, "
+                        f"which the mesh does not have (its axes: {tuple(sizes)}). Pass the "
+                        "mesh the specs were made for."
+                    )
         rows.append(
             LayoutRow(
                 path=path,

@@ -243,7 +243,11 @@ def initialize(
     - `coordinator_address`: `host:port` of process 0.
     - `num_processes`: number of processes.
     - `process_id`: this process's index.
-    - `coordinator_bind_address`: `host:port` the coordinator (process 0) listens on.
+    - `coordinator_bind_address`: `host:port` the coordinator (process 0) listens on. By
+      default the coordinator listens only on `coordinator_address` itself, never on every
+      interface. When that address is not one of process 0's own interfaces (a NAT'd public
+      IP, a Kubernetes service name, a hostname that resolves to 127.0.1.1), pass the local
+      address to listen on here, e.g. `"10.0.0.1:1234"`, or `"0.0.0.0:1234"` to listen on all.
     - `local_device_ids`: the local devices this process uses.
     - `initialization_timeout`: seconds to wait for every process to connect.
     - `cluster_detection_method`: passed to `jax.distributed.initialize`.

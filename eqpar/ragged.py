@@ -199,7 +199,7 @@ def _check_devices(devices: object, function: str) -> list[jax.Device]:  # pyrig
             raise TypeError(
                 f"{function}: devices[{index}] must be a `jax.Device`, got "
                 f"{type(device).__name__}. Take devices from `jax.devices()` or "
-                "`mesh.devices.flat`."
+                "`list(mesh.devices.flat)`."
             )
     return devices
 

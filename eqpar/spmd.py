@@ -113,6 +113,7 @@ def shard_map(
         )
         static_out: list = []
 
+        @functools.wraps(fn)
         def local(*local_dynamic):
             out = fn(*eqx.combine(local_dynamic, static))
             out_dynamic, out_static = eqx.partition(out, eqx.is_array)

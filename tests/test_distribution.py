@@ -462,3 +462,21 @@ def test_scope_is_visible_from_other_threads():
 def test_set_distribution_refuses_other_objects():
     with pytest.raises(TypeError, match="value"):
         set_distribution("data_parallel")  # type: ignore[arg-type]
+
+
+def test_optimizer_state_of_the_inexact_part_still_gets_parameter_specs():
+    import optax
+
+    from eqpar.distributions import match_param_specs
+
+    class WithIndex(eqx.Module):
+        weight: jax.Array
+        index: jax.Array  # an integer array: not a parameter
+
+    model = WithIndex(jnp.ones((8, 4)), jnp.arange(3))
+    specs = WithIndex(P("data", None), P())  # type: ignore[arg-type]
+    for keep in (eqx.is_array, eqx.is_inexact_array):
+        state = optax.adam(1e-3).init(eqx.filter(model, keep))
+        state_specs = match_param_specs(state, model, specs)
+        assert state_specs[0].mu.weight == P("data", None)
+        assert state_specs[0].count == P()

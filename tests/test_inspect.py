@@ -194,3 +194,18 @@ def test_hlo_reads_compiler_partitioned_programs():
     assert hlo.format_bytes(1536) == "1.50 KiB" and hlo.format_bytes(12) == "12 B"
     with pytest.raises(ValueError, match="no ENTRY computation"):
         hlo.collective_ops("HloModule empty")
+
+
+def test_layout_table_names_an_unknown_axis():
+    import equinox as eqx
+    import jax
+    import pytest
+    from jax.sharding import PartitionSpec as P
+
+    from eqpar import DeviceMesh
+    from eqpar.inspect import layout_table
+
+    linear = eqx.nn.Linear(8, 8, key=jax.random.key(0))
+    specs = eqx.tree_at(lambda m: (m.weight, m.bias), linear, (P("nope"), P()))
+    with pytest.raises(ValueError, match=r"'weight' names the axis 'nope'.*its axes: \('data',\)"):
+        layout_table(linear, specs, mesh=DeviceMesh((8,), ("data",)))

@@ -14,7 +14,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, PRNGKeyArray
 
-from .tensor_parallel import TPAsyncDense, TPDense
+from .tensor_parallel import TPAsyncDense, TPDense, _axis_size
 
 __all__ = ["TPAttentionBlock", "TPLayerNorm", "TPMLPBlock"]
 
@@ -168,7 +168,7 @@ class TPAttentionBlock(eqx.Module):
     ) -> Float[Array, "*batch seq features"]:
         """Attend over this device's heads; `x` is `[..., seq, d_model / n]`."""
         del key
-        n = lax.axis_size(self.model_axis_name)
+        n = _axis_size(self.model_axis_name, "TPAttentionBlock")
         if self.num_heads % n:
             raise ValueError(
                 f"TPAttentionBlock: num_heads={self.num_heads} does not divide by the size of "
@@ -259,7 +259,7 @@ class TPLayerNorm(eqx.Module):
         """Normalise this device's feature block `[..., d_model / n]`."""
         del key
         axis = self.model_axis_name
-        n = lax.axis_size(axis)
+        n = _axis_size(axis, "TPLayerNorm")
         if x.shape[-1] * n != self.d_model:
             raise ValueError(
                 f"TPLayerNorm: expected a feature block of d_model / n = {self.d_model} / {n}; "
