@@ -33,7 +33,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import eqpar
-from eqpar._hlo import collective_bytes, memory_figures
+from eqpar._hlo import collective_bytes, median_seconds, memory_figures
 from eqpar.nn import TPMLPBlock
 
 D_MODEL, D_HIDDEN, TOKENS = 256, 1024, 512
@@ -44,16 +44,6 @@ def _timed_compile(fn, *args):
     start = time.perf_counter()
     compiled = jax.jit(fn).lower(*args).compile()
     return compiled, time.perf_counter() - start
-
-
-def _step_time(compiled, *args) -> float:
-    jax.block_until_ready(compiled(*args))
-    times = []
-    for _ in range(REPEATS):
-        start = time.perf_counter()
-        jax.block_until_ready(compiled(*args))
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
 
 
 def _eqpar_step(block, mesh):
@@ -138,7 +128,7 @@ def _row(name, n, compiled, compile_s, args) -> dict:
         "collective_bytes": collective_bytes(compiled.as_text()),
         "temp_bytes": memory_figures(compiled)["temp"],
         "compile_s": compile_s,
-        "step_s": _step_time(compiled, *args),
+        "step_s": median_seconds(compiled, *args, repeats=REPEATS),
     }
 
 
