@@ -45,11 +45,11 @@ def arrays(model):
     [
         ("data=2,pipe=2,model=2", {"schedule": "gpipe", "microbatches": 2}),
         ("data=2,pipe=2,model=2", {"schedule": "circular", "microbatches": 2, "ring": True}),
-        ("pipe=4,model=2", {"schedule": "1f1b", "microbatches": 4, "remat": True}),
+        ("data=2,pipe=4", {"schedule": "1f1b", "microbatches": 2, "remat": True}),
         ("data=8", {"fsdp": True, "microbatches": 1}),
         ("data=2,model=4", {"fsdp": True, "microbatches": 2}),
     ],
-    ids=["dp-pp-tp-gpipe", "circular-ring", "pp-tp-1f1b-remat", "fsdp8", "fsdp-tp"],
+    ids=["dp-pp-tp-gpipe", "circular-ring", "dp-pp-1f1b-remat", "fsdp8", "fsdp-tp"],
 )
 def test_parallel_training_equals_one_device(serial, mesh, options):
     serial_losses, serial_model = serial
