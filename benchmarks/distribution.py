@@ -41,6 +41,7 @@ from eqpar._hlo import (
     format_bytes,
     memory_figures,
     paired_median_seconds,
+    per_device_bytes,
 )
 from eqpar.distributions import FSDP, DataParallel, ModelParallel
 from eqpar.layout import LayoutMap
@@ -112,15 +113,6 @@ def distributions():
 
 def loss_fn(model, x, y):
     return jnp.mean((jax.vmap(model)(x) - y) ** 2)
-
-
-def per_device_bytes(tree) -> int:
-    """The most any one device holds of the arrays in `tree`."""
-    held: dict = {}
-    for leaf in jax.tree.leaves(eqx.filter(tree, eqx.is_array)):
-        for shard in leaf.addressable_shards:
-            held[shard.device] = held.get(shard.device, 0) + shard.data.nbytes
-    return max(held.values())
 
 
 def eqpar_step(d):

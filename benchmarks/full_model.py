@@ -61,6 +61,7 @@ from eqpar._hlo import (
     format_bytes,
     memory_figures,
     paired_median_seconds,
+    per_device_bytes,
 )
 from eqpar.nn.blocks import attend
 
@@ -115,15 +116,6 @@ def serial_loss(model: lm.LM, tokens: jax.Array) -> jax.Array:
 
 
 # --- measuring -----------------------------------------------------------------------------
-
-
-def per_device_bytes(tree: Any) -> int:
-    """The most any one device holds of the array shards in `tree`."""
-    held: dict[Any, int] = {}
-    for leaf in jax.tree.leaves(eqx.filter(tree, eqx.is_array)):
-        for shard in leaf.addressable_shards:
-            held[shard.device] = held.get(shard.device, 0) + shard.data.nbytes
-    return max(held.values(), default=0)
 
 
 class Chained:

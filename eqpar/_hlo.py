@@ -260,6 +260,18 @@ def collective_bytes(compiled_or_text: Any) -> float:
     return collective_summary(compiled_or_text).total_bytes
 
 
+def per_device_bytes(tree: Any) -> int:
+    """The most any one device holds of the array shards in `tree` (0 for no arrays)."""
+    import equinox as eqx
+    import jax
+
+    held: dict[Any, int] = {}
+    for leaf in jax.tree.leaves(eqx.filter(tree, eqx.is_array)):
+        for shard in leaf.addressable_shards:
+            held[shard.device] = held.get(shard.device, 0) + shard.data.nbytes
+    return max(held.values(), default=0)
+
+
 def memory_figures(compiled: Any) -> dict[str, int]:
     """Per-device memory of a compiled program from `compiled.memory_analysis()`: `argument`,
     `output`, `temp`, `alias`, and `total` = argument + output + temp - alias."""

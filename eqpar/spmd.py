@@ -8,15 +8,17 @@ from typing import Any
 
 import equinox as eqx
 import jax
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import Mesh
 
 from ._typing import PyTree, Specs
-from .layout import expand_specs, is_array_like, named_shardings, partition_specs
+from .layout import (
+    _is_spec_leaf,
+    expand_specs,
+    is_array_like,
+    named_shardings,
+    partition_specs,
+)
 from .mesh import DeviceMesh, as_jax_mesh
-
-
-def _is_spec_leaf(node: object) -> bool:
-    return node is None or isinstance(node, PartitionSpec)
 
 
 def shard_map(

@@ -24,8 +24,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from eqpar._declare import declared_partition_specs, prefixed, stacked_partition_specs
-from eqpar._paths import path_to_str
+from eqpar._declare import prefixed, stacked_partition_specs
 from eqpar.nn import TPAttentionBlock, TPDense, TPLayerNorm, TPMLPBlock
 from eqpar.nn.pipeline import ScannedLayers
 from eqpar.pipeline import execute_1f1b, execute_circular_pipeline, execute_pipeline
@@ -282,10 +281,6 @@ class Head(eqx.Module):
         return vocab_parallel_cross_entropy(self.unembed(self.norm(h)), targets, MODEL)
 
 
-def _varying(x: Array) -> frozenset:
-    return frozenset(getattr(jax.typeof(x), "vma", frozenset()))
-
-
 def _pipeline_output(model: LM, h: Array, plan: Parallelism) -> Array:
     num_stages = lax.axis_size(PIPE)
     if plan.schedule == "circular" and num_stages > 1:
@@ -332,7 +327,6 @@ def local_loss_and_grads_1f1b(
         embedding,
     )
     head = Head(model.norm, model.unembed)
-    declared = declared_partition_specs(model)
     loss, (stage_grads, head_grads, h_grads) = execute_1f1b(
         Stage(model.layers, plan.remat),
         head,
@@ -345,24 +339,11 @@ def local_loss_and_grads_1f1b(
     (embed_grads,) = embed_vjp(h_grads)
     grads = eqx.tree_at(
         lambda m: (m.embed, m.position, m.layers, m.norm, m.unembed),
-        jax.tree.map(jnp.zeros_like, eqx.filter(model, eqx.is_inexact_array)),
+        eqx.filter(model, eqx.is_inexact_array),
         (*embed_grads, stage_grads.stack, head_grads.norm, head_grads.unembed),
     )
-    return lax.pmean(loss, DATA), jax.tree_util.tree_map_with_path(
-        lambda path, g: _average_over_replicas(g, declared.get(path_to_str(path), P())), grads
-    )
-
-
-def _average_over_replicas(g: Array, spec: P) -> Array:
-    """Gradients of a parameter replicated over `data` summed then averaged; over `pipe`
-    (equal on every stage) marked as replicated."""
-    named = set()
-    for entry in spec:
-        named.update(entry if isinstance(entry, tuple) else (entry,))
-    varying = _varying(g)
-    if DATA in varying and DATA not in named:
-        g = lax.psum(g, DATA)
-    g = g / lax.axis_size(DATA)
-    if PIPE in varying and PIPE not in named:
-        g = lax.pmean(g, PIPE)
-    return g
+    # Every gradient arrives summed over the data axis (execute_1f1b sums those of parameters
+    # replicated over it, and the embedding's vjp transposes the replication into a sum);
+    # the loss is the mean over data shards, so divide by their number.
+    data_shards = lax.axis_size(DATA)
+    return lax.pmean(loss, DATA), jax.tree.map(lambda g: g / data_shards, grads)
