@@ -23,6 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jax.tree_util import keystr
 
 from ._declare import declared_partition_specs
+from ._matching import compile_key, matching_keys, single_match
 from ._paths import path_to_str
 from ._typing import PyTree, Specs
 from .mesh import DeviceMesh, as_jax_mesh
@@ -233,15 +234,7 @@ class LayoutMap(MutableMapping[str, TensorLayout]):
         )
 
     def __setitem__(self, key: str, value: LayoutLike) -> None:
-        if not isinstance(key, str):
-            raise TypeError(f"LayoutMap keys must be strings; got {key!r}.")
-        try:
-            pattern = re.compile(key)
-        except re.error as error:
-            raise ValueError(
-                f"LayoutMap key {key!r} is not a valid regular expression ({error}); escape "
-                f"special characters with re.escape for a literal path."
-            ) from None
+        pattern = compile_key(key, "LayoutMap")
         layout = self._as_layout(key, value)
         self._layouts[key] = layout
         self._patterns[key] = pattern
@@ -259,20 +252,11 @@ class LayoutMap(MutableMapping[str, TensorLayout]):
     def matching_keys(self, path: str) -> list[str]:
         """The keys that select `path`: the key equal to it if there is one, else every key
         whose regular expression matches the whole path."""
-        if path in self._layouts:
-            return [path]
-        return [key for key, pattern in self._patterns.items() if pattern.fullmatch(path)]
+        return matching_keys(self._patterns, path)
 
     def _match(self, path: str) -> tuple[str, TensorLayout] | None:
-        keys = self.matching_keys(path)
-        if len(keys) > 1:
-            raise ValueError(
-                f"LayoutMap: leaf path {path!r} matches several keys {keys}; make the regular "
-                f"expressions exclusive or add the exact path as a key."
-            )
-        if not keys:
-            return None
-        return keys[0], self._layouts[keys[0]]
+        key = single_match(self._patterns, path, "LayoutMap")
+        return None if key is None else (key, self._layouts[key])
 
     def __getitem__(self, path: str) -> TensorLayout:
         found = self._match(path)
