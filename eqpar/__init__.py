@@ -31,6 +31,15 @@ from .layout import partition_specs as partition_specs
 from .mesh import DeviceMesh as DeviceMesh
 from .mesh import initialize as initialize
 from .mesh import list_devices as list_devices
+from .plan import ColumnParallel as ColumnParallel
+from .plan import FeatureParallel as FeatureParallel
+from .plan import HeadParallel as HeadParallel
+from .plan import Replicated as Replicated
+from .plan import RowParallel as RowParallel
+from .plan import Style as Style
+from .plan import VocabParallel as VocabParallel
+from .plan import parallelize as parallelize
+from .plan import unparallelize as unparallelize
 from .spmd import build_sharded as build_sharded
 from .spmd import shard_map as shard_map
 
@@ -39,13 +48,20 @@ __version__ = "0.1.0"
 __all__ = [
     "DEFAULT_FSDP_MIN_SIZE_BYTES",
     "FSDP",
+    "ColumnParallel",
     "DataParallel",
     "DeclaresPartitionSpecs",
     "DeviceMesh",
     "Distribution",
+    "FeatureParallel",
+    "HeadParallel",
     "LayoutMap",
     "ModelParallel",
+    "Replicated",
+    "RowParallel",
+    "Style",
     "TensorLayout",
+    "VocabParallel",
     "build_sharded",
     "checkpoint",
     "collectives",
@@ -57,6 +73,7 @@ __all__ = [
     "list_devices",
     "named_shardings",
     "nn",
+    "parallelize",
     "partition_specs",
     "pipeline",
     "placement",
@@ -64,4 +81,5 @@ __all__ = [
     "schedule",
     "set_distribution",
     "shard_map",
+    "unparallelize",
 ]

@@ -1,0 +1,581 @@
+"""Tensor-parallel twins of `eqx.nn` layers, made by `eqpar.parallelize`.
+
+Each class here subclasses the Equinox layer it stands for and holds exactly that layer's
+fields: the same parameter leaves, with the same global shapes and meaning (convention 1 of
+the design), plus the mesh axis as a static field. So a model keeps its own classes' call
+signatures, `isinstance(layer, eqx.nn.Linear)` still holds, a checkpoint of the converted
+model loads into the original and back, and `to_serial()` returns the original class.
+
+Inside `shard_map` each layer sees its own block of the parameters. Activations at the
+boundaries are what the original layer takes and gives, replicated over the axis; inside a
+block (between a column-parallel and a row-parallel layer, or the heads of an attention) they
+are split over the axis on the feature dimension, and the block ends with one reduction:
+
+| layer | split | takes | gives |
+| --- | --- | --- | --- |
+| `ColumnParallelLinear` | weight rows, bias | `[in]` | `[out / n]` (or `[out]`, gathered) |
+| `RowParallelLinear` | weight columns | `[in / n]` | `[out]` (one `psum`) |
+| `HeadParallelAttention` | heads | as `MultiheadAttention` | `[q_seq, out]` (one `psum`) |
+| `VocabParallelEmbedding` | rows (vocabulary) | token ids | embeddings (one `psum`) |
+| `FeatureParallelEmbedding` | columns (features) | token ids | embeddings (one gather) |
+
+Gradients need no help from the user: with `shard_map`'s default `check_vma=True`, JAX
+types a replicated input that meets a split weight as varying, and the transpose of that
+cast sums its cotangent over the axis.
+"""
+
+import dataclasses
+import inspect
+import math
+from collections.abc import Callable, Hashable, Mapping
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import PartitionSpec as P
+from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
+
+__all__ = [
+    "ColumnParallelLinear",
+    "FeatureParallelEmbedding",
+    "HeadParallelAttention",
+    "RowParallelLinear",
+    "VocabParallelEmbedding",
+    "to_serial_layer",
+]
+
+
+def _copy_fields(source: eqx.Module, target: eqx.Module, cls: type) -> None:
+    for field in dataclasses.fields(cls):  # type: ignore[arg-type]
+        object.__setattr__(target, field.name, getattr(source, field.name))
+
+
+def _rebuilt(layer: eqx.Module, cls: type) -> Any:
+    """`layer`'s fields of `cls` in a new `cls` instance (no initialisation, no key)."""
+    new = object.__new__(cls)
+    _copy_fields(layer, new, cls)
+    return new
+
+
+def _axis_size(axis_name: Hashable, owner: str) -> int:
+    try:
+        return int(lax.axis_size(axis_name))
+    except NameError as error:
+        raise ValueError(
+            f"{owner}: the mesh axis {axis_name!r} is not bound. Call the model inside "
+            f"`eqpar.shard_map` over a mesh with that axis, passing the model with the specs "
+            f"of `eqpar.partition_specs(model)`; outside shard_map use `eqpar.unparallelize`."
+        ) from error
+
+
+def _check_divides(owner: str, label: str, size: int, n: int, axis_name: Hashable) -> None:
+    if size % n:
+        raise ValueError(
+            f"{owner}: {label}={size} does not divide by the size of axis {axis_name!r} ({n}). "
+            f"Choose a model whose {label} is a multiple of {n}, or a smaller axis."
+        )
+
+
+def _check_block(owner: str, name: str, got: tuple, expected: tuple) -> None:
+    if got != expected:
+        raise ValueError(
+            f"{owner}: the local block of {name} has shape {got} but {expected} was expected. "
+            f"Pass the model into `eqpar.shard_map` with the specs of "
+            f"`eqpar.partition_specs(model)` as its in_specs."
+        )
+
+
+_GATHER_TAKES_TO = "to" in inspect.signature(lax.all_gather).parameters
+
+
+def _gather_replicated(x: Array, axis_name: Hashable, axis: int) -> Array:
+    """All-gather blocks into the whole array, typed as the same on every device.
+
+    A plain `all_gather` result is typed as varying over the axis, which a later
+    `out_specs=P()` would refuse; newer JAX can state the result is replicated.
+    """
+    if _GATHER_TAKES_TO:
+        return lax.all_gather(x, axis_name, axis=axis, tiled=True, to="invarying")  # type: ignore[call-arg]
+    gather_invariant = getattr(lax, "all_gather_invariant", None)
+    if gather_invariant is not None:
+        return gather_invariant(x, axis_name, axis=axis, tiled=True)
+    return lax.all_gather(x, axis_name, axis=axis, tiled=True)
+
+
+def _check_linear(linear: Any, owner: str) -> None:
+    if not isinstance(linear, eqx.nn.Linear):
+        raise TypeError(f"{owner}: expected an eqx.nn.Linear; got {type(linear).__name__}.")
+    if linear.in_features == "scalar" or linear.out_features == "scalar":
+        raise ValueError(
+            f"{owner}: a Linear with in_features or out_features 'scalar' has nothing to "
+            f"split; leave it replicated (eqpar.Replicated())."
+        )
+
+
+class ColumnParallelLinear(eqx.nn.Linear):
+    """`eqx.nn.Linear` with its output features split over a mesh axis.
+
+    The weight's rows (`out_features`) and the bias are split; each device computes its block
+    of the output from the whole (replicated) input. Follow it with a `RowParallelLinear` (any
+    elementwise function between them), which brings the block back to a replicated output,
+    or set `gather_output=True` to return the whole output here.
+
+    **Arguments:**
+
+    - `linear`: the `eqx.nn.Linear` to convert; its parameters are kept as they are.
+    - `axis_name`: the mesh axis to split over.
+    - `gather_output`: all-gather the output (`[out]` replicated) instead of returning this
+      device's block `[out / n]`.
+
+    ```python
+    import equinox as eqx, jax, jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+    import eqpar
+    from eqpar.nn import ColumnParallelLinear
+
+    mesh = eqpar.DeviceMesh((4,), ("model",), devices=jax.devices()[:4])
+    linear = eqx.nn.Linear(8, 12, key=jax.random.key(0))
+    layer = ColumnParallelLinear(linear, gather_output=True)
+    x = jnp.ones((5, 8))
+    f = eqpar.shard_map(
+        lambda m, x: jax.vmap(m)(x), mesh=mesh,
+        in_specs=(eqpar.partition_specs(layer), P()), out_specs=P(),
+    )
+    assert jnp.allclose(f(layer, x), jax.vmap(linear)(x), atol=1e-6)
+    ```
+    """
+
+    axis_name: Hashable = eqx.field(static=True)
+    gather_output: bool = eqx.field(static=True)
+
+    def __init__(
+        self, linear: eqx.nn.Linear, *, axis_name: Hashable = "model", gather_output: bool = False
+    ):
+        _check_linear(linear, type(self).__name__)
+        _copy_fields(linear, self, eqx.nn.Linear)
+        self.axis_name = axis_name
+        self.gather_output = bool(gather_output)
+
+    def __partition_specs__(self) -> Mapping[str, P]:
+        specs = {"weight": P(self.axis_name, None), "bias": P(self.axis_name)}
+        return specs if self.bias is not None else {"weight": specs["weight"]}
+
+    def to_serial(self) -> eqx.nn.Linear:
+        """The `eqx.nn.Linear` with the same parameters."""
+        return _rebuilt(self, eqx.nn.Linear)
+
+    def __call__(
+        self, x: Float[Array, " in_features"], *, key: PRNGKeyArray | None = None
+    ) -> Float[Array, " out_block"]:
+        """This device's block of `linear(x)` (or all of it with `gather_output=True`).
+
+        **Arguments:**
+
+        - `x`: the whole input `[in_features]`, the same on every device of the axis.
+        - `key`: unused, as in `eqx.nn.Linear`.
+
+        **Returns:** `[out_features / n]`, or `[out_features]` with `gather_output=True`.
+        """
+        owner = type(self).__name__
+        n = _axis_size(self.axis_name, owner)
+        assert isinstance(self.out_features, int) and isinstance(self.in_features, int)
+        _check_divides(owner, "out_features", self.out_features, n, self.axis_name)
+        _check_block(owner, "weight", self.weight.shape, (self.out_features // n, self.in_features))
+        y = super().__call__(x, key=key)
+        return _gather_replicated(y, self.axis_name, y.ndim - 1) if self.gather_output else y
+
+
+class RowParallelLinear(eqx.nn.Linear):
+    """`eqx.nn.Linear` with its input features split over a mesh axis.
+
+    Each device multiplies its block of the input (`[in / n]`, e.g. the output of a
+    `ColumnParallelLinear`) by its columns of the weight; one `psum` adds the partial
+    products, and the bias (replicated) is added once. The output is the whole `[out]`, the
+    same on every device.
+
+    **Arguments:**
+
+    - `linear`: the `eqx.nn.Linear` to convert.
+    - `axis_name`: the mesh axis to split over.
+
+    ```python
+    import equinox as eqx, jax, jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+    import eqpar
+    from eqpar.nn import ColumnParallelLinear, RowParallelLinear
+
+    mesh = eqpar.DeviceMesh((4,), ("model",), devices=jax.devices()[:4])
+    k1, k2 = jax.random.split(jax.random.key(0))
+    up, down = eqx.nn.Linear(8, 16, key=k1), eqx.nn.Linear(16, 8, key=k2)
+    layers = (ColumnParallelLinear(up), RowParallelLinear(down))
+    mlp = lambda ls, x: ls[1](jax.nn.relu(ls[0](x)))
+    x = jnp.ones((3, 8))
+    f = eqpar.shard_map(
+        lambda ls, x: jax.vmap(lambda row: mlp(ls, row))(x), mesh=mesh,
+        in_specs=(eqpar.partition_specs(layers), P()), out_specs=P(),
+    )
+    assert jnp.allclose(f(layers, x), jax.vmap(lambda r: mlp((up, down), r))(x), atol=1e-5)
+    ```
+    """
+
+    axis_name: Hashable = eqx.field(static=True)
+
+    def __init__(self, linear: eqx.nn.Linear, *, axis_name: Hashable = "model"):
+        _check_linear(linear, type(self).__name__)
+        _copy_fields(linear, self, eqx.nn.Linear)
+        self.axis_name = axis_name
+
+    def __partition_specs__(self) -> Mapping[str, P]:
+        specs = {"weight": P(None, self.axis_name), "bias": P()}
+        return specs if self.bias is not None else {"weight": specs["weight"]}
+
+    def to_serial(self) -> eqx.nn.Linear:
+        """The `eqx.nn.Linear` with the same parameters."""
+        return _rebuilt(self, eqx.nn.Linear)
+
+    def __call__(
+        self, x: Float[Array, " in_block"], *, key: PRNGKeyArray | None = None
+    ) -> Float[Array, " out_features"]:
+        """`linear(x)` from this device's input block, summed over the axis.
+
+        **Arguments:**
+
+        - `x`: this device's block of the input, `[in_features / n]`.
+        - `key`: unused, as in `eqx.nn.Linear`.
+
+        **Returns:** `[out_features]`, the same on every device of the axis.
+        """
+        del key
+        owner = type(self).__name__
+        n = _axis_size(self.axis_name, owner)
+        assert isinstance(self.out_features, int) and isinstance(self.in_features, int)
+        _check_divides(owner, "in_features", self.in_features, n, self.axis_name)
+        _check_block(owner, "weight", self.weight.shape, (self.out_features, self.in_features // n))
+        if x.shape != (self.in_features // n,):
+            raise ValueError(
+                f"{owner}: the input must be this device's block [in_features / n] = "
+                f"[{self.in_features // n}] (e.g. from a ColumnParallelLinear); got shape "
+                f"{x.shape}. A replicated input of [{self.in_features}] belongs to a "
+                f"ColumnParallel layer, or call this layer on its slice."
+            )
+        y = lax.psum(self.weight @ x, self.axis_name)
+        return y if self.bias is None else y + self.bias
+
+
+_ATTENTION_PROJECTIONS = ("query_proj", "key_proj", "value_proj")
+
+
+class HeadParallelAttention(eqx.nn.MultiheadAttention):
+    """`eqx.nn.MultiheadAttention` with its heads split over a mesh axis.
+
+    Device `d` of `n` computes heads `[d * h / n, (d + 1) * h / n)`: the query, key and value
+    projections are split on their output rows (head-major, as `MultiheadAttention` lays
+    them out), the output projection on its input columns, and one `psum` joins the heads'
+    contributions; the output bias is added once. The call is `MultiheadAttention`'s: padding
+    or causal masks (`[q_seq, kv_seq]`, or per head `[num_heads, q_seq, kv_seq]`), cross
+    attention (key and value of another length), `inference`, `process_heads`, and dropout
+    on the attention weights. Dropout draws the same per-head keys as the serial layer
+    (`jax.random.split(key, num_heads)`) and uses this device's, so a training step with
+    dropout equals the serial one.
+
+    **Arguments:**
+
+    - `attention`: the `eqx.nn.MultiheadAttention` to convert.
+    - `axis_name`: the mesh axis to split the heads over; `num_heads` must divide by its size.
+
+    ```python
+    import equinox as eqx, jax, jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+    import eqpar
+    from eqpar.nn import HeadParallelAttention
+
+    mesh = eqpar.DeviceMesh((4,), ("model",), devices=jax.devices()[:4])
+    attention = eqx.nn.MultiheadAttention(8, 32, key=jax.random.key(0))
+    layer = HeadParallelAttention(attention)
+    x = jax.random.normal(jax.random.key(1), (6, 32))
+    mask = jnp.tril(jnp.ones((6, 6), bool))  # causal
+    f = eqpar.shard_map(
+        lambda m, x, mask: m(x, x, x, mask), mesh=mesh,
+        in_specs=(eqpar.partition_specs(layer), P(), P()), out_specs=P(),
+    )
+    assert jnp.allclose(f(layer, x, mask), attention(x, x, x, mask), atol=1e-5)
+    ```
+    """
+
+    axis_name: Hashable = eqx.field(static=True)
+
+    def __init__(self, attention: eqx.nn.MultiheadAttention, *, axis_name: Hashable = "model"):
+        if not isinstance(attention, eqx.nn.MultiheadAttention):
+            raise TypeError(
+                f"HeadParallelAttention: expected an eqx.nn.MultiheadAttention; got "
+                f"{type(attention).__name__}."
+            )
+        _copy_fields(attention, self, eqx.nn.MultiheadAttention)
+        self.axis_name = axis_name
+
+    def __partition_specs__(self) -> Mapping[str, P]:
+        axis = self.axis_name
+        specs: dict[str, P] = {}
+        for name in _ATTENTION_PROJECTIONS:
+            specs[f"{name}/weight"] = P(axis, None)
+            if getattr(self, name).bias is not None:
+                specs[f"{name}/bias"] = P(axis)
+        specs["output_proj/weight"] = P(None, axis)
+        if self.output_proj.bias is not None:
+            specs["output_proj/bias"] = P()
+        return specs
+
+    def to_serial(self) -> eqx.nn.MultiheadAttention:
+        """The `eqx.nn.MultiheadAttention` with the same parameters."""
+        return _rebuilt(self, eqx.nn.MultiheadAttention)
+
+    def _local_heads(self, owner: str) -> tuple[int, Array]:
+        n = _axis_size(self.axis_name, owner)
+        _check_divides(owner, "num_heads", self.num_heads, n, self.axis_name)
+        heads = self.num_heads // n
+        for name, size, inputs in (
+            ("query_proj", self.qk_size, self.query_size),
+            ("key_proj", self.qk_size, self.key_size),
+            ("value_proj", self.vo_size, self.value_size),
+        ):
+            _check_block(
+                owner,
+                f"{name}.weight",
+                getattr(self, name).weight.shape,
+                (
+                    heads * size,
+                    inputs,
+                ),
+            )
+        _check_block(
+            owner,
+            "output_proj.weight",
+            self.output_proj.weight.shape,
+            (self.output_size, heads * self.vo_size),
+        )
+        return heads, lax.axis_index(self.axis_name) * heads
+
+    def __call__(
+        self,
+        query: Float[Array, "q_seq q_size"],
+        key_: Float[Array, "kv_seq k_size"],
+        value: Float[Array, "kv_seq v_size"],
+        mask: Bool[Array, "q_seq kv_seq"] | Bool[Array, "num_heads q_seq kv_seq"] | None = None,
+        *,
+        key: PRNGKeyArray | None = None,
+        inference: bool | None = None,
+        deterministic: bool | None = None,
+        process_heads: Callable | None = None,
+    ) -> Float[Array, "q_seq o_size"]:
+        """Attention over this device's heads, summed over the axis.
+
+        **Arguments:** as `eqx.nn.MultiheadAttention.__call__`; `query`, `key_`, `value` and
+        `mask` are the whole arrays, the same on every device of the axis.
+
+        **Returns:** `[q_seq, output_size]`, the same on every device of the axis.
+        """
+        owner = type(self).__name__
+        if deterministic is not None:
+            inference = deterministic
+        heads, first_head = self._local_heads(owner)
+        if key_.shape[0] != value.shape[0]:
+            raise ValueError(
+                f"{owner}: key_ and value must have the same sequence length; got "
+                f"{key_.shape[0]} and {value.shape[0]}."
+            )
+
+        def project(linear: eqx.nn.Linear, x: Array) -> Array:
+            return jax.vmap(linear)(x).reshape(x.shape[0], heads, -1)
+
+        query_heads = project(self.query_proj, query)
+        key_heads = project(self.key_proj, key_)
+        value_heads = project(self.value_proj, value)
+        if process_heads is not None:
+            shapes = (query_heads.shape, key_heads.shape, value_heads.shape)
+            query_heads, key_heads, value_heads = process_heads(query_heads, key_heads, value_heads)
+            if (query_heads.shape, key_heads.shape, value_heads.shape) != shapes:
+                raise ValueError(f"{owner}: process_heads must not change the heads' shapes.")
+        if mask is not None and mask.ndim == 3:
+            if mask.shape[0] != self.num_heads:
+                raise ValueError(
+                    f"{owner}: a per-head mask must have num_heads={self.num_heads} rows; got "
+                    f"shape {mask.shape}."
+                )
+            mask = lax.dynamic_slice_in_dim(mask, first_head, heads, axis=0)
+        # The serial layer gives head i the key split(key, num_heads)[i]: draw them all and
+        # keep this device's, so the dropout masks are the serial ones.
+        keys = None
+        if key is not None:
+            keys = lax.dynamic_slice_in_dim(
+                jax.random.split(key, self.num_heads), first_head, heads, axis=0
+            )
+
+        def one_head(q: Array, k: Array, v: Array, head_mask: Any, head_key: Any) -> Array:
+            logits = jnp.einsum("sd,Sd->sS", q / math.sqrt(q.shape[-1]), k)
+            if head_mask is not None:
+                if head_mask.shape != logits.shape:
+                    raise ValueError(
+                        f"{owner}: mask must have shape (q_seq, kv_seq) = {logits.shape} (or "
+                        f"(num_heads, q_seq, kv_seq)); got {head_mask.shape}."
+                    )
+                logits = jnp.where(head_mask, logits, jnp.finfo(logits.dtype).min)
+            with jax.numpy_dtype_promotion("standard"):
+                dtype = jnp.result_type(logits.dtype, jnp.float32)
+            weights = jax.nn.softmax(logits.astype(dtype)).astype(logits.dtype)
+            weights = self.dropout(weights, key=head_key, inference=inference)
+            return jnp.einsum("sS,Sd->sd", weights, v)
+
+        mask_axis = 0 if mask is not None and mask.ndim == 3 else None
+        key_axis = None if keys is None else 0
+        attn = jax.vmap(one_head, in_axes=(1, 1, 1, mask_axis, key_axis), out_axes=1)(
+            query_heads, key_heads, value_heads, mask, keys
+        )
+        attn = attn.reshape(query.shape[0], -1)
+        partial = jax.vmap(lambda row: self.output_proj.weight @ row)(attn)
+        out = lax.psum(partial, self.axis_name)
+        return out if self.output_proj.bias is None else out + self.output_proj.bias
+
+
+def _check_embedding(embedding: Any, owner: str) -> None:
+    if not isinstance(embedding, eqx.nn.Embedding):
+        raise TypeError(f"{owner}: expected an eqx.nn.Embedding; got {type(embedding).__name__}.")
+
+
+class VocabParallelEmbedding(eqx.nn.Embedding):
+    """`eqx.nn.Embedding` with its rows (the vocabulary) split over a mesh axis.
+
+    Each device looks the token up in its block of rows (zeros when the token is another
+    device's) and one `psum` gives every device the embedding. Memory for the table falls as
+    `1 / n`; communication is one vector per token.
+
+    **Arguments:**
+
+    - `embedding`: the `eqx.nn.Embedding` to convert.
+    - `axis_name`: the mesh axis; `num_embeddings` must divide by its size.
+
+    ```python
+    import equinox as eqx, jax, jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+    import eqpar
+    from eqpar.nn import VocabParallelEmbedding
+
+    mesh = eqpar.DeviceMesh((4,), ("model",), devices=jax.devices()[:4])
+    table = eqx.nn.Embedding(16, 6, key=jax.random.key(0))
+    layer = VocabParallelEmbedding(table)
+    ids = jnp.arange(16)
+    f = eqpar.shard_map(
+        lambda m, ids: jax.vmap(m)(ids), mesh=mesh,
+        in_specs=(eqpar.partition_specs(layer), P()), out_specs=P(),
+    )
+    assert jnp.allclose(f(layer, ids), jax.vmap(table)(ids))
+    ```
+    """
+
+    axis_name: Hashable = eqx.field(static=True)
+
+    def __init__(self, embedding: eqx.nn.Embedding, *, axis_name: Hashable = "model"):
+        _check_embedding(embedding, type(self).__name__)
+        _copy_fields(embedding, self, eqx.nn.Embedding)
+        self.axis_name = axis_name
+
+    def __partition_specs__(self) -> Mapping[str, P]:
+        return {"weight": P(self.axis_name, None)}
+
+    def to_serial(self) -> eqx.nn.Embedding:
+        """The `eqx.nn.Embedding` with the same table."""
+        return _rebuilt(self, eqx.nn.Embedding)
+
+    def __call__(self, x: Int[Array, ""], *, key: PRNGKeyArray | None = None) -> Array:
+        """The embedding of token `x`, the same on every device of the axis.
+
+        **Arguments:** `x`, the token id (an integer array); `key` unused.
+
+        **Returns:** `[embedding_size]` (with `x`'s shape in front, as `eqx.nn.Embedding`).
+        """
+        del key
+        owner = type(self).__name__
+        n = _axis_size(self.axis_name, owner)
+        _check_divides(owner, "num_embeddings", self.num_embeddings, n, self.axis_name)
+        rows = self.num_embeddings // n
+        _check_block(owner, "weight", self.weight.shape, (rows, self.embedding_size))
+        local = x - lax.axis_index(self.axis_name) * rows
+        mine = (local >= 0) & (local < rows)
+        found = self.weight[(jnp.clip(local, 0, rows - 1),)]
+        return lax.psum(jnp.where(mine[..., None], found, 0), self.axis_name)
+
+
+class FeatureParallelEmbedding(eqx.nn.Embedding):
+    """`eqx.nn.Embedding` with its columns (features) split over a mesh axis.
+
+    Each device looks the token up in its columns and one all-gather joins the blocks. Prefer
+    it to `VocabParallelEmbedding` when the vocabulary is small and the embedding wide.
+
+    **Arguments:**
+
+    - `embedding`: the `eqx.nn.Embedding` to convert.
+    - `axis_name`: the mesh axis; `embedding_size` must divide by its size.
+
+    ```python
+    import equinox as eqx, jax, jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+    import eqpar
+    from eqpar.nn import FeatureParallelEmbedding
+
+    mesh = eqpar.DeviceMesh((4,), ("model",), devices=jax.devices()[:4])
+    table = eqx.nn.Embedding(10, 8, key=jax.random.key(0))
+    layer = FeatureParallelEmbedding(table)
+    ids = jnp.arange(10)
+    f = eqpar.shard_map(
+        lambda m, ids: jax.vmap(m)(ids), mesh=mesh,
+        in_specs=(eqpar.partition_specs(layer), P()), out_specs=P(),
+    )
+    assert jnp.allclose(f(layer, ids), jax.vmap(table)(ids))
+    ```
+    """
+
+    axis_name: Hashable = eqx.field(static=True)
+
+    def __init__(self, embedding: eqx.nn.Embedding, *, axis_name: Hashable = "model"):
+        _check_embedding(embedding, type(self).__name__)
+        _copy_fields(embedding, self, eqx.nn.Embedding)
+        self.axis_name = axis_name
+
+    def __partition_specs__(self) -> Mapping[str, P]:
+        return {"weight": P(None, self.axis_name)}
+
+    def to_serial(self) -> eqx.nn.Embedding:
+        """The `eqx.nn.Embedding` with the same table."""
+        return _rebuilt(self, eqx.nn.Embedding)
+
+    def __call__(self, x: Int[Array, ""], *, key: PRNGKeyArray | None = None) -> Array:
+        """The embedding of token `x`, the same on every device of the axis.
+
+        **Arguments:** `x`, the token id (an integer array); `key` unused.
+
+        **Returns:** `[embedding_size]` (with `x`'s shape in front, as `eqx.nn.Embedding`).
+        """
+        del key
+        owner = type(self).__name__
+        n = _axis_size(self.axis_name, owner)
+        _check_divides(owner, "embedding_size", self.embedding_size, n, self.axis_name)
+        _check_block(
+            owner, "weight", self.weight.shape, (self.num_embeddings, self.embedding_size // n)
+        )
+        found = self.weight[(x,)]
+        return _gather_replicated(found, self.axis_name, found.ndim - 1)
+
+
+_PARALLEL_LAYERS = (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    HeadParallelAttention,
+    VocabParallelEmbedding,
+    FeatureParallelEmbedding,
+)
+
+
+def to_serial_layer(layer: Any) -> Any:
+    """`layer.to_serial()` for the layers of this module; any other value as it is."""
+    return layer.to_serial() if isinstance(layer, _PARALLEL_LAYERS) else layer

@@ -1,0 +1,356 @@
+"""Parallelization plans: convert the layers of an existing Equinox model in place.
+
+A plan maps module paths (the `/`-joined paths `LayoutMap` keys use, e.g.
+`layers/0/attention`, or a regular expression such as `layers/\\d+/mlp/up`) to a *style*:
+how that layer is split over a mesh axis. `parallelize(model, plan)` returns the same model
+with each planned layer replaced by its tensor-parallel twin from `eqpar.nn` (same
+parameters, same call signature, same class by `isinstance`), so the author's own
+`__call__` methods run unchanged inside `eqpar.shard_map`. `unparallelize` gives the
+original classes back.
+"""
+
+import dataclasses
+import difflib
+import warnings
+from collections.abc import Hashable, Mapping
+from typing import Any
+
+import equinox as eqx
+import jax
+
+from ._matching import compile_key, matching_keys, single_match
+from ._paths import path_to_str
+from ._typing import PyTree
+from .mesh import DeviceMesh, as_jax_mesh
+from .nn.parallel_layers import (
+    _PARALLEL_LAYERS,
+    ColumnParallelLinear,
+    FeatureParallelEmbedding,
+    HeadParallelAttention,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    to_serial_layer,
+)
+
+__all__ = [
+    "ColumnParallel",
+    "FeatureParallel",
+    "HeadParallel",
+    "Replicated",
+    "RowParallel",
+    "Style",
+    "VocabParallel",
+    "parallelize",
+    "unparallelize",
+]
+
+# The layers a plan can name: everything else is reached by its path but not converted.
+_PLANNABLE = (
+    eqx.nn.Linear,
+    eqx.nn.MultiheadAttention,
+    eqx.nn.Embedding,
+    eqx.nn.LayerNorm,
+    eqx.nn.RMSNorm,
+)
+
+
+class Style:
+    """How one layer is split; the styles are `ColumnParallel`, `RowParallel`,
+    `HeadParallel`, `VocabParallel`, `FeatureParallel` and `Replicated`."""
+
+    accepts: tuple[type, ...] = ()
+
+    def convert(self, layer: Any) -> Any:
+        """The converted layer (`layer` is already in its original class)."""
+        raise NotImplementedError
+
+    def split_sizes(self, layer: Any) -> dict[str, int]:
+        """The sizes that must divide by the axis size, by name."""
+        return {}
+
+    @property
+    def axis(self) -> Hashable | None:
+        return getattr(self, "axis_name", None)
+
+
+@dataclasses.dataclass(frozen=True)
+class ColumnParallel(Style):
+    """Split an `eqx.nn.Linear`'s output features over `axis_name` (`ColumnParallelLinear`).
+
+    It takes the replicated input and gives this device's block of the output, for a
+    following `RowParallel` layer; with `gather_output=True` it gives the whole output.
+    """
+
+    axis_name: Hashable = "model"
+    gather_output: bool = False
+    accepts = (eqx.nn.Linear,)
+
+    def convert(self, layer: Any) -> Any:
+        return ColumnParallelLinear(
+            layer, axis_name=self.axis_name, gather_output=self.gather_output
+        )
+
+    def split_sizes(self, layer: Any) -> dict[str, int]:
+        return {"out_features": layer.out_features}
+
+
+@dataclasses.dataclass(frozen=True)
+class RowParallel(Style):
+    """Split an `eqx.nn.Linear`'s input features over `axis_name` (`RowParallelLinear`): it
+    takes this device's block and gives the whole output (one `psum`)."""
+
+    axis_name: Hashable = "model"
+    accepts = (eqx.nn.Linear,)
+
+    def convert(self, layer: Any) -> Any:
+        return RowParallelLinear(layer, axis_name=self.axis_name)
+
+    def split_sizes(self, layer: Any) -> dict[str, int]:
+        return {"in_features": layer.in_features}
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadParallel(Style):
+    """Split an `eqx.nn.MultiheadAttention`'s heads over `axis_name`
+    (`HeadParallelAttention`): replicated in, replicated out, one `psum`."""
+
+    axis_name: Hashable = "model"
+    accepts = (eqx.nn.MultiheadAttention,)
+
+    def convert(self, layer: Any) -> Any:
+        return HeadParallelAttention(layer, axis_name=self.axis_name)
+
+    def split_sizes(self, layer: Any) -> dict[str, int]:
+        return {"num_heads": layer.num_heads}
+
+
+@dataclasses.dataclass(frozen=True)
+class VocabParallel(Style):
+    """Split an `eqx.nn.Embedding`'s rows over `axis_name` (`VocabParallelEmbedding`)."""
+
+    axis_name: Hashable = "model"
+    accepts = (eqx.nn.Embedding,)
+
+    def convert(self, layer: Any) -> Any:
+        return VocabParallelEmbedding(layer, axis_name=self.axis_name)
+
+    def split_sizes(self, layer: Any) -> dict[str, int]:
+        return {"num_embeddings": layer.num_embeddings}
+
+
+@dataclasses.dataclass(frozen=True)
+class FeatureParallel(Style):
+    """Split an `eqx.nn.Embedding`'s columns over `axis_name` (`FeatureParallelEmbedding`)."""
+
+    axis_name: Hashable = "model"
+    accepts = (eqx.nn.Embedding,)
+
+    def convert(self, layer: Any) -> Any:
+        return FeatureParallelEmbedding(layer, axis_name=self.axis_name)
+
+    def split_sizes(self, layer: Any) -> dict[str, int]:
+        return {"embedding_size": layer.embedding_size}
+
+
+@dataclasses.dataclass(frozen=True)
+class Replicated(Style):
+    """Keep the layer whole on every device (its original class; norms, small heads)."""
+
+    accepts = _PLANNABLE
+
+    def convert(self, layer: Any) -> Any:
+        return layer
+
+
+def _is_plannable(node: object) -> bool:
+    return isinstance(node, _PLANNABLE)
+
+
+def _check_plan(plan: object) -> dict[str, Any]:
+    if not isinstance(plan, Mapping):
+        raise TypeError(
+            f"parallelize: plan must be a mapping from module paths to styles, e.g. "
+            f"{{'layers/\\\\d+/mlp/up': eqpar.ColumnParallel()}}; got {type(plan).__name__}."
+        )
+    patterns = {}
+    for key, style in plan.items():
+        patterns[key] = compile_key(key, "parallelize: plan")
+        if not isinstance(style, Style):
+            raise TypeError(
+                f"parallelize: plan[{key!r}] must be a style (ColumnParallel(), RowParallel(), "
+                f"HeadParallel(), VocabParallel(), FeatureParallel(), Replicated()); got "
+                f"{type(style).__name__}."
+            )
+    return patterns
+
+
+def parallelize(
+    model: PyTree,
+    plan: Mapping[str, Any],
+    *,
+    mesh: DeviceMesh | jax.sharding.Mesh | None = None,
+    strict: bool = True,
+) -> PyTree:
+    """The model with the layers the plan names converted to their tensor-parallel twins.
+
+    Keys are matched against the paths of the model's `eqx.nn.Linear`,
+    `eqx.nn.MultiheadAttention`, `eqx.nn.Embedding`, `eqx.nn.LayerNorm` and `eqx.nn.RMSNorm`
+    layers, wherever they sit (fields of your modules, lists, dicts, stacks made with
+    `eqx.filter_vmap`): a key equal to the path wins, else exactly one key may match it as a
+    regular expression (`re.fullmatch`), as for `LayoutMap`. Layers no key names stay as
+    they are (replicated over the axis). Each converted layer keeps its parameters (the
+    global view: same leaves, shapes and meaning) and its call signature, and declares its
+    sharding, so `eqpar.partition_specs(model)` gives the `shard_map` in_specs. A layer
+    that is already converted is converted afresh from its original class.
+
+    **Arguments:**
+
+    - `model`: any Equinox model (or pytree of them); arrays may be abstract.
+    - `plan`: `{path or regex: style}`; the styles are `ColumnParallel`, `RowParallel`,
+      `HeadParallel`, `VocabParallel`, `FeatureParallel` and `Replicated`.
+    - `mesh`: optional; when given, the styles' axes must be mesh axes and every size the
+      plan splits must divide by its axis size (checked here rather than at trace time).
+    - `strict`: a plan key that matches no layer raises (`True`) or warns (`False`).
+
+    **Returns:** the converted model (a new pytree; `model` is unchanged).
+
+    ```python
+    import equinox as eqx, jax, jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+    import eqpar
+
+    class MLP(eqx.Module):  # written without eqpar in mind
+        up: eqx.nn.Linear
+        down: eqx.nn.Linear
+        def __init__(self, key):
+            k1, k2 = jax.random.split(key)
+            self.up, self.down = eqx.nn.Linear(8, 32, key=k1), eqx.nn.Linear(32, 8, key=k2)
+        def __call__(self, x):
+            return self.down(jax.nn.gelu(self.up(x)))
+
+    mesh = eqpar.DeviceMesh((2, 4), ("data", "model"))
+    model = MLP(jax.random.key(0))
+    plan = {"up": eqpar.ColumnParallel(), "down": eqpar.RowParallel()}
+    parallel = eqpar.parallelize(model, plan, mesh=mesh)
+    forward = eqpar.shard_map(
+        lambda m, x: jax.vmap(m)(x), mesh=mesh,
+        in_specs=(eqpar.partition_specs(parallel), P("data")), out_specs=P("data"),
+    )
+    x = jnp.ones((4, 8))
+    assert jnp.allclose(forward(parallel, x), jax.vmap(model)(x), atol=1e-5)
+    assert eqx.tree_equal(eqpar.unparallelize(parallel), model)
+    ```
+    """
+    patterns = _check_plan(plan)
+    axis_sizes = None if mesh is None else dict(as_jax_mesh(mesh).shape)
+    used: set[str] = set()
+    paths: list[str] = []
+
+    def convert(path: tuple, node: Any) -> Any:
+        if not _is_plannable(node):
+            return node
+        where = path_to_str(path)
+        paths.append(where)
+        key = single_match(patterns, where, "parallelize")
+        if key is None:
+            return node
+        used.add(key)
+        style = plan[key]
+        serial = to_serial_layer(node)
+        if not isinstance(serial, style.accepts):
+            names = ", ".join(f"eqx.nn.{t.__name__}" for t in style.accepts)
+            raise TypeError(
+                f"parallelize: plan[{key!r}] = {style!r} applies to {names}, but the layer at "
+                f"{where!r} is a {type(serial).__name__}. Narrow the key, or choose a style "
+                f"for that layer."
+            )
+        if axis_sizes is not None and style.axis is not None:
+            _check_axis(style, serial, where, axis_sizes)
+        return style.convert(serial)
+
+    converted = jax.tree_util.tree_map_with_path(convert, model, is_leaf=_is_plannable)
+    unused = [key for key in plan if key not in used]
+    if unused:
+        hints = []
+        for key in unused:
+            close = difflib.get_close_matches(key, paths, n=3, cutoff=0.4)
+            hints.append(f"{key!r} (closest layer paths: {close})" if close else repr(key))
+        message = (
+            f"parallelize: plan keys that match no layer: {', '.join(hints)}. Keys are "
+            f"matched against the paths of Linear, MultiheadAttention, Embedding, LayerNorm "
+            f"and RMSNorm layers (`eqpar.leaf_paths(model)` lists leaf paths; drop the last "
+            f"part such as '/weight')."
+        )
+        if strict:
+            raise ValueError(message + " Pass strict=False to only warn.")
+        warnings.warn(message, stacklevel=2)
+    return converted
+
+
+def _check_axis(style: Style, layer: Any, where: str, axis_sizes: dict) -> None:
+    axis = style.axis
+    if axis not in axis_sizes:
+        raise ValueError(
+            f"parallelize: {style!r} for the layer at {where!r} names axis {axis!r}, which "
+            f"the mesh {tuple(axis_sizes)} does not have."
+        )
+    n = axis_sizes[axis]
+    for label, size in style.split_sizes(layer).items():
+        if size % n:
+            raise ValueError(
+                f"parallelize: the layer at {where!r} has {label}={size}, which does not "
+                f"divide by the size of axis {axis!r} ({n}); {style!r} splits it. Choose "
+                f"another style for this layer (Replicated() keeps it whole) or a smaller axis."
+            )
+
+
+def unparallelize(model: PyTree) -> PyTree:
+    """The inverse of `parallelize`: every converted layer back in its original class.
+
+    **Arguments:**
+
+    - `model`: a model returned by `parallelize` (or any pytree).
+
+    **Returns:** the model with `eqx.nn.Linear`, `MultiheadAttention` and `Embedding` layers
+    where `parallelize` put their tensor-parallel twins; the parameters are the same arrays.
+
+    ```python
+    import equinox as eqx, jax, eqpar
+    mlp = eqx.nn.MLP(4, 4, 8, 1, key=jax.random.key(0))
+    plan = {"layers/0": eqpar.ColumnParallel(), "layers/1": eqpar.RowParallel()}
+    parallel = eqpar.parallelize(mlp, plan)
+    assert type(eqpar.unparallelize(parallel).layers[0]) is eqx.nn.Linear
+    ```
+    """
+    return jax.tree.map(
+        to_serial_layer, model, is_leaf=lambda node: isinstance(node, _PARALLEL_LAYERS)
+    )
+
+
+def plan_matches(plan: Mapping[str, Any], model: PyTree) -> dict[str, list[str]]:
+    """For each plan key, the layer paths of `model` it selects (an empty list: none).
+
+    **Arguments:**
+
+    - `plan`: as for `parallelize`.
+    - `model`: the model.
+
+    **Returns:** `{key: [layer paths]}` in plan order.
+
+    ```python
+    import equinox as eqx, jax, eqpar
+    from eqpar.plan import plan_matches
+    mlp = eqx.nn.MLP(4, 4, 8, 2, key=jax.random.key(0))
+    found = plan_matches({"layers/[01]": eqpar.Replicated()}, mlp)
+    assert found == {"layers/[01]": ["layers/0", "layers/1"]}
+    ```
+    """
+    patterns = _check_plan(plan)
+    found: dict[str, list[str]] = {key: [] for key in plan}
+    flat, _ = jax.tree_util.tree_flatten_with_path(model, is_leaf=_is_plannable)
+    for path, node in flat:
+        if _is_plannable(node):
+            where = path_to_str(path)
+            for key in matching_keys(patterns, where):
+                found[key].append(where)
+    return found

@@ -1,0 +1,292 @@
+"""Parallelization plans on a model written without eqpar in mind, against its serial twin."""
+
+import io
+
+import equinox as eqx
+import equinox_bert as bert
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+import eqpar
+from eqpar.nn import (
+    ColumnParallelLinear,
+    FeatureParallelEmbedding,
+    HeadParallelAttention,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+
+PLAN = {
+    "embedder_block/token_embedder": eqpar.VocabParallel(),
+    r"layers/\d+/attention_block/attention": eqpar.HeadParallel(),
+    r"layers/\d+/ff_block/mlp": eqpar.ColumnParallel(),
+    r"layers/\d+/ff_block/output": eqpar.RowParallel(),
+    "classifier": eqpar.ColumnParallel(gather_output=True),
+}
+LR = 0.5
+
+
+def mesh_of(data: int, model: int) -> eqpar.DeviceMesh:
+    return eqpar.DeviceMesh((data, model), ("data", "model"), devices=jax.devices()[: data * model])
+
+
+def sgd(model, grads):
+    return eqx.apply_updates(model, jax.tree.map(lambda g: -LR * g, grads))
+
+
+def serial_step(model, tokens, labels, keys):
+    value, grads = eqx.filter_value_and_grad(bert.loss)(model, tokens, labels, keys)
+    return value, sgd(model, grads)
+
+
+def global_loss(model, tokens, labels, keys):
+    """Inside shard_map: this shard's mean loss, averaged over the data axis."""
+    return lax.pmean(bert.loss(model, tokens, labels, keys), "data")
+
+
+def parallel_step(model, mesh, tokens, labels, keys):
+    """The documented recipe: the loss inside shard_map, gradients taken outside."""
+    specs = eqpar.partition_specs(model)
+    loss_fn = eqpar.shard_map(
+        global_loss, mesh=mesh, in_specs=(specs, P("data"), P("data"), P("data")), out_specs=P()
+    )
+
+    @eqx.filter_jit
+    def step(model, tokens, labels, keys):
+        value, grads = eqx.filter_value_and_grad(loss_fn)(model, tokens, labels, keys)
+        return value, sgd(model, grads)
+
+    return step(model, tokens, labels, keys)
+
+
+def assert_models_close(got, expected, rtol=1e-5, atol=1e-6):
+    got_leaves = jax.tree.leaves(eqx.filter(eqpar.unparallelize(got), eqx.is_inexact_array))
+    expected_leaves = jax.tree.leaves(eqx.filter(expected, eqx.is_inexact_array))
+    assert len(got_leaves) == len(expected_leaves)
+    for a, b in zip(got_leaves, expected_leaves):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=rtol, atol=atol)
+
+
+@pytest.fixture(scope="module")
+def setup():
+    model = bert.Encoder(key=jax.random.key(0))
+    tokens, labels, keys = bert.batch(8)
+    serial_loss, serial_model = serial_step(model, tokens, labels, keys)
+    return model, (tokens, labels, keys), serial_loss, serial_model
+
+
+def test_plan_converts_layers_in_place_and_back(setup):
+    model = setup[0]
+    parallel = eqpar.parallelize(model, PLAN, mesh=mesh_of(2, 4))
+    layer = parallel.layers[1]
+    assert type(layer.attention_block.attention) is HeadParallelAttention
+    assert type(layer.ff_block.mlp) is ColumnParallelLinear
+    assert type(layer.ff_block.output) is RowParallelLinear
+    assert type(parallel.embedder_block.token_embedder) is VocabParallelEmbedding
+    assert type(parallel.pooler) is eqx.nn.Linear  # not in the plan: replicated
+    # The author's classes are unchanged, and each converted layer is still its original.
+    assert type(layer) is bert.TransformerLayer
+    assert isinstance(layer.ff_block.mlp, eqx.nn.Linear)
+    # The global view: the same leaves, so either checkpoint loads into the other.
+    assert jax.tree.structure(eqx.filter(parallel, eqx.is_array)) != jax.tree.structure(model)
+    buffer = io.BytesIO()
+    eqx.tree_serialise_leaves(buffer, parallel)
+    buffer.seek(0)
+    loaded = eqx.tree_deserialise_leaves(buffer, model)
+    assert eqx.tree_equal(loaded, model)
+    assert eqx.tree_equal(eqpar.unparallelize(parallel), model)
+    specs = eqpar.partition_specs(parallel)
+    assert specs.layers[0].attention_block.attention.query_proj.weight == P("model", None)
+    assert specs.layers[0].attention_block.attention.output_proj.weight == P(None, "model")
+    assert specs.layers[0].ff_block.output.bias == P()
+    assert specs.embedder_block.token_embedder.weight == P("model", None)
+
+
+@pytest.mark.parametrize(("data", "model_size"), [(1, 8), (2, 4)], ids=["tp8", "dp2xtp4"])
+def test_sgd_step_with_dropout_equals_serial(setup, data, model_size):
+    model, batch, serial_loss, serial_model = setup
+    mesh = mesh_of(data, model_size)
+    parallel = eqpar.parallelize(model, PLAN, mesh=mesh)
+    loss, updated = parallel_step(parallel, mesh, *batch)
+    np.testing.assert_allclose(loss, serial_loss, rtol=1e-5)
+    assert_models_close(updated, serial_model)
+
+
+def test_fsdp_x_tp_step_equals_serial_and_splits_every_weight(setup):
+    model, batch, serial_loss, serial_model = setup
+    mesh = mesh_of(2, 4)
+    parallel = eqpar.parallelize(model, PLAN, mesh=mesh)
+    fsdp = eqpar.FSDP(mesh, axis="data", min_size_bytes=0)
+    storage = fsdp.partition_specs(parallel)
+    # Each tensor-parallel weight keeps its split over `model` and gains one over `data`.
+    assert storage.layers[0].ff_block.mlp.weight == P("model", "data")
+    assert storage.layers[0].ff_block.output.weight == P("data", "model")
+    placed = eqx.filter_shard(parallel, eqpar.named_shardings(storage, mesh))
+    loss, updated = parallel_step(placed, mesh, *batch)
+    np.testing.assert_allclose(loss, serial_loss, rtol=1e-5)
+    assert_models_close(updated, serial_model)
+
+
+def test_gradients_inside_shard_map_need_no_reduction(setup):
+    """The gradient rule: differentiate the data-averaged loss; never reduce gradients."""
+    model, batch, _, serial_model = setup
+    mesh = mesh_of(2, 4)
+    parallel = eqpar.parallelize(model, PLAN, mesh=mesh)
+    specs = eqpar.partition_specs(parallel)
+    grad_specs = eqpar.partition_specs(eqx.filter(parallel, eqx.is_inexact_array))
+
+    def local_step(model, tokens, labels, keys):
+        return eqx.filter_grad(global_loss)(model, tokens, labels, keys)
+
+    grads = eqpar.shard_map(
+        local_step,
+        mesh=mesh,
+        in_specs=(specs, P("data"), P("data"), P("data")),
+        out_specs=grad_specs,
+    )(parallel, *batch)
+    assert_models_close(sgd(parallel, grads), serial_model)
+
+    # Differentiating this shard's own loss instead gives the sum over data shards: a step
+    # `data` times too large for replicated parameters (what the rule guards against).
+    def per_shard(model, tokens, labels, keys):
+        return eqx.filter_grad(bert.loss)(model, tokens, labels, keys)
+
+    summed = eqpar.shard_map(
+        per_shard,
+        mesh=mesh,
+        in_specs=(specs, P("data"), P("data"), P("data")),
+        out_specs=grad_specs,
+    )(parallel, *batch)
+    np.testing.assert_allclose(summed.pooler.weight, 2 * grads.pooler.weight, rtol=1e-4, atol=1e-7)
+
+
+# --- the layers one by one, against eqx.nn --------------------------------------------------
+
+
+def run(mesh, fn, layer, *args):
+    specs = eqpar.partition_specs(layer)
+    return eqpar.shard_map(fn, mesh=mesh, in_specs=(specs, *([P()] * len(args))), out_specs=P())(
+        layer, *args
+    )
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_attention_cross_masks_dropout_and_gradients(n):
+    mesh = eqpar.DeviceMesh((n,), ("model",), devices=jax.devices()[:n])
+    attention = eqx.nn.MultiheadAttention(
+        8, 16, key_size=12, value_size=10, output_size=6, qk_size=4, vo_size=3,
+        use_key_bias=True, use_value_bias=True, use_output_bias=True, dropout_p=0.25,
+        key=jax.random.key(1),
+    )  # fmt: skip
+    keys = jax.random.split(jax.random.key(2), 4)
+    query = jax.random.normal(keys[0], (5, 16))
+    memory = jax.random.normal(keys[1], (7, 12))  # cross attention: another length
+    value = jax.random.normal(keys[2], (7, 10))
+    per_head = jax.random.bernoulli(keys[3], 0.7, (8, 5, 7)).at[:, :, 0].set(True)
+    layer = eqpar.parallelize(attention, {"": eqpar.HeadParallel()})
+    dropout_key = jax.random.key(3)
+
+    for mask in (None, per_head, per_head[0]):
+        for inference in (True, False):
+            options = dict(key=dropout_key, inference=inference)
+            got = run(
+                mesh,
+                lambda m, q, k, v, mask, key, inference=inference: m(
+                    q, k, v, mask, key=key, inference=inference
+                ),
+                layer, query, memory, value, mask, dropout_key,
+            )  # fmt: skip
+            expected = attention(query, memory, value, mask, **options)
+            np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+
+    def parallel_loss(m):
+        out = run(mesh, lambda m, q, k, v, key: m(q, k, v, per_head, key=key), m,
+                  query, memory, value, dropout_key)  # fmt: skip
+        return jnp.sum(out**2)
+
+    def serial_loss(m):
+        return jnp.sum(m(query, memory, value, per_head, key=dropout_key) ** 2)
+
+    got = eqpar.unparallelize(eqx.filter_grad(parallel_loss)(layer))
+    assert_models_close(got, eqx.filter_grad(serial_loss)(attention), rtol=1e-4)
+
+
+@pytest.mark.parametrize("style", [eqpar.VocabParallel(), eqpar.FeatureParallel()])
+def test_embeddings_and_their_gradients(style):
+    mesh = eqpar.DeviceMesh((4,), ("model",), devices=jax.devices()[:4])
+    table = eqx.nn.Embedding(16, 8, key=jax.random.key(0))
+    layer = eqpar.parallelize(table, {"": style})
+    assert type(layer) is (
+        VocabParallelEmbedding
+        if isinstance(style, eqpar.VocabParallel)
+        else FeatureParallelEmbedding
+    )
+    ids = jnp.array([[0, 5, 15], [3, 3, 9]])
+    weights = jnp.arange(6.0).reshape(2, 3, 1)
+
+    def parallel_loss(m):
+        out = run(mesh, lambda m, ids: jax.vmap(jax.vmap(m))(ids), m, ids)
+        return jnp.sum(out * weights)
+
+    def serial_loss(m):
+        return jnp.sum(jax.vmap(jax.vmap(m))(ids) * weights)
+
+    np.testing.assert_allclose(parallel_loss(layer), serial_loss(table), rtol=1e-6)
+    got = eqx.filter_grad(parallel_loss)(layer)
+    np.testing.assert_allclose(got.weight, eqx.filter_grad(serial_loss)(table).weight)
+
+
+# --- errors ---------------------------------------------------------------------------------
+
+
+def test_plan_errors_name_the_key_the_path_and_the_fix(setup):
+    model = setup[0]
+    with pytest.raises(
+        ValueError,
+        match=r"match no layer: 'layers/.*/ff/mlp' \(closest layer paths: \['layers/1/ff_block/mlp'",
+    ):
+        eqpar.parallelize(model, {r"layers/\d+/ff/mlp": eqpar.ColumnParallel()})
+    with pytest.warns(UserWarning, match="match no layer"):
+        eqpar.parallelize(model, {"nothing": eqpar.RowParallel()}, strict=False)
+    with pytest.raises(
+        TypeError, match=r"'layers/0/attention_block/attention' is a MultiheadAttention"
+    ):
+        eqpar.parallelize(model, {r"layers/0/attention_block/.*": eqpar.ColumnParallel()})
+    with pytest.raises(ValueError, match=r"'layers/1' has out_features=6.*axis 'model' \(8\)"):
+        eqpar.parallelize(
+            eqx.nn.MLP(4, 4, 6, 2, key=jax.random.key(0)),
+            {"layers/1": eqpar.ColumnParallel()},
+            mesh=eqpar.DeviceMesh((8,), ("model",)),
+        )
+    with pytest.raises(ValueError, match="names axis 'tensor'"):
+        eqpar.parallelize(
+            model, {"pooler": eqpar.RowParallel(axis_name="tensor")}, mesh=mesh_of(2, 4)
+        )
+    with pytest.raises(ValueError, match="matches several keys"):
+        eqpar.parallelize(model, {"pool.*": eqpar.RowParallel(), ".*er": eqpar.Replicated()})
+    with pytest.raises(TypeError, match="must be a style"):
+        eqpar.parallelize(model, {"pooler": "column"})  # type: ignore[dict-item]
+    with pytest.raises(TypeError, match="plan"):
+        eqpar.parallelize(model, [("pooler", eqpar.RowParallel())])  # type: ignore[arg-type]
+    parallel = eqpar.parallelize(model, PLAN)
+    with pytest.raises(ValueError, match=r"axis 'model' is not bound.*eqpar\.unparallelize"):
+        parallel.classifier(jnp.ones(bert.DIM))
+
+
+def test_layer_errors_outside_the_declared_layout():
+    mesh = eqpar.DeviceMesh((4,), ("model",), devices=jax.devices()[:4])
+    layer = eqpar.parallelize(eqx.nn.Linear(8, 8, key=jax.random.key(0)), {"": eqpar.RowParallel()})
+    with pytest.raises(ValueError, match=r"input must be this device's block \[in_features / n\]"):
+        run(mesh, lambda m, x: m(x), layer, jnp.ones(8))
+    with pytest.raises(ValueError, match=r"local block of weight has shape \(8, 8\)"):
+        eqpar.shard_map(lambda m, x: m(x), mesh=mesh, in_specs=(P(), P()), out_specs=P())(
+            layer, jnp.ones(2)
+        )
+    with pytest.raises(ValueError, match="'scalar' has nothing to split"):
+        eqpar.parallelize(
+            eqx.nn.Linear("scalar", 4, key=jax.random.key(0)), {"": eqpar.ColumnParallel()}
+        )
