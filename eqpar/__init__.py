@@ -21,6 +21,10 @@ from .distributions import FSDP as FSDP
 from .distributions import DataParallel as DataParallel
 from .distributions import Distribution as Distribution
 from .distributions import ModelParallel as ModelParallel
+from .distributions import build_model as build_model
+from .distributions import distribute_input as distribute_input
+from .distributions import distribute_model as distribute_model
+from .distributions import distribute_opt_state as distribute_opt_state
 from .distributions import distribution as distribution
 from .distributions import fsdp_spec as fsdp_spec
 from .distributions import set_distribution as set_distribution
@@ -62,9 +66,13 @@ __all__ = [
     "Style",
     "TensorLayout",
     "VocabParallel",
+    "build_model",
     "build_sharded",
     "checkpoint",
     "collectives",
+    "distribute_input",
+    "distribute_model",
+    "distribute_opt_state",
     "distribution",
     "fsdp_spec",
     "initialize",

@@ -1,9 +1,14 @@
 """Distributions: how a model and its inputs are spread over a mesh.
 
 `DataParallel` replicates parameters and splits the batch; `ModelParallel` places parameters
-by a `LayoutMap`; `FSDP` splits every parameter over the data axis (ZeRO-3). Each produces
-layouts (`partition_specs`) and places arrays; `jax.jit` / `eqx.filter_jit` then partitions the
-computation (GSPMD), inserting the gathers and reductions the layouts imply.
+by a `LayoutMap`; `FSDP` also splits every large parameter over the data axis (ZeRO-3), on top
+of any tensor-parallel split. Each produces layouts (`partition_specs`) and places arrays;
+`jax.jit` / `eqx.filter_jit` then partitions the computation (GSPMD), inserting the gathers and
+reductions the layouts imply.
+
+The current distribution (`set_distribution`, `Distribution.scope`) is what the module-level
+`build_model`, `distribute_model`, `distribute_input`, `distribute_opt_state` and
+`eqpar.build_sharded` use when they are given none, as Keras layers read theirs.
 """
 
 __all__ = [
@@ -13,6 +18,10 @@ __all__ = [
     "DataParallel",
     "Distribution",
     "ModelParallel",
+    "build_model",
+    "distribute_input",
+    "distribute_model",
+    "distribute_opt_state",
     "distribution",
     "fsdp_spec",
     "match_param_specs",
@@ -81,7 +90,8 @@ class Distribution:
     the computation over the mesh from the shardings of their inputs.
 
     **Attributes:** `device_mesh` (a `DeviceMesh`) and `batch_dim_name` (the mesh axis the
-    batch dimension of inputs is split over).
+    batch dimension of inputs is split over; `None` when inputs are replicated, see
+    `ModelParallel(split_batch=False)`).
 
     ```python
     import equinox as eqx, jax, jax.numpy as jnp, optax, eqpar
@@ -106,10 +116,10 @@ class Distribution:
     """
 
     device_mesh: DeviceMesh
-    batch_dim_name: str
+    batch_dim_name: str | None
 
     def partition_specs(self, model: PyTree) -> Specs:
-        """The layout of `model` as a specs pytree.
+        """The layout of `model` as a specs pytree: where each parameter is stored.
 
         **Arguments:**
 
@@ -119,6 +129,37 @@ class Distribution:
         `None` elsewhere; see `eqpar.partition_specs`.
         """
         raise NotImplementedError
+
+    def compute_specs(self, model: PyTree) -> Specs:
+        """The layout the layers compute with: the `in_specs` for `model` in `eqpar.shard_map`.
+
+        Inside `shard_map` a layer sees the blocks its own layout asks for (e.g. `TPDense`
+        expects its weight split over `model` only). Where the storage layout
+        (`partition_specs`) splits parameters further, as `FSDP` does over the data axis, pass
+        the model stored by `partition_specs` to a `jax.jit`-ed step and give `shard_map` these
+        specs: `jax.jit` gathers the extra split at the `shard_map` boundary and reduces the
+        gradients back into storage. For `DataParallel` and `ModelParallel` the two layouts are
+        the same.
+
+        **Arguments:**
+
+        - `model`: an Equinox module or pytree, concrete or abstract.
+
+        **Returns:** a specs pytree like `partition_specs`' result.
+
+        ```python
+        import equinox as eqx, jax, eqpar
+        from jax.sharding import PartitionSpec as P
+        from eqpar.nn import TPDense
+
+        mesh = eqpar.DeviceMesh((2, 4), ("data", "model"))
+        layer = TPDense(64, 256, tp_mode="gather", key=jax.random.key(0))
+        fsdp = eqpar.FSDP(mesh, axis="data")
+        assert fsdp.partition_specs(layer).weight == P("model", "data")  # stored
+        assert fsdp.compute_specs(layer).weight == P("model", None)  # seen in shard_map
+        ```
+        """
+        return self.partition_specs(model)
 
     def shardings(self, model: PyTree) -> PyTree:
         """The layout of `model` as `NamedSharding`s of this distribution's mesh.
@@ -178,15 +219,19 @@ class Distribution:
 
         - `ndim`: the rank of the input.
 
-        **Returns:** a `NamedSharding` splitting dimension 0 over `batch_dim_name`.
+        **Returns:** a `NamedSharding` splitting dimension 0 over `batch_dim_name`, or
+        replicated (`P()`) when `batch_dim_name` is `None`.
         """
+        if self.batch_dim_name is None:
+            return self.device_mesh.sharding(PartitionSpec())
         spec = PartitionSpec(self.batch_dim_name, *([None] * (ndim - 1)))
         return self.device_mesh.sharding(spec)
 
     def distribute_input(
         self, batch: PyTree, *, pad: bool = False
     ) -> PyTree | tuple[PyTree, Bool[Array, " padded_batch"]]:
-        """Split dimension 0 of every array in `batch` over the batch axis.
+        """Split dimension 0 of every array in `batch` over the batch axis (or replicate it
+        when `batch_dim_name` is `None`).
 
         In a single process `batch` is the global batch; with several processes each passes
         its own rows and they are joined into one global array
@@ -197,7 +242,9 @@ class Distribution:
         - `batch`: an array or a pytree of arrays (NumPy or JAX) sharing dimension 0.
         - `pad`: when the batch does not divide by the number of batch shards, pad it with
           zero rows and also return a mask (`True` for real rows). Without `pad` such a batch
-          raises `ValueError`.
+          raises `ValueError`. A replicated batch always fits.
+
+        With several processes and a replicated batch, every process passes the whole batch.
 
         **Returns:** the placed batch, or `(batch, mask)` when `pad=True`.
         """
@@ -219,7 +266,10 @@ class Distribution:
                 f"distribute_input: leaves disagree on the batch size (dimension 0): {sizes}."
             )
         rows = next(iter(sizes.values()))
-        shards = self.device_mesh.axis_size(self.batch_dim_name)
+        if self.batch_dim_name is None:
+            shards = 1
+        else:
+            shards = self.device_mesh.axis_size(self.batch_dim_name)
         processes = jax.process_count()
         multiple = shards // processes if processes > 1 and shards % processes == 0 else shards
         remainder = rows % multiple
@@ -442,12 +492,16 @@ class DataParallel(Distribution):
 
 class ModelParallel(Distribution):
     """Place parameters by a `LayoutMap` (and what modules declare); split the batch over one
-    mesh axis.
+    mesh axis, or replicate it.
 
     **Arguments:**
 
     - `layout_map`: the `LayoutMap`; its mesh is the distribution's mesh.
     - `batch_dim_name`: the mesh axis for dimension 0 of inputs (default: the first axis).
+    - `split_batch`: `False` leaves the batch unsplit: every device gets the whole batch
+      (`batch_sharding` is `P()`, `distribute_input` replicates, `batch_dim_name` is `None`),
+      e.g. for pure tensor parallelism where every mesh axis splits parameters. Do not give
+      `batch_dim_name` with it.
 
     ```python
     import equinox as eqx, jax, eqpar
@@ -460,14 +514,25 @@ class ModelParallel(Distribution):
     mp = eqpar.ModelParallel(layout_map=layout_map, batch_dim_name="data")
     mlp = mp.build_model(lambda key: eqx.nn.MLP(8, 8, 16, 1, key=key), jax.random.key(0))
     assert mlp.layers[1].weight.sharding.spec == P(None, "model")
+
+    tp_only = eqpar.ModelParallel(layout_map=layout_map, split_batch=False)
+    assert tp_only.batch_sharding(2).spec == P()  # every device sees the whole batch
     ```
     """
 
-    def __init__(self, *, layout_map: LayoutMap, batch_dim_name: str | None = None, **kwargs):
+    def __init__(
+        self,
+        *,
+        layout_map: LayoutMap,
+        batch_dim_name: str | None = None,
+        split_batch: bool = True,
+        **kwargs,
+    ):
         if kwargs:
             raise TypeError(
                 f"ModelParallel got unexpected keyword arguments {sorted(kwargs)}; it takes "
-                f"layout_map and batch_dim_name (the mesh comes from layout_map.device_mesh)."
+                f"layout_map, batch_dim_name and split_batch (the mesh comes from "
+                f"layout_map.device_mesh)."
             )
         if not isinstance(layout_map, LayoutMap):
             raise TypeError(
@@ -476,7 +541,17 @@ class ModelParallel(Distribution):
             )
         self.layout_map = layout_map
         self.device_mesh = _to_device_mesh(layout_map.device_mesh, "ModelParallel")
+        self.split_batch = split_batch
         names = self.device_mesh.axis_names
+        if not split_batch:
+            if batch_dim_name is not None:
+                raise ValueError(
+                    f"ModelParallel: split_batch=False replicates the batch, so "
+                    f"batch_dim_name={batch_dim_name!r} names no axis to split it over; drop "
+                    f"batch_dim_name, or drop split_batch=False to split over that axis."
+                )
+            self.batch_dim_name = None
+            return
         if batch_dim_name is None:
             batch_dim_name = names[0]
         if batch_dim_name not in names:
@@ -490,7 +565,18 @@ class ModelParallel(Distribution):
         return partition_specs(model, self.layout_map, mesh=self.device_mesh)
 
     def __repr__(self) -> str:
+        if not self.split_batch:
+            return f"ModelParallel({self.layout_map!r}, split_batch=False)"
         return f"ModelParallel({self.layout_map!r}, batch_dim_name={self.batch_dim_name!r})"
+
+
+def _axis_names(entry: object) -> tuple[object, ...]:
+    """The mesh axes one `PartitionSpec` entry names (`None` and `()` name none)."""
+    if entry is None:
+        return ()
+    if isinstance(entry, tuple):
+        return entry
+    return (entry,)
 
 
 def fsdp_spec(
@@ -500,16 +586,22 @@ def fsdp_spec(
     axis: str,
     axis_size: int,
     min_size_bytes: int = DEFAULT_FSDP_MIN_SIZE_BYTES,
+    base: PartitionSpec | None = None,
 ) -> PartitionSpec:
-    """The FSDP spec of one leaf: its largest dimension that divides by `axis_size`, split
-    over `axis` (the first such dimension on ties); `P()` for leaves under `min_size_bytes`
-    or without a dividing dimension.
+    """The FSDP spec of one leaf: `base` (default `P()`, e.g. a tensor-parallel split) plus
+    `axis` on the largest dimension that `base` leaves unsplit and that divides by
+    `axis_size` (the first such dimension on ties).
+
+    `base` comes back unchanged for leaves under `min_size_bytes` (measured on the whole
+    leaf), for leaves without such a dimension, when `axis_size` is 1, and when `base`
+    already uses `axis`.
 
     **Arguments:**
 
     - `shape`, `dtype`: the leaf's.
     - `axis`: the mesh axis to split over; `axis_size`: its number of devices.
-    - `min_size_bytes`: leaves with fewer bytes stay replicated.
+    - `min_size_bytes`: leaves with fewer bytes are not split over `axis`.
+    - `base`: the spec the leaf has without FSDP (at most one entry per dimension).
 
     **Returns:** a `PartitionSpec`.
 
@@ -521,30 +613,48 @@ def fsdp_spec(
     assert fsdp_spec((12, 64), jnp.float32, axis="data", axis_size=8, min_size_bytes=0) == P(
         None, "data"
     )
+    # A tensor-parallel weight [out, in] split on `out` gets the data axis on `in`.
+    tp = P("model", None)
+    assert fsdp_spec((1024, 256), jnp.float32, axis="data", axis_size=2, base=tp) == P(
+        "model", "data"
+    )
     ```
     """
+    rank = len(shape)
+    entries = tuple(base) if base is not None else ()
+    if len(entries) > rank:
+        raise ValueError(
+            f"fsdp_spec: base={base} has {len(entries)} entries for a leaf of shape "
+            f"{tuple(shape)}; give at most one entry per dimension."
+        )
+    unchanged = PartitionSpec() if base is None else base
+    if any(axis in _axis_names(entry) for entry in entries):
+        return unchanged
     nbytes = math.prod(shape) * np.dtype(dtype).itemsize
     if nbytes < min_size_bytes or axis_size == 1:
-        return PartitionSpec()
-    candidates = [(size, -dim) for dim, size in enumerate(shape) if size % axis_size == 0]
-    if not candidates:
-        return PartitionSpec()
-    _, neg_dim = max(candidates)
-    dim = -neg_dim
-    return PartitionSpec(*([None] * dim), axis, *([None] * (len(shape) - dim - 1)))
+        return unchanged
+    padded: list[Any] = [*entries, *([None] * (rank - len(entries)))]
+    free = [d for d in range(rank) if not _axis_names(padded[d]) and shape[d] % axis_size == 0]
+    if not free:
+        return unchanged
+    dim = max(free, key=lambda d: shape[d])  # `max` keeps the first of equal sizes
+    padded[dim] = axis
+    return PartitionSpec(*padded)
 
 
 class FSDP(Distribution):
-    """Fully sharded data parallel (ZeRO-3): split the batch *and* every parameter over one
-    mesh axis. The compiler brings together what each layer needs (gathering a parameter, or
-    exchanging activations when cheaper) and reduces gradients back into the same layout.
-    Shard the optimizer state the same way with `distribute_opt_state`.
+    """Fully sharded data parallel (ZeRO-3): split the batch *and* every large parameter over
+    one mesh axis, on top of whatever tensor-parallel split the parameter already has. The
+    compiler brings together what each layer needs (gathering a parameter, or exchanging
+    activations when cheaper) and reduces gradients back into the same layout. Shard the
+    optimizer state the same way with `distribute_opt_state`.
 
-    Each parameter is split on its largest dimension that divides by the axis size
-    (`fsdp_spec`); leaves under `min_size_bytes` (default 16 KiB), and leaves without a
-    dividing dimension, stay replicated. What modules declare and what `layout_map` says
-    (e.g. tensor parallelism over another mesh axis) are kept as they are; FSDP only splits
-    the leaves nothing else speaks for.
+    Each parameter starts from the layout that modules declare (`__partition_specs__`, e.g.
+    `eqpar.nn.TPDense`) or `layout_map` gives (else `P()`), and is further split over `axis`
+    on its largest dimension that this layout leaves unsplit and that divides by the axis size
+    (`fsdp_spec` with `base=`). Leaves under `min_size_bytes` (default 16 KiB, the whole leaf),
+    leaves without such a dimension, and leaves whose layout already uses `axis` keep their
+    layout as it is. `compute_specs` gives the layout without the FSDP split.
 
     **Arguments:**
 
@@ -553,18 +663,61 @@ class FSDP(Distribution):
     - `devices`: devices for the 1-D mesh; not together with `device_mesh`.
     - `axis`: the mesh axis for parameters and batch (default: the first axis).
     - `layout_map`: optional `LayoutMap` for leaves laid out explicitly.
-    - `min_size_bytes`: leaves smaller than this stay replicated.
+    - `min_size_bytes`: leaves smaller than this are not split over `axis`.
+
+    **With `shard_map` (tensor-parallel layers).** Layers such as `TPDense` expect, inside
+    `shard_map`, blocks split over `model` only, while FSDP stores them split over `data` too.
+    Store the model and optimizer state by `partition_specs` (what `build_model` and
+    `distribute_opt_state` do), give `shard_map` the model's `compute_specs`, and call it
+    inside `jax.jit` / `eqx.filter_jit`: the compiler gathers each parameter over `data` at
+    the `shard_map` boundary and reduce-scatters its gradient back. Pin the results to the
+    storage layout with `constrain`.
 
     ```python
-    import equinox as eqx, jax, optax, eqpar
+    import equinox as eqx, jax, jax.numpy as jnp, optax, eqpar
     from jax.sharding import PartitionSpec as P
-    fsdp = eqpar.FSDP(min_size_bytes=0)
-    mlp = fsdp.build_model(lambda key: eqx.nn.MLP(8, 8, 64, 1, key=key), jax.random.key(0))
-    assert mlp.layers[0].weight.sharding.spec == P("data", None)
-    state = optax.adam(1e-3).init(eqx.filter(mlp, eqx.is_array))
-    state = fsdp.distribute_opt_state(state, mlp)
-    assert state[0].mu.layers[0].weight.sharding.spec == P("data", None)
+    from eqpar.nn import TPDense
+
+    mesh = eqpar.DeviceMesh((2, 4), ("data", "model"))
+    fsdp = eqpar.FSDP(mesh, axis="data")
+
+    class MLP(eqx.Module):
+        up: TPDense
+        down: TPDense
+
+        def __init__(self, key):
+            k1, k2 = jax.random.split(key)
+            self.up = TPDense(64, 256, tp_mode="gather", key=k1)  # weight P("model", None)
+            self.down = TPDense(256, 64, tp_mode="scatter", key=k2)  # weight P(None, "model")
+
+        def __call__(self, x):  # x: [rows, 64 / model] inside shard_map
+            return self.down(jax.nn.relu(self.up(x)))
+
+    model = fsdp.build_model(MLP, jax.random.key(0))
+    assert model.up.weight.sharding.spec == P("model", "data")
+    assert model.down.weight.sharding.spec == P("data", "model")
+    optimizer = optax.adam(1e-3)
+    opt_state = fsdp.distribute_opt_state(optimizer.init(eqx.filter(model, eqx.is_array)), model)
+
+    rows = P("data", "model")  # batch over data, features over model
+    forward = eqpar.shard_map(
+        lambda m, x: m(x), mesh=mesh, in_specs=(fsdp.compute_specs(model), rows), out_specs=rows
+    )
+
+    @eqx.filter_jit
+    def step(model, opt_state, x):
+        loss, grads = eqx.filter_value_and_grad(lambda m: jnp.mean(forward(m, x) ** 2))(model)
+        updates, opt_state = optimizer.update(grads, opt_state, eqx.filter(model, eqx.is_array))
+        model = eqx.apply_updates(model, updates)
+        return fsdp.constrain(model), fsdp.constrain(opt_state, model), loss
+
+    model, opt_state, loss = step(model, opt_state, fsdp.distribute_input(jnp.ones((8, 64))))
+    assert opt_state[0].mu.up.weight.sharding.spec == P("model", "data")
     ```
+
+    On a 1-D mesh with an ordinary Equinox model the same holds with nothing declared: every
+    large parameter is split over `data`, and a plain `eqx.filter_jit` step (no `shard_map`)
+    works as for any distribution (see `Distribution`).
     """
 
     def __init__(
@@ -597,24 +750,37 @@ class FSDP(Distribution):
         self.layout_map = layout_map
         self.min_size_bytes = min_size_bytes
 
-    def partition_specs(self, model: PyTree) -> Specs:
-        size = self.device_mesh.axis_size(self.axis)
+    def compute_specs(self, model: PyTree) -> Specs:
+        return partition_specs(model, self.layout_map, mesh=self.device_mesh)
 
-        def default(path: str, leaf: jax.ShapeDtypeStruct) -> PartitionSpec:
-            return fsdp_spec(
+    def partition_specs(self, model: PyTree) -> Specs:
+        base = self.compute_specs(model)
+        size = self.device_mesh.axis_size(self.axis)
+        spec_leaves, treedef = jax.tree.flatten(base, is_leaf=_is_spec_or_none)
+        leaves = treedef.flatten_up_to(model)
+        specs = [
+            fsdp_spec(
                 leaf.shape,
                 leaf.dtype,
                 axis=self.axis,
                 axis_size=size,
                 min_size_bytes=self.min_size_bytes,
+                base=spec,
             )
-
-        return partition_specs(model, self.layout_map, mesh=self.device_mesh, default=default)
+            if isinstance(spec, PartitionSpec) and is_array_like(leaf)
+            else spec
+            for spec, leaf in zip(spec_leaves, leaves)
+        ]
+        return jax.tree.unflatten(treedef, specs)
 
     def __repr__(self) -> str:
         return (
             f"FSDP({self.device_mesh!r}, axis={self.axis!r}, min_size_bytes={self.min_size_bytes})"
         )
+
+
+def _is_spec_or_none(node: object) -> bool:
+    return node is None or isinstance(node, PartitionSpec)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -687,3 +853,138 @@ def distribution() -> Distribution | None:
     """
     with _lock:
         return _scopes[-1][1] if _scopes else _base
+
+
+def _resolve(given: Distribution | None, caller: str) -> Distribution:
+    """`given`, else the current distribution, else a `ValueError` saying how to set one.
+
+    (The public functions below take `distribution=`, which hides `distribution()` there.)
+    """
+    if given is not None:
+        return given
+    current = distribution()
+    if current is None:
+        raise ValueError(
+            f"{caller}: no distribution given and none is current: pass distribution=... or "
+            f"call eqpar.set_distribution(...) / use `with d.scope():`."
+        )
+    return current
+
+
+def build_model(
+    constructor: Callable[..., PyTree],
+    key: PRNGKeyArray,
+    *args: Any,
+    distribution: Distribution | None = None,
+) -> PyTree:
+    """Build a model sharded at birth by `distribution`, or by the current one.
+
+    The same as `distribution.build_model(constructor, key, *args)`; with no `distribution`
+    it uses `eqpar.distribution()`, as a Keras layer reads the current distribution.
+
+    **Arguments:**
+
+    - `constructor`: called as `constructor(key, *args)`.
+    - `key`: a JAX PRNG key.
+    - `*args`: more positional arguments for `constructor`.
+    - `distribution`: the distribution to use (default: the current one; `ValueError` if
+      there is none).
+
+    **Returns:** the model, every array placed by the distribution's `partition_specs`.
+
+    ```python
+    import equinox as eqx, jax, eqpar
+    from jax.sharding import PartitionSpec as P
+    from eqpar.distributions import build_model
+
+    with eqpar.FSDP(min_size_bytes=0).scope():
+        mlp = build_model(lambda key: eqx.nn.MLP(8, 8, 64, 1, key=key), jax.random.key(0))
+    assert mlp.layers[0].weight.sharding.spec == P("data", None)
+    ```
+    """
+    d = _resolve(distribution, "build_model")
+    return d.build_model(constructor, key, *args)
+
+
+def distribute_model(model: PyTree, *, distribution: Distribution | None = None) -> PyTree:
+    """Place an existing model by `distribution`'s layout, or by the current one's.
+
+    **Arguments:**
+
+    - `model`: an Equinox module or pytree.
+    - `distribution`: the distribution to use (default: the current one; `ValueError` if
+      there is none).
+
+    **Returns:** the model placed as `distribution.distribute_model(model)` places it.
+
+    ```python
+    import equinox as eqx, jax, eqpar
+    from jax.sharding import PartitionSpec as P
+    from eqpar.distributions import distribute_model
+
+    eqpar.set_distribution(eqpar.DataParallel())
+    mlp = distribute_model(eqx.nn.MLP(4, 4, 8, 1, key=jax.random.key(0)))
+    assert mlp.layers[0].weight.sharding.spec == P()
+    eqpar.set_distribution(None)
+    ```
+    """
+    return _resolve(distribution, "distribute_model").distribute_model(model)
+
+
+def distribute_input(
+    batch: PyTree, *, pad: bool = False, distribution: Distribution | None = None
+) -> PyTree | tuple[PyTree, Bool[Array, " padded_batch"]]:
+    """Place an input batch by `distribution`, or by the current one (see
+    `Distribution.distribute_input`).
+
+    **Arguments:**
+
+    - `batch`: an array or a pytree of arrays sharing dimension 0.
+    - `pad`: pad a batch that does not divide and also return a mask of the real rows.
+    - `distribution`: the distribution to use (default: the current one; `ValueError` if
+      there is none).
+
+    **Returns:** the placed batch, or `(batch, mask)` when `pad=True`.
+
+    ```python
+    import jax.numpy as jnp, eqpar
+    from jax.sharding import PartitionSpec as P
+    from eqpar.distributions import distribute_input
+
+    with eqpar.DataParallel().scope():
+        x = distribute_input(jnp.ones((16, 3)))
+    assert x.sharding.spec == P("data", None)
+    ```
+    """
+    return _resolve(distribution, "distribute_input").distribute_input(batch, pad=pad)
+
+
+def distribute_opt_state(
+    opt_state: PyTree, model: PyTree, *, distribution: Distribution | None = None
+) -> PyTree:
+    """Place an optimizer state like the parameters it mirrors, by `distribution` or by the
+    current one (see `Distribution.distribute_opt_state`).
+
+    **Arguments:**
+
+    - `opt_state`: the optimizer state, e.g. `optimizer.init(eqx.filter(model,
+      eqx.is_array))`.
+    - `model`: the model whose parameters the state mirrors.
+    - `distribution`: the distribution to use (default: the current one; `ValueError` if
+      there is none).
+
+    **Returns:** `opt_state` placed by the distribution's `opt_state_specs`.
+
+    ```python
+    import equinox as eqx, jax, optax, eqpar
+    from jax.sharding import PartitionSpec as P
+    from eqpar.distributions import build_model, distribute_opt_state
+
+    with eqpar.FSDP(min_size_bytes=0).scope():
+        mlp = build_model(lambda key: eqx.nn.MLP(8, 8, 64, 1, key=key), jax.random.key(0))
+        state = distribute_opt_state(optax.adam(1e-3).init(eqx.filter(mlp, eqx.is_array)), mlp)
+    assert state[0].mu.layers[0].weight.sharding.spec == P("data", None)
+    ```
+    """
+    d = _resolve(distribution, "distribute_opt_state")
+    return d.distribute_opt_state(opt_state, model)

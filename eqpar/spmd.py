@@ -139,7 +139,7 @@ def shard_map(
 def build_sharded(
     constructor: Callable[..., PyTree],
     *args: Any,
-    mesh: DeviceMesh | Mesh,
+    mesh: DeviceMesh | Mesh | None = None,
     specs: Specs | Callable[[PyTree], Specs] | None = None,
 ) -> PyTree:
     """Call `constructor(*args)` so that each device only ever materialises its own shards.
@@ -153,10 +153,12 @@ def build_sharded(
     - `constructor`: builds the model, e.g. `lambda key: eqx.nn.MLP(..., key=key)`.
     - `*args`: its positional arguments (arrays, such as a PRNG key, are traced; other
       values are passed as they are).
-    - `mesh`: a `DeviceMesh` or `jax.sharding.Mesh`.
+    - `mesh`: a `DeviceMesh` or `jax.sharding.Mesh`. `None`: the mesh of the current
+      distribution (`eqpar.distribution()`), whose `partition_specs` then also stand in for
+      `specs` when that is `None`; with no current distribution either, `ValueError`.
     - `specs`: the layout as a specs pytree, or a function from the abstract model to one
       (e.g. `distribution.partition_specs`); default `eqpar.partition_specs` (what modules
-      declare, the rest replicated).
+      declare, the rest replicated) when `mesh` is given.
 
     **Returns:** the model with every array placed by its spec.
 
@@ -169,8 +171,25 @@ def build_sharded(
     layer = eqpar.build_sharded(make, jax.random.key(0), mesh=mesh, specs=specs)
     assert layer.weight.sharding.spec == P("data")
     assert (layer.weight == make(jax.random.key(0)).weight).all()
+
+    with eqpar.FSDP(min_size_bytes=0).scope():  # no mesh: the current distribution's
+        layer = eqpar.build_sharded(make, jax.random.key(0))
+    assert layer.weight.sharding.spec == P(None, "data")  # [8, 16]: the larger dimension
     ```
     """
+    if mesh is None:
+        # Imported here: eqpar.distributions builds on this module.
+        from .distributions import distribution
+
+        current = distribution()
+        if current is None:
+            raise ValueError(
+                "build_sharded: mesh is None and no distribution is current: pass mesh=... "
+                "(and specs=...), or call eqpar.set_distribution(...) / use `with d.scope():`."
+            )
+        mesh = current.device_mesh
+        if specs is None:
+            specs = current.partition_specs
     abstract = eqx.filter_eval_shape(constructor, *args)
     if specs is None:
         spec_tree = partition_specs(abstract, mesh=mesh)

@@ -14,6 +14,10 @@ from eqpar.distributions import (
     FSDP,
     DataParallel,
     ModelParallel,
+    build_model,
+    distribute_input,
+    distribute_model,
+    distribute_opt_state,
     distribution,
     fsdp_spec,
     match_param_specs,
@@ -21,6 +25,9 @@ from eqpar.distributions import (
 )
 from eqpar.layout import LayoutMap, named_shardings
 from eqpar.mesh import DeviceMesh
+from eqpar.nn import TPDense
+from eqpar.nn.pipeline import ScannedLayers
+from eqpar.spmd import build_sharded, shard_map
 
 # --- models ------------------------------------------------------------------------------------
 
@@ -360,15 +367,49 @@ def test_fsdp_spec_rule():
     assert fsdp_spec((1024,), f32, axis="data", axis_size=8, min_size_bytes=4096) == P("data")
 
 
-def test_fsdp_with_a_layout_map_keeps_explicit_layouts():
+def test_fsdp_spec_adds_the_axis_to_a_base_layout():
+    f32 = jnp.float32
+    rule = functools.partial(fsdp_spec, dtype=f32, axis="data", axis_size=2)
+    # Column- and row-parallel weights keep their split and gain "data" on the other dim.
+    assert rule((1024, 256), base=P("model", None)) == P("model", "data")
+    assert rule((256, 1024), base=P(None, "model")) == P("data", "model")
+    assert rule((1024, 256), base=P("model")) == P("model", "data")  # short specs pad
+    # Stacked: the largest free dimension wins over a small layer axis; ties take the first.
+    assert rule((4, 512, 128), base=P(None, "model", None)) == P(None, "model", "data")
+    assert rule((256, 256, 8), base=P(None, None, "model")) == P("data", None, "model")
+    # Left alone: already on the axis, too small (the whole leaf counts), nothing divides.
+    assert rule((1024, 256), base=P("data", "model")) == P("data", "model")
+    assert rule((1024, 256), base=P(("data", "model"), None)) == P(("data", "model"), None)
+    assert rule((1024,), base=P("model")) == P("model")  # 4 KiB
+    assert rule((1024, 255), base=P("model", None)) == P("model", None)
+    assert rule((1024, 256), base=P(None, "model"), axis_size=1) == P(None, "model")
+    with pytest.raises(ValueError, match=r"base=.* has 3 entries for a leaf of shape \(8, 8\)"):
+        rule((8, 8), base=P("model", None, None))
+
+
+def test_fsdp_with_a_layout_map_adds_the_data_axis_to_explicit_layouts():
     mesh = DeviceMesh((2, 4), ("data", "model"))
     layout_map = LayoutMap(mesh)
     layout_map["layers/1/weight"] = (None, "model")
     d = FSDP(layout_map=layout_map, min_size_bytes=0)
     assert d.device_mesh == mesh and d.batch_dim_name == "data"
-    specs = d.partition_specs(eqx.nn.MLP(8, 8, 16, 1, key=jax.random.key(0)))
-    assert specs.layers[1].weight == P(None, "model")
-    assert specs.layers[0].weight == P("data", None)
+    mlp = eqx.nn.MLP(8, 8, 16, 1, key=jax.random.key(0))
+    specs = d.partition_specs(mlp)
+    assert specs.layers[1].weight == P("data", "model")  # [8, 16]
+    assert specs.layers[0].weight == P("data", None)  # [16, 8]
+    compute = d.compute_specs(mlp)
+    assert compute.layers[1].weight == P(None, "model") and compute.layers[0].weight == P()
+
+
+def test_compute_specs_equal_the_layout_without_fsdp():
+    mesh = DeviceMesh((2, 4), ("data", "model"))
+    mp = ModelParallel(layout_map=megatron_layout_map(mesh))
+    mlp = make_mlp(jax.random.key(0))
+    assert mp.compute_specs(mlp) == mp.partition_specs(mlp)
+    assert DataParallel().compute_specs(mlp) == DataParallel().partition_specs(mlp)
+    fsdp = FSDP(layout_map=megatron_layout_map(mesh))
+    assert fsdp.compute_specs(mlp) == mp.partition_specs(mlp)
+    assert fsdp.partition_specs(mlp).layers[1].weight == P("data", "model")
 
 
 # --- construction errors -----------------------------------------------------------------------
@@ -480,3 +521,287 @@ def test_optimizer_state_of_the_inexact_part_still_gets_parameter_specs():
         state_specs = match_param_specs(state, model, specs)
         assert state_specs[0].mu.weight == P("data", None)
         assert state_specs[0].count == P()
+
+
+# --- FSDP x tensor parallelism -----------------------------------------------------------------
+
+TP_IN, TP_HIDDEN, TP_LAYERS, TP_ROWS = 128, 256, 2, 16  # every weight >= 64 KiB
+
+
+class TPMLP(eqx.Module):
+    """A plain `Linear` (laid out by FSDP alone or a layout map), then a Megatron pair."""
+
+    pre: eqx.nn.Linear
+    up: TPDense
+    down: TPDense
+
+    def __init__(self, key):
+        k0, k1, k2 = jax.random.split(key, 3)
+        self.pre = eqx.nn.Linear(TP_IN, TP_IN, key=k0)
+        self.up = TPDense(TP_IN, TP_HIDDEN, tp_mode="gather", skip_communication=True, key=k1)
+        self.down = TPDense(TP_HIDDEN, TP_IN, tp_mode="scatter", key=k2)
+
+    def __call__(self, x):  # [rows, in] -> [rows, in / model] (inside shard_map)
+        return self.down(jnp.tanh(self.up(jax.vmap(self.pre)(x))))
+
+    def serial(self, x):
+        up, down = self.up.to_linear(), self.down.to_linear()
+        return jax.vmap(down)(jnp.tanh(jax.vmap(up)(jax.vmap(self.pre)(x))))
+
+
+class TPBlock(eqx.Module):
+    up: TPDense
+    down: TPDense
+
+    def __init__(self, key):
+        k1, k2 = jax.random.split(key)
+        self.up = TPDense(TP_IN, TP_HIDDEN, tp_mode="gather", key=k1)
+        self.down = TPDense(TP_HIDDEN, TP_IN, tp_mode="scatter", key=k2)
+
+    def __call__(self, x):  # [rows, in / model] -> [rows, in / model]
+        return x + self.down(jnp.tanh(self.up(x)))
+
+    def serial(self, x):
+        return x + jax.vmap(self.down.to_linear())(jnp.tanh(jax.vmap(self.up.to_linear())(x)))
+
+
+class TPStack(eqx.Module):
+    blocks: ScannedLayers
+
+    def __init__(self, key):
+        keys = jax.random.split(key, TP_LAYERS)
+        self.blocks = ScannedLayers(eqx.filter_vmap(TPBlock)(keys))
+
+    def __call__(self, x):
+        return self.blocks(x)
+
+    def serial(self, x):
+        for i in range(TP_LAYERS):
+            x = self.blocks.layer(i).serial(x)
+        return x
+
+
+TP_MODELS = {
+    # model class, input spec, output spec inside shard_map
+    "tp_mlp": (TPMLP, P("data", None), P("data", "model")),
+    "tp_block": (TPBlock, P("data", "model"), P("data", "model")),
+    "scanned": (TPStack, P("data", "model"), P("data", "model")),
+}
+
+
+def fsdp_tp(layout: str) -> FSDP:
+    mesh = DeviceMesh((2, 4), ("data", "model"))
+    if layout == "mesh":
+        return FSDP(device_mesh=mesh, axis="data")
+    layout_map = LayoutMap(mesh)
+    layout_map["pre/weight"] = (None, None)
+    layout_map["pre/bias"] = None
+    layout_map["up/weight"] = ("model", None)  # agrees with what TPDense declares
+    return FSDP(layout_map=layout_map, axis="data")
+
+
+def tp_batch():
+    x = np.sin(np.arange(TP_ROWS * TP_IN, dtype=np.float32) * 0.37).reshape(TP_ROWS, TP_IN)
+    y = np.cos(np.arange(TP_ROWS * TP_IN, dtype=np.float32) * 0.11).reshape(TP_ROWS, TP_IN)
+    return x, y
+
+
+def tp_train_step(d, model, optimizer, in_spec, out_spec):
+    """The FSDP x TP recipe: storage by `partition_specs`, `shard_map` by `compute_specs`."""
+    forward = shard_map(
+        lambda m, x: m(x),
+        mesh=d.device_mesh,
+        in_specs=(d.compute_specs(model), in_spec),
+        out_specs=out_spec,
+    )
+    params, static = eqx.partition(model, eqx.is_array)
+
+    def step(params, opt_state, x, y):
+        loss_fn = lambda p: jnp.mean((forward(eqx.combine(p, static), x) - y) ** 2)
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        params = eqx.apply_updates(params, updates)
+        return d.constrain(params), d.constrain(opt_state, params), loss
+
+    return jax.jit(step), params
+
+
+def place_tp(d, name):
+    cls = TP_MODELS[name][0]
+    if name == "scanned":
+        # TODO(lead): build_model of a ScannedLayers gets no declared specs from the abstract
+        # model (eqpar/_declare.stacked_partition_specs skips ShapeDtypeStruct leaves).
+        return d.distribute_model(cls(jax.random.key(0)))
+    return d.build_model(cls, jax.random.key(0))
+
+
+@pytest.mark.parametrize("layout", ["mesh", "layout_map"])
+def test_fsdp_keeps_tensor_parallel_splits_and_adds_the_data_axis(layout):
+    d = fsdp_tp(layout)
+    mlp = d.build_model(TPMLP, jax.random.key(0))
+    assert has_spec(mlp.pre.weight, P("data", None))  # [128, 128]: nothing declared
+    assert has_spec(mlp.pre.bias, P())  # 512 bytes
+    assert has_spec(mlp.up.weight, P("model", "data"))  # declared P("model", None)
+    assert has_spec(mlp.down.weight, P("data", "model"))  # declared P(None, "model")
+    assert has_spec(mlp.up.bias, P("model"))  # 1 KiB: under the floor
+    compute = d.compute_specs(mlp)
+    assert compute.up.weight == P("model", None)
+    assert compute.pre.weight in (P(), P(None, None))  # as the layout map writes it
+    stack = d.distribute_model(TPStack(jax.random.key(0))) if layout == "mesh" else None
+    if stack is not None:
+        assert has_spec(stack.blocks.layers.up.weight, P(None, "model", "data"))
+        assert has_spec(stack.blocks.layers.down.weight, P(None, "data", "model"))
+        assert has_spec(stack.blocks.layers.up.bias, P(None, "model"))
+
+
+@pytest.mark.parametrize(
+    "name, layout", [("tp_mlp", "mesh"), ("tp_mlp", "layout_map"), ("scanned", "mesh")]
+)
+def test_fsdp_tp_sgd_step_equals_the_serial_step(name, layout):
+    cls, in_spec, out_spec = TP_MODELS[name]
+    d = fsdp_tp(layout)
+    optimizer = optax.sgd(0.1)
+    model = place_tp(d, name)
+    x, y = tp_batch()
+    step, params = tp_train_step(d, model, optimizer, in_spec, out_spec)
+    opt_state = d.distribute_opt_state(optimizer.init(params), model)
+    new_params, _, loss = step(params, opt_state, d.distribute_input(x), d.distribute_input(y))
+
+    serial = cls(jax.random.key(0))
+    serial_loss_fn = lambda m: jnp.mean((m.serial(jnp.asarray(x)) - jnp.asarray(y)) ** 2)
+    serial_loss, grads = eqx.filter_value_and_grad(serial_loss_fn)(serial)
+    updates, _ = optimizer.update(grads, optimizer.init(eqx.filter(serial, eqx.is_array)))
+    want = eqx.apply_updates(serial, updates)
+
+    np.testing.assert_allclose(loss, serial_loss, rtol=1e-5)
+    specs = jax.tree.leaves(d.partition_specs(model), is_leaf=lambda s: isinstance(s, P))
+    flat = jax.tree_util.tree_flatten_with_path(new_params)[0]
+    assert len(flat) == len(specs) == len(jax.tree.leaves(eqx.filter(want, eqx.is_array)))
+    for (path, got), expected, spec in zip(
+        flat, jax.tree.leaves(eqx.filter(want, eqx.is_array)), specs
+    ):
+        where = jax.tree_util.keystr(path)
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-7, err_msg=where)
+        assert has_spec(got, spec), (where, got.sharding, spec)
+
+
+@pytest.mark.parametrize("name", ["tp_block", "scanned"])  # only TPDense layers
+def test_fsdp_tp_parameter_and_adam_bytes_per_device(name):
+    _, in_spec, out_spec = TP_MODELS[name]
+    d = fsdp_tp("mesh")
+    ways = 8  # data x model
+    optimizer = optax.adam(1e-3)
+    model = place_tp(d, name)
+    flat = jax.tree_util.tree_flatten_with_path(eqx.filter(model, eqx.is_array))[0]
+    weights = [leaf for path, leaf in flat if jax.tree_util.keystr(path).endswith(".weight")]
+    assert len(weights) == 2 and min(w.nbytes for w in weights) >= 16 * 1024
+    step, params = tp_train_step(d, model, optimizer, in_spec, out_spec)
+    opt_state = d.distribute_opt_state(optimizer.init(params), model)
+    if name == "tp_block":  # Adam's moments follow the parameters
+        assert has_spec(opt_state[0].mu.up.weight, P("model", "data"))
+    else:
+        assert has_spec(opt_state[0].nu.blocks.layers.down.weight, P(None, "data", "model"))
+    state = (params, opt_state)
+    total = sum(leaf.nbytes for leaf in jax.tree.leaves(state))
+    per_device = bytes_on_each_device(state)
+    assert len(per_device) == 8
+    assert max(per_device.values()) <= 1.05 * total / ways, (per_device, total / ways)
+    # The compiled step's arguments: the stored parameters and Adam state, plus the batch.
+    x, y = (d.distribute_input(a) for a in tp_batch())
+    compiled = step.lower(params, opt_state, x, y).compile()
+    batch_per_device = (x.nbytes + y.nbytes) / d.device_mesh.axis_size("data")
+    from_compiler = compiled.memory_analysis().argument_size_in_bytes - batch_per_device
+    assert from_compiler == pytest.approx(max(per_device.values()), rel=0.01)
+    assert from_compiler <= 1.05 * total / ways, (from_compiler, total / ways)
+
+
+# --- functions that read the current distribution ----------------------------------------------
+
+
+def small_mlp(key):
+    return eqx.nn.MLP(8, 8, 64, 1, key=key)  # layers/0/weight [64, 8]: 2 KiB
+
+
+def test_module_functions_use_the_current_distribution():
+    dp = DataParallel()
+    fsdp = FSDP(min_size_bytes=0)
+    mesh = DeviceMesh((2, 4), ("data", "model"))
+    tp_only = ModelParallel(layout_map=megatron_layout_map(mesh), split_batch=False)
+    set_distribution(dp)
+    model = build_model(small_mlp, jax.random.key(0))
+    assert has_spec(model.layers[0].weight, P())
+    assert distribute_input(np.ones((8, 2))).sharding.spec == P("data", None)
+    with fsdp.scope():
+        model = build_model(small_mlp, jax.random.key(0))
+        assert has_spec(model.layers[0].weight, P("data", None))
+        state = optax.adam(1e-3).init(eqx.filter(model, eqx.is_array))
+        state = distribute_opt_state(state, model)
+        assert has_spec(state[0].mu.layers[0].weight, P("data", None))
+        with tp_only.scope():  # the innermost scope wins
+            placed = distribute_model(make_mlp(jax.random.key(0)))
+            assert has_spec(placed.layers[1].weight, P(None, "model"))
+            x = distribute_input(np.ones((7, 2)))  # replicated: any batch size
+            assert has_spec(x, P()) and x.addressable_shards[0].data.shape == (7, 2)
+            # An explicit distribution wins over the current one.
+            assert distribute_input(np.ones((8, 2)), distribution=dp).sharding.spec == P(
+                "data", None
+            )
+            built = build_model(small_mlp, jax.random.key(0), distribution=fsdp)
+            assert has_spec(built.layers[0].weight, P("data", None))
+        x, mask = distribute_input(np.ones((6, 2)), pad=True)
+        assert x.shape == (8, 2) and int(mask.sum()) == 6
+    assert distribute_model(model).layers[0].weight.sharding.spec == P()  # dp again
+
+
+def test_build_sharded_uses_the_current_distribution():
+    fsdp = FSDP(min_size_bytes=0)
+    with fsdp.scope():
+        model = build_sharded(small_mlp, jax.random.key(0))
+        assert has_spec(model.layers[0].weight, P("data", None))
+        # Own specs on the current distribution's mesh.
+        replicated = build_sharded(small_mlp, jax.random.key(0), specs=P())
+        assert has_spec(replicated.layers[0].weight, P())
+        assert replicated.layers[0].weight.sharding.mesh == fsdp.device_mesh.jax_mesh
+    eager = small_mlp(jax.random.key(0))
+    np.testing.assert_array_equal(model.layers[0].weight, eager.layers[0].weight)
+
+
+def test_without_a_distribution_the_functions_say_how_to_set_one():
+    assert distribution() is None
+    message = (
+        r"no distribution given and none is current: pass distribution=\.\.\. or call "
+        r"eqpar\.set_distribution\(\.\.\.\) / use `with d\.scope\(\):`"
+    )
+    model = small_mlp(jax.random.key(0))
+    with pytest.raises(ValueError, match="build_model: " + message):
+        build_model(small_mlp, jax.random.key(0))
+    with pytest.raises(ValueError, match="distribute_model: " + message):
+        distribute_model(model)
+    with pytest.raises(ValueError, match="distribute_input: " + message):
+        distribute_input(np.ones((8, 2)))
+    with pytest.raises(ValueError, match="distribute_opt_state: " + message):
+        distribute_opt_state({}, model)
+    with pytest.raises(ValueError, match="build_sharded: mesh is None and no distribution"):
+        build_sharded(small_mlp, jax.random.key(0))
+
+
+# --- an unsplit batch --------------------------------------------------------------------------
+
+
+def test_model_parallel_can_leave_the_batch_unsplit():
+    mesh = DeviceMesh((2, 4), ("data", "model"))
+    layout_map = megatron_layout_map(mesh)
+    mp = ModelParallel(layout_map=layout_map, split_batch=False)
+    assert mp.batch_dim_name is None and not mp.split_batch
+    assert mp.batch_sharding(3).spec == P()
+    batch = {"x": np.ones((5, 3), np.float32), "y": np.arange(5)}
+    placed = mp.distribute_input(batch)
+    for leaf in jax.tree.leaves(placed):
+        assert has_spec(leaf, P()) and leaf.addressable_shards[0].data.shape == leaf.shape
+    placed, mask = mp.distribute_input(np.ones((5, 3)), pad=True)  # nothing to pad
+    assert placed.shape == (5, 3) and bool(mask.all())
+    assert "split_batch=False" in repr(mp)
+    # The default still splits over the first axis.
+    assert ModelParallel(layout_map=layout_map).batch_sharding(2).spec == P("data", None)
+    with pytest.raises(ValueError, match=r"split_batch=False replicates the batch.*'data'"):
+        ModelParallel(layout_map=layout_map, batch_dim_name="data", split_batch=False)
