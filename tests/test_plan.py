@@ -39,7 +39,7 @@ def sgd(model, grads):
 
 
 def serial_step(model, tokens, labels, keys):
-    value, grads = eqx.filter_value_and_grad(bert.loss)(model, tokens, labels, keys)
+    value, grads = eqx.filter_jit(eqx.filter_value_and_grad(bert.loss))(model, tokens, labels, keys)
     return value, sgd(model, grads)
 
 
@@ -142,11 +142,13 @@ def test_gradients_inside_shard_map_need_no_reduction(setup):
     def local_step(model, tokens, labels, keys):
         return eqx.filter_grad(global_loss)(model, tokens, labels, keys)
 
-    grads = eqpar.shard_map(
-        local_step,
-        mesh=mesh,
-        in_specs=(specs, P("data"), P("data"), P("data")),
-        out_specs=grad_specs,
+    grads = eqx.filter_jit(
+        eqpar.shard_map(
+            local_step,
+            mesh=mesh,
+            in_specs=(specs, P("data"), P("data"), P("data")),
+            out_specs=grad_specs,
+        )
     )(parallel, *batch)
     assert_models_close(sgd(parallel, grads), serial_model)
 
@@ -155,11 +157,13 @@ def test_gradients_inside_shard_map_need_no_reduction(setup):
     def per_shard(model, tokens, labels, keys):
         return eqx.filter_grad(bert.loss)(model, tokens, labels, keys)
 
-    summed = eqpar.shard_map(
-        per_shard,
-        mesh=mesh,
-        in_specs=(specs, P("data"), P("data"), P("data")),
-        out_specs=grad_specs,
+    summed = eqx.filter_jit(
+        eqpar.shard_map(
+            per_shard,
+            mesh=mesh,
+            in_specs=(specs, P("data"), P("data"), P("data")),
+            out_specs=grad_specs,
+        )
     )(parallel, *batch)
     np.testing.assert_allclose(summed.pooler.weight, 2 * grads.pooler.weight, rtol=1e-4, atol=1e-7)
 
@@ -174,7 +178,7 @@ def run(mesh, fn, layer, *args):
     )
 
 
-@pytest.mark.parametrize("n", [2, 4, 8])
+@pytest.mark.parametrize("n", [2, 8])
 def test_attention_cross_masks_dropout_and_gradients(n):
     mesh = eqpar.DeviceMesh((n,), ("model",), devices=jax.devices()[:n])
     attention = eqx.nn.MultiheadAttention(
@@ -190,18 +194,17 @@ def test_attention_cross_masks_dropout_and_gradients(n):
     layer = eqpar.parallelize(attention, {"": eqpar.HeadParallel()})
     dropout_key = jax.random.key(3)
 
-    for mask in (None, per_head, per_head[0]):
-        for inference in (True, False):
-            options = dict(key=dropout_key, inference=inference)
-            got = run(
-                mesh,
-                lambda m, q, k, v, mask, key, inference=inference: m(
-                    q, k, v, mask, key=key, inference=inference
-                ),
-                layer, query, memory, value, mask, dropout_key,
-            )  # fmt: skip
-            expected = attention(query, memory, value, mask, **options)
-            np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+    # No mask without dropout; a per-head and a shared mask with dropout on.
+    for mask, inference in ((None, True), (per_head, False), (per_head[0], False)):
+        got = run(
+            mesh,
+            lambda m, q, k, v, mask, key, inference=inference: m(
+                q, k, v, mask, key=key, inference=inference
+            ),
+            layer, query, memory, value, mask, dropout_key,
+        )  # fmt: skip
+        expected = attention(query, memory, value, mask, key=dropout_key, inference=inference)
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
 
     def parallel_loss(m):
         out = run(mesh, lambda m, q, k, v, key: m(q, k, v, per_head, key=key), m,
