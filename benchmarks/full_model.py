@@ -5,16 +5,16 @@ update) exactly as `examples/train_lm.py` runs it (`build_step`, `place`) under
 
 - `DP`: `data=8`, parameters replicated;
 - `FSDP`: `data=8 --fsdp`, parameters and optimizer state also split over `data`;
-- `DPxTP`: `data=2,model=4` (Megatron blocks, vocabulary-parallel head);
+- `DPxTP`: `data=2,model=4` (`lm.PLAN`: heads, MLP and vocabulary split over `model`);
 - `DPxPP`: `data=2,pipe=4` (GPipe, 4 microbatches);
 - `DPxTPxPP`: `data=2,pipe=2,model=2`.
 
-Each is set against plain `jax.jit` of the same model and update written without any
-parallelism (the serial math of `lm.LM`, reading the same parameter pytree) on an 8-device
-`data` mesh: the batch is split over `data`, parameters are replicated (for the FSDP row:
-placed with the same FSDP storage specs) and GSPMD partitions the rest. Both start from the
-same parameters and batch; their first losses are compared as a check that they compute the
-same thing.
+Each is set against plain `jax.jit` of the same model and update without any parallelism
+(`lm.model_order` of the model: plain `eqx.nn` layers, the block stack scanned, the same
+parameters) on an 8-device `data` mesh: the batch is split over `data`, parameters are
+replicated (for the FSDP row: placed with FSDP storage specs) and GSPMD partitions the rest.
+Both start from the same parameters and batch; their first losses are compared as a check that
+they compute the same thing.
 
 Per device: parameter and optimizer-state bytes (the most any device holds of the arrays'
 shards after a step), temporaries (`memory_analysis().temp`: activations and other scratch),
@@ -43,10 +43,8 @@ if os.environ.get("JAX_PLATFORMS") == "cpu":
     jax.config.update("jax_num_cpu_devices", 8)
 
 import equinox as eqx
-import jax.numpy as jnp
 import numpy as np
 import optax
-from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -63,7 +61,6 @@ from eqpar._hlo import (
     paired_median_seconds,
     per_device_bytes,
 )
-from eqpar.nn.blocks import attend
 
 NUM_DEVICES = 8
 LAYOUTS: dict[str, tuple[dict[str, int], bool]] = {
@@ -73,46 +70,6 @@ LAYOUTS: dict[str, tuple[dict[str, int], bool]] = {
     "DPxPP": ({lm.DATA: 2, lm.PIPE: 4}, False),
     "DPxTPxPP": ({lm.DATA: 2, lm.PIPE: 2, lm.MODEL: 2}, False),
 }
-
-
-# --- the serial math of lm.LM --------------------------------------------------------------
-
-
-def _layer_norm(norm: Any, x: jax.Array) -> jax.Array:
-    mean = jnp.mean(x, axis=-1, keepdims=True)
-    centered = x - mean
-    variance = jnp.mean(centered**2, axis=-1, keepdims=True)
-    return centered * lax.rsqrt(variance + norm.eps) * norm.weight + norm.bias
-
-
-def _dense(layer: Any, x: jax.Array) -> jax.Array:
-    y = jnp.einsum("...i,oi->...o", x, layer.weight)
-    return y if layer.bias is None else y + layer.bias
-
-
-def _block(block: lm.Block, x: jax.Array) -> jax.Array:
-    attention, mlp = block.attention, block.mlp
-    qkv = _dense(attention.qkv, _layer_norm(block.norm1, x))
-    # The global qkv features are ordered head by head, so this is the device-local reshape
-    # of TPAttentionBlock with all heads at once.
-    qkv = qkv.reshape(*qkv.shape[:-1], attention.num_heads, 3, attention.head_dim)
-    x = x + _dense(attention.out, attend(qkv, causal=attention.causal))
-    return x + _dense(mlp.down, mlp.activation(_dense(mlp.up, _layer_norm(block.norm2, x))))
-
-
-def serial_loss(model: lm.LM, tokens: jax.Array) -> jax.Array:
-    """The mean next-token cross entropy of `model` on `tokens` `[batch, seq + 1]`, computed
-    from the global parameters with ordinary array code (no shard_map, no named axes)."""
-    inputs, targets = tokens[:, :-1], tokens[:, 1:]
-    h = (
-        jnp.take(model.embed.weight, inputs, axis=0)
-        + model.position.weight[None, : inputs.shape[1]]
-    )
-    arrays, static = eqx.partition(model.layers.layers, eqx.is_array)
-    h, _ = lax.scan(lambda h, layer: (_block(eqx.combine(layer, static), h), None), h, arrays)
-    logits = _dense(model.unembed, _layer_norm(model.norm, h))
-    log_probs = jax.nn.log_softmax(logits, axis=-1)
-    return -jnp.mean(jnp.take_along_axis(log_probs, targets[..., None], axis=-1))
 
 
 # --- measuring -----------------------------------------------------------------------------
@@ -173,7 +130,7 @@ def baseline(
 ) -> Measured:
     """`jax.jit` of the serial loss and Adam update; batch over `data`, GSPMD for the rest."""
     optimizer = train_lm.make_optimizer(run)
-    model = lm.LM(config, key=jax.random.key(run.seed))
+    model = lm.model_order(lm.LM(config, key=jax.random.key(run.seed)))  # plain eqx.nn layers
     params, static = eqx.partition(model, eqx.is_inexact_array)
     mesh = train_lm.make_mesh({lm.DATA: NUM_DEVICES, lm.PIPE: 1, lm.MODEL: 1})
     replicated = NamedSharding(mesh.jax_mesh, P())
@@ -192,9 +149,7 @@ def baseline(
     batch_sharding = NamedSharding(mesh.jax_mesh, P(lm.DATA))
 
     def step(tokens: jax.Array, params: Any, opt_state: Any) -> tuple[Any, Any, jax.Array]:
-        loss, grads = jax.value_and_grad(lambda p: serial_loss(eqx.combine(p, static), tokens))(
-            params
-        )
+        loss, grads = jax.value_and_grad(lambda p: eqx.combine(p, static).loss(tokens))(params)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return eqx.apply_updates(params, updates), opt_state, loss
 
@@ -219,7 +174,7 @@ def eqpar_layout(
     train_lm.check_sizes(config, run)
     optimizer = train_lm.make_optimizer(run)
     mesh = train_lm.make_mesh(run.mesh)
-    model = lm.LM(config, use_ring=run.ring, key=jax.random.key(run.seed))
+    model = train_lm.build_model(config, run, mesh)
     model, opt_state = train_lm.place(model, optimizer, mesh, run.fsdp)
     step = train_lm.build_step(model, mesh, run, optimizer)
     batch = jax.device_put(tokens, NamedSharding(mesh.jax_mesh, P(lm.DATA)))
@@ -253,9 +208,9 @@ def as_markdown(
         "per row as `examples/train_lm.py` builds it (`place`, `build_step`); rows with a pipe "
         f"axis use GPipe with {args.microbatches} microbatches, the others 1. Figures are per "
         "device; in brackets the ratio to the row's baseline: `jax.jit` of the same model's "
-        "serial math and Adam update with the batch split over `data=8` and GSPMD choosing "
-        "the rest (parameters replicated, or for FSDP placed with the same FSDP storage "
-        "specs), measured in the same run. Step time: median of "
+        "serial form (`lm.model_order`) and Adam update with the batch split over `data=8` "
+        "and GSPMD choosing the rest (parameters replicated, or for FSDP placed with FSDP "
+        "storage specs), measured in the same run. Step time: median of "
         f"{args.repeats} steps, alternating with the baseline.",
         "",
         "| layout | mesh | params/dev | optimizer/dev | temp/dev | collective bytes/dev/step "

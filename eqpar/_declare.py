@@ -44,23 +44,33 @@ def declared_partition_specs(tree: object) -> dict[str, PartitionSpec]:
 
 
 def stacked_partition_specs(
-    stack: object, axis_name: Hashable | tuple[Hashable, ...] | None, *, extra_leading: int = 0
+    stack: object,
+    axis_name: Hashable | tuple[Hashable, ...] | None,
+    *,
+    extra_leading: int = 0,
+    unsharded_before: int = 0,
 ) -> dict[str, PartitionSpec]:
-    """Specs for a pytree whose array leaves carry a leading stacking axis sharded over `axis_name`.
+    """Specs for a pytree whose array leaves carry a stacking axis sharded over `axis_name`.
 
     Whatever modules inside `stack` declare for a single copy is shifted right by one
-    dimension (plus `extra_leading` unsharded dimensions, e.g. layers scanned within a
-    pipeline stage); every other array leaf gets just the stacking axis.
+    dimension (plus `extra_leading` unsharded dimensions after the stacking axis, e.g. layers
+    scanned within a pipeline stage, and `unsharded_before` unsharded dimensions in front of
+    it, e.g. the repeat axis of a circular pipeline stored `[V, S, ...]`); every other array
+    leaf gets just those leading dimensions.
     """
     inner = declared_partition_specs(stack)
     specs: dict[str, PartitionSpec] = {}
     flat, _ = jax.tree_util.tree_flatten_with_path(stack)
     for path, leaf in flat:
-        if not eqx.is_array(leaf):
+        # Abstract models (`eqx.filter_eval_shape`, as `build_sharded` makes) hold
+        # ShapeDtypeStructs where the arrays will be.
+        if not (eqx.is_array(leaf) or isinstance(leaf, jax.ShapeDtypeStruct)):
             continue
         key = path_to_str(path)
         inner_spec = tuple(inner.get(key, PartitionSpec()))
-        specs[key] = PartitionSpec(axis_name, *([None] * extra_leading), *inner_spec)
+        specs[key] = PartitionSpec(
+            *([None] * unsharded_before), axis_name, *([None] * extra_leading), *inner_spec
+        )
     return specs
 
 

@@ -640,8 +640,45 @@ def _valid_record(record: object) -> bool:
     )
 
 
-def _mismatches(records: Sequence[dict], plan: Sequence[_TargetLeaf]) -> list[str]:
-    """Every difference between the saved leaves and the target's, target order first."""
+def _reshapable(record: dict, leaf: _Leaf) -> bool:
+    """A saved array that `restore(..., reshape=True)` reads and reshapes into `leaf`: same
+    dtype and number of elements, another shape."""
+    return (
+        record["kind"] in _ARRAY_KINDS
+        and leaf.kind in _ARRAY_KINDS
+        and record["dtype"] == leaf.dtype
+        and tuple(record["shape"]) != leaf.shape
+        and int(np.prod(record["shape"])) == int(np.prod(leaf.shape))
+    )
+
+
+def _read_as_saved(entry: _TargetLeaf, shape: tuple[int, ...]) -> Any:
+    """What orbax is asked for to read a leaf that is reshaped afterwards: the saved shape,
+    replicated over the devices of the target's sharding (or a NumPy array)."""
+    if not isinstance(entry.abstract, jax.ShapeDtypeStruct):
+        return np.empty(shape, entry.abstract.dtype)
+    sharding = entry.abstract.sharding
+    if isinstance(sharding, NamedSharding):
+        replicated: Sharding = NamedSharding(sharding.mesh, PartitionSpec())
+    else:
+        devices = np.array(sorted(sharding.device_set, key=lambda d: d.id))
+        replicated = NamedSharding(jax.sharding.Mesh(devices, ("devices",)), PartitionSpec())
+    return jax.ShapeDtypeStruct(shape, entry.abstract.dtype, sharding=replicated)
+
+
+def _reshape_to_target(entry: _TargetLeaf, stored: Any) -> Any:
+    """A leaf read in its saved shape, reshaped (row-major) and placed like the target."""
+    if not isinstance(entry.abstract, jax.ShapeDtypeStruct):
+        return np.asarray(stored).reshape(entry.abstract.shape)
+    shape, sharding = entry.abstract.shape, entry.abstract.sharding
+    return jax.jit(lambda a: a.reshape(shape), out_shardings=sharding)(stored)
+
+
+def _mismatches(
+    records: Sequence[dict], plan: Sequence[_TargetLeaf], *, reshape: bool = False
+) -> list[str]:
+    """Every difference between the saved leaves and the target's, target order first (with
+    `reshape`, an array of another shape but the same size and dtype is no difference)."""
     saved = {record["path"]: record for record in records}
     problems = []
     for entry in plan:
@@ -673,6 +710,8 @@ def _mismatches(records: Sequence[dict], plan: Sequence[_TargetLeaf]) -> list[st
                     f"target {entry.value.dtype} keys"
                 )
                 continue
+        if reshape and _reshapable(record, leaf):
+            continue
         if tuple(record["shape"]) != leaf.shape:
             what = "key data shape" if kind == "prng_key" else "shape"
             problems.append(
@@ -1167,6 +1206,7 @@ class Checkpointer:
         *,
         target: PyTree,
         shardings: PyTree = None,
+        reshape: bool = False,
     ) -> PyTree:
         """Read a step back into the structure and placement of `target`.
 
@@ -1186,6 +1226,13 @@ class Checkpointer:
           `target` holding a `Sharding` (or `None`) per array leaf. An array leaf without any
           sharding goes to `jax.devices()[0]` in a single process, and is an error with
           several processes.
+        - `reshape`: restore an array leaf whose saved shape differs from the target's but
+          holds as many elements of the same dtype: it is read in its saved shape and
+          reshaped row-major into the target's shape and sharding. This is what lets a stack
+          of layers saved as `[S, L / S, ...]` by one pipeline layout load as
+          `[V, S', L / (S' V), ...]` or `[L, ...]` (eqpar stores stacked layers in model order
+          whatever the layout, so a reshape is the whole conversion). Without it such a leaf is
+          a shape mismatch.
 
         **Returns:** a pytree with the structure of `target`. `restored_step` says which step
         it came from.
@@ -1236,7 +1283,7 @@ class Checkpointer:
                     f"{self._directory}; committed steps: {steps or 'none'}."
                 )
             try:
-                restored = self._restore_step(step, plan, target_leaves, treedef)
+                restored = self._restore_step(step, plan, target_leaves, treedef, reshape)
             except CorruptCheckpointError as error:
                 error.args = (
                     f"{error} Restore another step (`all_steps()` lists them) or call "
@@ -1253,7 +1300,7 @@ class Checkpointer:
         failures: list[CorruptCheckpointError] = []
         for candidate in reversed(steps):
             try:
-                restored = self._restore_step(candidate, plan, target_leaves, treedef)
+                restored = self._restore_step(candidate, plan, target_leaves, treedef, reshape)
             except CorruptCheckpointError as error:
                 failures.append(error)
                 _warn_caller(f"{error} Falling back to an older step.")
@@ -1274,7 +1321,12 @@ class Checkpointer:
         )
 
     def _restore_step(
-        self, step: int, plan: list[_TargetLeaf], target_leaves: list, treedef: Any
+        self,
+        step: int,
+        plan: list[_TargetLeaf],
+        target_leaves: list,
+        treedef: Any,
+        reshape: bool = False,
     ) -> PyTree:
         step_dir = self._directory / str(step)
 
@@ -1286,7 +1338,7 @@ class Checkpointer:
             )
 
         records = self._read_records(step, step_dir, damaged)
-        problems = _mismatches(records, plan)
+        problems = _mismatches(records, plan, reshape=reshape)
         if problems:
             listed = "\n".join(f"- {problem}" for problem in problems[:_MAX_LISTED])
             more = len(problems) - _MAX_LISTED
@@ -1302,7 +1354,18 @@ class Checkpointer:
                 path=str(step_dir),
             )
         saved = {record["path"]: record for record in records}
-        item = _nested([entry.leaf for entry in plan], [entry.abstract for entry in plan])
+        reshaped = {
+            entry.leaf.index
+            for entry in plan
+            if reshape and _reshapable(saved[entry.leaf.path], entry.leaf)
+        }
+        abstracts = [
+            _read_as_saved(entry, tuple(saved[entry.leaf.path]["shape"]))
+            if entry.leaf.index in reshaped
+            else entry.abstract
+            for entry in plan
+        ]
+        item = _nested([entry.leaf for entry in plan], abstracts)
         _quiet_abandoned_reads()
         try:
             restored = self._manager.restore(step, args=self._ocp.args.StandardRestore(item))
@@ -1321,6 +1384,8 @@ class Checkpointer:
                     )
         leaves = list(target_leaves)
         for entry, value in zip(plan, stored):
+            if entry.leaf.index in reshaped:
+                value = _reshape_to_target(entry, value)
             leaves[entry.leaf.index] = _finish(entry, value, saved[entry.leaf.path])
         return jax.tree_util.tree_unflatten(treedef, leaves)
 

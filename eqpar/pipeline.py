@@ -12,6 +12,8 @@ microbatches. The functions here know nothing of Equinox modules beyond "a calla
   device.
 - `execute_1f1b`: a whole training step (loss and gradients) in the one-forward-one-backward
   order, holding at most `S` microbatch inputs per device.
+- `Microbatched`: marks an extra stage argument (an attention mask, positions) as per-example,
+  so that every stage call gets the rows of the microbatch it is working on.
 """
 
 from collections.abc import Callable
@@ -244,6 +246,143 @@ def _check_stage_keeps_shape(stage: Callable, microbatch: Any, args, kwargs, cal
 
 
 # --------------------------------------------------------------------------------------
+# Per-example extra arguments.
+
+
+class Microbatched(eqx.Module):
+    """An extra stage argument whose rows go with the rows of the batch.
+
+    The executors pass extra positional and keyword arguments to every stage call unchanged,
+    which suits parameters and constants. Wrap a per-example argument (an attention padding
+    mask `[batch, seq]`, token positions, ...) in `Microbatched` instead: it is cut into
+    microbatches exactly like the batch `x`, and the stage working on microbatch `m` receives
+    the plain value holding row block `m` (not the wrapper). Like `x`, it must be the same on
+    every device of the pipeline axis; each device then picks the rows it needs locally, so
+    nothing extra travels the ring. Integer and boolean leaves are fine: they get no
+    cotangents. Outside the pipeline (`PipelineModule.apply_serially`) the whole value is
+    passed.
+
+    **Arguments:**
+
+    - `value`: a pytree of arrays whose leading axis is the batch axis of `x` (same size).
+
+    ```python
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import Mesh, PartitionSpec as P
+    from eqpar.pipeline import Microbatched, execute_pipeline
+
+    mesh = Mesh(np.array(jax.devices()[:2]), ("pipe",))
+
+    def run(x, mask):
+        stage = lambda h, m: jnp.where(m[:, None], h + 1.0, h)  # m: this microbatch's rows
+        return execute_pipeline(
+            stage, x, Microbatched(mask), num_microbatches=2, model_axis_name="pipe",
+            broadcast_output=True,
+        )
+
+    f = jax.shard_map(run, mesh=mesh, in_specs=(P(), P()), out_specs=P())
+    mask = jnp.array([True, False, True, True])
+    out = f(jnp.zeros((4, 3)), mask)
+    assert jnp.array_equal(out[:, 0], jnp.array([2.0, 0.0, 2.0, 2.0]))
+    ```
+    """
+
+    value: PyTree
+
+
+def _is_microbatched(node: Any) -> bool:
+    return isinstance(node, Microbatched)
+
+
+def _argument_name(path: tuple) -> str:
+    """`args[1]...` or `kwargs['mask']...` for a path into the `(args, kwargs)` pair."""
+    head, rest = path[0], path[1:]
+    if getattr(head, "idx", None) == 0:
+        return f"args{jax.tree_util.keystr(rest)}"
+    return f"kwargs{jax.tree_util.keystr(rest)}"
+
+
+def _has_microbatched(args: Any, kwargs: Any) -> bool:
+    leaves = jax.tree.leaves((args, kwargs), is_leaf=_is_microbatched)
+    return any(_is_microbatched(leaf) for leaf in leaves)
+
+
+def _reject_microbatched(args: Any, kwargs: Any, caller: str) -> None:
+    if _has_microbatched(args, kwargs):
+        raise TypeError(
+            f"{caller}: a `Microbatched` argument needs the index of the microbatch being "
+            f"processed, which a single step does not know. Pass this step's rows of the value "
+            f"directly, or call `execute_pipeline`, which splits `Microbatched` arguments."
+        )
+
+
+def _check_microbatched_rows(value: Any, name: str, batch: int, caller: str) -> None:
+    rows = _batch_size(value, name, caller)
+    if rows is None:
+        raise ValueError(
+            f"{caller}: `{name}` is a `Microbatched` argument without array leaves; wrap a "
+            f"per-example array (leading batch axis) or pass the value unwrapped."
+        )
+    if rows != batch:
+        raise ValueError(
+            f"{caller}: `{name}` (a `Microbatched` argument) has {rows} rows but the batch `x` "
+            f"has {batch}; a per-example argument needs one row per example of `x` (after any "
+            f"data sharding). Pass the matching rows, or pass it unwrapped if every example "
+            f"shares it."
+        )
+
+
+def _unwrap_microbatched(args: Any, kwargs: Any, batch: int | None, caller: str) -> tuple:
+    """`(args, kwargs)` with every `Microbatched` replaced by its whole value (rows checked
+    against `batch` when it is known)."""
+    flat, treedef = jax.tree_util.tree_flatten_with_path((args, kwargs), is_leaf=_is_microbatched)
+    leaves = []
+    for path, leaf in flat:
+        if _is_microbatched(leaf):
+            if batch is not None:
+                _check_microbatched_rows(leaf.value, _argument_name(path), batch, caller)
+            leaf = leaf.value
+        leaves.append(leaf)
+    return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def _microbatch_arguments(
+    args: Any,
+    kwargs: Any,
+    *,
+    num_microbatches: int,
+    batch: int,
+    axis_name: AxisName,
+    caller: str,
+    cast: frozenset = frozenset(),
+) -> Callable[[Any], tuple[tuple, dict]]:
+    """A function `at(m) -> (args, kwargs)` giving the stage arguments for microbatch `m`
+    (traced): every `Microbatched` replaced by its row block `m`, everything else unchanged."""
+    flat, treedef = jax.tree_util.tree_flatten_with_path((args, kwargs), is_leaf=_is_microbatched)
+    splits: list[Any] = []
+    for path, leaf in flat:
+        if not _is_microbatched(leaf):
+            splits.append(None)
+            continue
+        name = _argument_name(path)
+        _check_microbatched_rows(leaf.value, name, batch, caller)
+        _check_replicated(leaf.value, name, axis_name, caller)
+        split = _split_microbatches(leaf.value, num_microbatches, batch, name, caller)
+        splits.append(_cast_tree(split, cast) if cast else split)
+    if all(split is None for split in splits):
+        return lambda index: (tuple(args), dict(kwargs))
+
+    def at(index: Any) -> tuple[tuple, dict]:
+        leaves = [
+            leaf if split is None else _take(split, index) for (_, leaf), split in zip(flat, splits)
+        ]
+        call_args, call_kwargs = jax.tree_util.tree_unflatten(treedef, leaves)
+        return tuple(call_args), dict(call_kwargs)
+
+    return at
+
+
+# --------------------------------------------------------------------------------------
 # GPipe.
 
 
@@ -267,7 +406,8 @@ def execute_pipeline_step(
       pytree of the same shapes and dtypes as `x`.
     - `state`: what this device received at the previous step (zeros at the first step).
     - `input`: the microbatch entering the pipeline at this step (used on the first device).
-    - `*args`, `**kwargs`: passed to `module` unchanged.
+    - `*args`, `**kwargs`: passed to `module` unchanged (a `Microbatched` argument is an
+      error here: pass the rows of the microbatch this device works on).
     - `model_axis_name`: the pipeline axis of the mesh.
 
     **Returns:** `(new_state, output)`: `new_state` is the stage result of the previous device
@@ -294,6 +434,7 @@ def execute_pipeline_step(
     ```
     """
     caller = "execute_pipeline_step"
+    _reject_microbatched(args, kwargs, caller)
     num_stages = _axis_size(model_axis_name, caller)
     index = lax.axis_index(model_axis_name)
     stage_input = jax.tree.map(lambda i, s: jnp.where(index == 0, i, s), input, state)
@@ -333,7 +474,9 @@ def execute_pipeline(
       pipeline axis).
     - `x`: the batch, a pytree of arrays sharing a leading batch axis; every device passes the
       same batch (only the first device reads it).
-    - `*args`, `**kwargs`: passed to every stage call unchanged (not split into microbatches).
+    - `*args`, `**kwargs`: passed to every stage call unchanged, except `Microbatched`
+      values, which are split into microbatches with `x` (the stage working on microbatch
+      `m` gets its rows `m`).
     - `num_microbatches`: how many microbatches; must divide the batch size.
     - `model_axis_name`: the pipeline axis of the mesh.
     - `broadcast_output`: return the result on every device (one `psum` over the axis)
@@ -370,12 +513,23 @@ def execute_pipeline(
     _check_replicated(x, "x", model_axis_name, caller)
     module = _vary_like_input(module, x, model_axis_name)
     microbatches = _split_microbatches(x, num_microbatches, batch, "x", caller)
-    _check_stage_keeps_shape(module, _take(microbatches, 0), args, kwargs, caller)
+    arguments_at = _microbatch_arguments(
+        args,
+        kwargs,
+        num_microbatches=num_microbatches,
+        batch=batch,
+        axis_name=model_axis_name,
+        caller=caller,
+    )
+    _check_stage_keeps_shape(module, _take(microbatches, 0), *arguments_at(0), caller)
+    device = lax.axis_index(model_axis_name)
 
     def step(state: Any, t: Array) -> tuple[Any, Any]:
         entering = _take(microbatches, jnp.minimum(t, num_microbatches - 1))
+        # Device d works on microbatch t - d (out-of-range steps compute discarded values).
+        call_args, call_kwargs = arguments_at(jnp.clip(t - device, 0, num_microbatches - 1))
         return execute_pipeline_step(
-            module, state, entering, *args, model_axis_name=model_axis_name, **kwargs
+            module, state, entering, *call_args, model_axis_name=model_axis_name, **call_kwargs
         )
 
     init = _zeros_like(_take(microbatches, 0))
@@ -424,9 +578,12 @@ def execute_circular_pipeline(
 
     - `stages`: this device's `V` stages stacked on a leading axis: a pytree whose array
       leaves have leading size `V` and whose slice `i` (taken leaf by leaf) is a callable
-      stage, entry `i` being model stage `i * S + d` on device `d`.
+      stage, entry `i` being model stage `i * S + d` on device `d`. Stages stored in model
+      order as `[V, S, ...]` and sharded `P(None, axis)` give exactly this block (drop the
+      unit second axis), which is how `eqpar.nn.PipelineModule` stores them.
     - `x`: the batch, a pytree of arrays with a leading batch axis (same on every device).
-    - `*args`, `**kwargs`: passed to every stage call unchanged.
+    - `*args`, `**kwargs`: passed to every stage call unchanged, except `Microbatched`
+      values, which are split into microbatches with `x`.
     - `num_microbatches`: `M`; must divide the batch size.
     - `model_axis_name`: the pipeline axis.
     - `broadcast_output`: return the result on every device instead of only the last.
@@ -445,16 +602,17 @@ def execute_circular_pipeline(
             return h * self.factor
 
     mesh = Mesh(np.array(jax.devices()[:2]), ("pipe",))
-    # 4 stages on 2 devices: device d holds stages d and d + 2 (rows 2d, 2d + 1).
-    factors = jnp.array([1.0, 3.0, 2.0, 4.0])
+    # 4 stages in model order, stored [V, S] = [2, 2]; sharding the second axis over "pipe"
+    # gives device d the column [stage d, stage 2 + d], no reordering needed.
+    factors = jnp.array([1.0, 2.0, 3.0, 4.0]).reshape(2, 2)
 
-    def run(factors, x):
+    def run(factors, x):  # factors: this device's [2, 1] block
         return execute_circular_pipeline(
-            Scale(factors), x, num_microbatches=2, model_axis_name="pipe",
+            Scale(factors[:, 0]), x, num_microbatches=2, model_axis_name="pipe",
             broadcast_output=True,
         )
 
-    f = jax.shard_map(run, mesh=mesh, in_specs=(P("pipe"), P()), out_specs=P())
+    f = jax.shard_map(run, mesh=mesh, in_specs=(P(None, "pipe"), P()), out_specs=P())
     assert jnp.allclose(f(factors, jnp.ones((4, 2))), 24.0)
     ```
     """
@@ -468,13 +626,21 @@ def execute_circular_pipeline(
     _check_replicated(x, "x", model_axis_name, caller)
     stages = _vary_like_input(stages, x, model_axis_name)
     microbatches = _split_microbatches(x, num_microbatches, batch, "x", caller)
+    arguments_at = _microbatch_arguments(
+        args,
+        kwargs,
+        num_microbatches=num_microbatches,
+        batch=batch,
+        axis_name=model_axis_name,
+        caller=caller,
+    )
     arrays, static = eqx.partition(stages, eqx.is_array)
 
     def stage_at(repeat: Any) -> Callable:
         return eqx.combine(_take(arrays, repeat), static)
 
     first = _take(microbatches, 0)
-    _check_stage_keeps_shape(stage_at(0), first, args, kwargs, caller)
+    _check_stage_keeps_shape(stage_at(0), first, *arguments_at(0), caller)
 
     period = max(num_microbatches, num_stages)
     wait = period - num_stages  # steps a finished trip waits before re-entering device 0
@@ -487,7 +653,8 @@ def execute_circular_pipeline(
         delayed = _take(waiting, (t - wait) % slots)
         k = t - device
         repeat = jnp.clip(k // period, 0, num_repeats - 1)
-        fresh = _take(microbatches, jnp.clip(k % period, 0, num_microbatches - 1))
+        microbatch = jnp.clip(k % period, 0, num_microbatches - 1)
+        fresh = _take(microbatches, microbatch)
         first_trip = k // period == 0
         stage_input = jax.tree.map(
             lambda f, d, r: jnp.where(device == 0, jnp.where(first_trip, f, d), r),
@@ -495,7 +662,8 @@ def execute_circular_pipeline(
             delayed,
             received,
         )
-        out = stage_at(repeat)(stage_input, *args, **kwargs)
+        call_args, call_kwargs = arguments_at(microbatch)
+        out = stage_at(repeat)(stage_input, *call_args, **call_kwargs)
         output = jax.tree.map(
             lambda o: jnp.where(device == num_stages - 1, o, jnp.zeros_like(o)), out
         )
@@ -546,7 +714,9 @@ def execute_1f1b(
       `return_all_grads=True`. It must not use collectives over `model_axis_name`.
     - `x`: the batch entering the first stage, a pytree with a leading batch axis.
     - `targets`: the matching targets (a pytree with the same leading batch size, or `None`).
-    - `*args`, `**kwargs`: passed to every stage call unchanged.
+    - `*args`, `**kwargs`: passed to every stage call unchanged, except `Microbatched`
+      values, which are split into microbatches with `x` (forward and backward of
+      microbatch `m` both get rows `m`). They get no gradients.
     - `num_microbatches`: `M`; must divide the batch size.
     - `model_axis_name`: the pipeline axis.
     - `return_all_grads`: also return the gradients of `loss_fn`'s array leaves and of `x`.
@@ -618,6 +788,16 @@ def execute_1f1b(
     _check_replicated(targets, "targets", model_axis_name, caller)
     microbatches = _split_microbatches(x, num_microbatches, batch, "x", caller)
     target_microbatches = _split_microbatches(targets, num_microbatches, batch, "targets", caller)
+    pipe = frozenset({model_axis_name})
+    arguments_at = _microbatch_arguments(
+        args,
+        kwargs,
+        num_microbatches=num_microbatches,
+        batch=batch,
+        axis_name=model_axis_name,
+        caller=caller,
+        cast=pipe,
+    )
     first = _take(microbatches, 0)
     replicated_axes = (
         _axes_tree(eqx.filter(module, eqx.is_inexact_array)),
@@ -625,18 +805,24 @@ def execute_1f1b(
     )
     module = _vary_like_input(module, x, model_axis_name)
     loss_fn = _vary_like_input(loss_fn, x, model_axis_name)
-    _check_stage_keeps_shape(module, first, args, kwargs, caller)
+    _check_stage_keeps_shape(module, first, *arguments_at(0), caller)
 
     params, static = eqx.partition(module, eqx.is_inexact_array)
     loss_params, loss_static = eqx.partition(loss_fn, eqx.is_inexact_array)
 
-    def run_stage(p: Any, h: Any) -> Any:
-        return eqx.combine(p, static)(h, *args, **kwargs)
+    def run_stage(p: Any, h: Any, call: tuple) -> Any:
+        return eqx.combine(p, static)(h, *call[0], **call[1])
 
-    def run_last(p: Any, h: Any, lp: Any, target: Any) -> Any:
-        return eqx.combine(lp, loss_static)(run_stage(p, h), target)
+    def run_last(p: Any, h: Any, lp: Any, target: Any, call: tuple) -> Any:
+        return eqx.combine(lp, loss_static)(run_stage(p, h, call), target)
 
-    loss_shape = jax.eval_shape(run_last, params, first, loss_params, _take(target_microbatches, 0))
+    loss_shape = jax.eval_shape(
+        lambda p, h, lp, t: run_last(p, h, lp, t, arguments_at(0)),
+        params,
+        first,
+        loss_params,
+        _take(target_microbatches, 0),
+    )
     if not isinstance(loss_shape, jax.ShapeDtypeStruct) or loss_shape.shape != ():
         raise ValueError(
             f"{caller}: `loss_fn(outputs, targets)` must return one scalar per microbatch "
@@ -650,7 +836,6 @@ def execute_1f1b(
     device = lax.axis_index(model_axis_name)
     is_first = device == 0
     is_last = device == num_stages - 1
-    pipe = frozenset({model_axis_name})
     # Everything the branches touch varies over the pipeline axis, so that no gradient
     # inside a branch needs a reduction over that axis (which only some devices would run).
     params = _cast_tree(params, pipe)
@@ -669,7 +854,7 @@ def execute_1f1b(
         )
 
     def forward(state: _BranchState) -> tuple:
-        sent = run_stage(params, state.h)
+        sent = run_stage(params, state.h, arguments_at(state.microbatch))
         return sent, _zeros_like(state.cot), state.grads, state.loss_grads, state.loss
 
     # Only the inexact leaves of the activations carry cotangents; integer or boolean leaves
@@ -678,7 +863,8 @@ def execute_1f1b(
         h_diff, h_rest = eqx.partition(state.h, eqx.is_inexact_array)
 
         def stage_part(p: Any, hd: Any) -> Any:
-            return eqx.filter(run_stage(p, eqx.combine(hd, h_rest)), eqx.is_inexact_array)
+            out = run_stage(p, eqx.combine(hd, h_rest), arguments_at(state.microbatch))
+            return eqx.filter(out, eqx.is_inexact_array)
 
         out, pullback = jax.vjp(stage_part, params, h_diff)
         d_params, d_h = pullback(_cast_tree(state.cot, _axes_tree(out)))
@@ -689,7 +875,9 @@ def execute_1f1b(
         h_diff, h_rest = eqx.partition(state.h, eqx.is_inexact_array)
 
         def last_part(p: Any, hd: Any, lp: Any) -> Any:
-            return run_last(p, eqx.combine(hd, h_rest), lp, state.target)
+            return run_last(
+                p, eqx.combine(hd, h_rest), lp, state.target, arguments_at(state.microbatch)
+            )
 
         value, pullback = jax.vjp(last_part, params, h_diff, loss_params)
         scale = _cast_varying(cotangent_scale, _varying_axes(value))
@@ -717,14 +905,14 @@ def execute_1f1b(
         stash = _put(stash, sent % num_stages, received, (sent >= 0) & ~is_first)
         fresh = _take(microbatches, jnp.clip(fwd, 0, num_microbatches - 1))
         stash = _put(stash, fwd % num_stages, fresh, (fwd >= 0) & is_first)
-        current = jnp.where(fwd >= 0, fwd, bwd)
-        h = _take(stash, jnp.clip(current, 0, num_microbatches - 1) % num_stages)
+        current = jnp.clip(jnp.where(fwd >= 0, fwd, bwd), 0, num_microbatches - 1)
+        h = _take(stash, current % num_stages)
         target = _take(target_microbatches, jnp.clip(bwd, 0, num_microbatches - 1))
         # The last stage's forward is folded into its backward, which recomputes it anyway.
         branch = jnp.where(
             bwd >= 0, jnp.where(is_last, 3, 2), jnp.where((fwd >= 0) & ~is_last, 1, 0)
         )
-        state = _BranchState(h, cotangent, target, grads, loss_grads, loss)
+        state = _BranchState(h, cotangent, target, current, grads, loss_grads, loss)
         sent_forward, sent_back, grads, loss_grads, loss = _switch(branch, branches, state)
         if x_grads is not None:
             x_grads = _put(
@@ -772,6 +960,7 @@ class _BranchState(NamedTuple):
     h: Any  # the stage input of the microbatch this step works on
     cot: Any  # the cotangent received from the next stage
     target: Any  # the targets of the microbatch (used by the last stage)
+    microbatch: Any  # the index of that microbatch (selects its `Microbatched` rows)
     grads: Any  # running gradient of the stage parameters
     loss_grads: Any  # running gradient of loss_fn's parameters
     loss: Any  # running loss
@@ -782,6 +971,7 @@ def _add(a: Any, b: Any) -> Any:
 
 
 __all__ = [
+    "Microbatched",
     "execute_1f1b",
     "execute_circular_pipeline",
     "execute_pipeline",

@@ -56,7 +56,18 @@ _PLANNABLE = (
 
 class Style:
     """How one layer is split; the styles are `ColumnParallel`, `RowParallel`,
-    `HeadParallel`, `VocabParallel`, `FeatureParallel` and `Replicated`."""
+    `HeadParallel`, `VocabParallel`, `FeatureParallel` and `Replicated`.
+
+    A style says which layers it accepts, converts one, and names the sizes it splits.
+
+    ```python
+    import equinox as eqx, jax, eqpar
+    style = eqpar.ColumnParallel()
+    assert isinstance(style, eqpar.Style) and style.accepts == (eqx.nn.Linear,)
+    layer = eqx.nn.Linear(4, 8, key=jax.random.key(0))
+    assert style.split_sizes(layer) == {"out_features": 8}
+    ```
+    """
 
     accepts: tuple[type, ...] = ()
 
@@ -79,6 +90,14 @@ class ColumnParallel(Style):
 
     It takes the replicated input and gives this device's block of the output, for a
     following `RowParallel` layer; with `gather_output=True` it gives the whole output.
+
+    ```python
+    import equinox as eqx, jax, eqpar
+    from jax.sharding import PartitionSpec as P
+    mlp = eqx.nn.MLP(4, 4, 16, 1, key=jax.random.key(0))
+    parallel = eqpar.parallelize(mlp, {"layers/0": eqpar.ColumnParallel(axis_name="model")})
+    assert eqpar.partition_specs(parallel).layers[0].weight == P("model", None)
+    ```
     """
 
     axis_name: Hashable = "model"
@@ -97,7 +116,17 @@ class ColumnParallel(Style):
 @dataclasses.dataclass(frozen=True)
 class RowParallel(Style):
     """Split an `eqx.nn.Linear`'s input features over `axis_name` (`RowParallelLinear`): it
-    takes this device's block and gives the whole output (one `psum`)."""
+    takes this device's block and gives the whole output (one `psum`).
+
+    ```python
+    import equinox as eqx, jax, eqpar
+    from jax.sharding import PartitionSpec as P
+    mlp = eqx.nn.MLP(4, 4, 16, 1, key=jax.random.key(0))
+    parallel = eqpar.parallelize(mlp, {"layers/1": eqpar.RowParallel()})
+    specs = eqpar.partition_specs(parallel).layers[1]
+    assert specs.weight == P(None, "model") and specs.bias == P()
+    ```
+    """
 
     axis_name: Hashable = "model"
     accepts = (eqx.nn.Linear,)
@@ -112,7 +141,16 @@ class RowParallel(Style):
 @dataclasses.dataclass(frozen=True)
 class HeadParallel(Style):
     """Split an `eqx.nn.MultiheadAttention`'s heads over `axis_name`
-    (`HeadParallelAttention`): replicated in, replicated out, one `psum`."""
+    (`HeadParallelAttention`): replicated in, replicated out, one `psum`.
+
+    ```python
+    import equinox as eqx, jax, eqpar
+    from eqpar.nn import HeadParallelAttention
+    attention = eqx.nn.MultiheadAttention(4, 16, key=jax.random.key(0))
+    parallel = eqpar.parallelize({"attention": attention}, {"attention": eqpar.HeadParallel()})
+    assert isinstance(parallel["attention"], HeadParallelAttention)
+    ```
+    """
 
     axis_name: Hashable = "model"
     accepts = (eqx.nn.MultiheadAttention,)
@@ -126,7 +164,16 @@ class HeadParallel(Style):
 
 @dataclasses.dataclass(frozen=True)
 class VocabParallel(Style):
-    """Split an `eqx.nn.Embedding`'s rows over `axis_name` (`VocabParallelEmbedding`)."""
+    """Split an `eqx.nn.Embedding`'s rows over `axis_name` (`VocabParallelEmbedding`).
+
+    ```python
+    import equinox as eqx, jax, eqpar
+    from jax.sharding import PartitionSpec as P
+    table = eqx.nn.Embedding(32, 8, key=jax.random.key(0))
+    parallel = eqpar.parallelize(table, {"": eqpar.VocabParallel()})  # "" is the root
+    assert eqpar.partition_specs(parallel).weight == P("model", None)
+    ```
+    """
 
     axis_name: Hashable = "model"
     accepts = (eqx.nn.Embedding,)
@@ -140,7 +187,16 @@ class VocabParallel(Style):
 
 @dataclasses.dataclass(frozen=True)
 class FeatureParallel(Style):
-    """Split an `eqx.nn.Embedding`'s columns over `axis_name` (`FeatureParallelEmbedding`)."""
+    """Split an `eqx.nn.Embedding`'s columns over `axis_name` (`FeatureParallelEmbedding`).
+
+    ```python
+    import equinox as eqx, jax, eqpar
+    from jax.sharding import PartitionSpec as P
+    table = eqx.nn.Embedding(10, 32, key=jax.random.key(0))
+    parallel = eqpar.parallelize(table, {"": eqpar.FeatureParallel()})
+    assert eqpar.partition_specs(parallel).weight == P(None, "model")
+    ```
+    """
 
     axis_name: Hashable = "model"
     accepts = (eqx.nn.Embedding,)
@@ -154,7 +210,17 @@ class FeatureParallel(Style):
 
 @dataclasses.dataclass(frozen=True)
 class Replicated(Style):
-    """Keep the layer whole on every device (its original class; norms, small heads)."""
+    """Keep the layer whole on every device (its original class; norms, small heads). A
+    layer already converted goes back to its original class.
+
+    ```python
+    import equinox as eqx, jax, eqpar
+    mlp = eqx.nn.MLP(4, 4, 16, 1, key=jax.random.key(0))
+    parallel = eqpar.parallelize(mlp, {"layers/0": eqpar.ColumnParallel()})
+    again = eqpar.parallelize(parallel, {"layers/0": eqpar.Replicated()})
+    assert type(again.layers[0]) is eqx.nn.Linear
+    ```
+    """
 
     accepts = _PLANNABLE
 

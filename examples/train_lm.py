@@ -32,8 +32,10 @@ except RuntimeError:  # the backends are already running (imported by a test or 
 import equinox as eqx
 import numpy as np
 import optax
+from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from jaxtyping import Array, Int
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
@@ -42,6 +44,7 @@ import lm
 import eqpar
 from eqpar.distributions import match_param_specs
 from eqpar.inspect import print_layout_table
+from eqpar.nn import PipelineModule
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,7 +55,6 @@ class RunConfig:
     repeats: int = 2
     fsdp: bool = False
     remat: bool = False
-    ring: bool = False
     steps: int = 120
     batch_size: int = 16
     lr: float = 3e-3
@@ -94,7 +96,12 @@ def check_sizes(config: lm.LMConfig, run: RunConfig) -> None:
         problems.append(
             f"num_layers={config.num_layers} must divide by pipe x repeats = {pipe * repeats}"
         )
-    for name, size in (("num_heads", config.num_heads), ("vocab_size", config.vocab_size)):
+    split_over_model = (
+        ("num_heads", config.num_heads),
+        ("d_hidden", config.d_hidden),
+        ("vocab_size", config.vocab_size),
+    )
+    for name, size in split_over_model:
         if size % model:
             problems.append(f"{name}={size} must divide by model={model}")
     if run.batch_size % (data * run.microbatches):
@@ -106,49 +113,67 @@ def check_sizes(config: lm.LMConfig, run: RunConfig) -> None:
         raise SystemExit("invalid sizes: " + "; ".join(problems))
 
 
+def build_model(config: lm.LMConfig, run: RunConfig, mesh: eqpar.DeviceMesh) -> lm.LM:
+    """The example's model for `mesh`, parallelized by `lm.PLAN` (same parameters on any mesh)."""
+    repeats = run.repeats if run.schedule == "circular" and run.mesh[lm.PIPE] > 1 else 1
+    return lm.build(
+        config,
+        mesh,
+        num_microbatches=run.microbatches,
+        num_repeats=repeats,
+        remat=run.remat,
+        key=jax.random.key(run.seed),
+    )
+
+
 def storage_specs(model: lm.LM, mesh: eqpar.DeviceMesh, fsdp: bool) -> Any:
-    """Where each parameter lives: its declared spec, plus the data axis for FSDP."""
-    specs = eqpar.partition_specs(model)
-    if not fsdp or mesh.axis_size(lm.DATA) == 1:
-        return specs
-    data = mesh.axis_size(lm.DATA)
+    """Where each parameter lives: its declared spec, with `--fsdp` also split over data."""
+    if fsdp:
+        return eqpar.FSDP(mesh, axis=lm.DATA).partition_specs(model)
+    return eqpar.partition_specs(model)
 
-    def add_data_axis(leaf: Any, spec: Any) -> Any:
-        if not eqx.is_array(leaf):
-            return spec
-        entries = list(spec) + [None] * (leaf.ndim - len(spec))
-        free = [d for d in range(leaf.ndim) if entries[d] is None and leaf.shape[d] % data == 0]
-        if not free or leaf.size * leaf.dtype.itemsize < eqpar.DEFAULT_FSDP_MIN_SIZE_BYTES:
-            return spec
-        entries[max(free, key=lambda d: leaf.shape[d])] = lm.DATA
-        return P(*entries)
 
-    return jax.tree.map(add_data_axis, model, specs, is_leaf=lambda x: isinstance(x, P))
+def global_loss(model: lm.LM, tokens: Int[Array, "batch seq1"]) -> Array:
+    """The loss inside `shard_map` (GPipe / circular): the mean over the data shards."""
+    return lax.pmean(model.loss(tokens), lm.DATA)
+
+
+def loss_and_grads_1f1b(model: lm.LM, tokens: Int[Array, "batch seq1"]) -> tuple[Array, lm.LM]:
+    """Loss and gradients inside `shard_map` with the 1F1B schedule.
+
+    The pipeline runs its own backward pass, so the embedding's pullback is applied to the
+    gradient it returns for its input.
+    """
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    h, embed_vjp = eqx.filter_vjp(
+        lambda e: eqx.tree_at(lambda m: (m.embed, m.position), model, e).embed_tokens(inputs),
+        (model.embed, model.position),
+    )
+    assert isinstance(model.body, PipelineModule), "1F1B runs the model of lm.build"
+    loss, (body_grads, head_grads, h_grads) = model.body.value_and_grad_1f1b(
+        model.head, h, targets, return_all_grads=True
+    )
+    (embed_grads,) = embed_vjp(h_grads)
+    grads = eqx.tree_at(
+        lambda m: (m.embed, m.position, m.body, m.norm, m.unembed),
+        eqx.filter(model, eqx.is_inexact_array),
+        (*embed_grads, body_grads, head_grads.norm, head_grads.unembed),
+    )
+    # This is the one place gradients come from each shard's own loss: those of parameters
+    # replicated over `data` arrive summed over it, so divide by its size for the mean.
+    data_shards = lax.axis_size(lm.DATA)
+    return lax.pmean(loss, lm.DATA), jax.tree.map(lambda g: g / data_shards, grads)
 
 
 def build_step(model: lm.LM, mesh: eqpar.DeviceMesh, run: RunConfig, optimizer: Any) -> Any:
-    plan = lm.Parallelism(
-        schedule=run.schedule,
-        num_microbatches=run.microbatches,
-        num_repeats=run.repeats,
-        remat=run.remat,
-    )
-    specs = eqpar.partition_specs(model)
+    specs = eqpar.partition_specs(model)  # what shard_map's body sees (no FSDP split)
     batch_spec = P(lm.DATA)
     if run.schedule == "1f1b":
         loss_and_grads = eqpar.shard_map(
-            lambda m, t: lm.local_loss_and_grads_1f1b(m, t, plan),
-            mesh=mesh,
-            in_specs=(specs, batch_spec),
-            out_specs=(P(), specs),
+            loss_and_grads_1f1b, mesh=mesh, in_specs=(specs, batch_spec), out_specs=(P(), specs)
         )
     else:
-        loss = eqpar.shard_map(
-            lambda m, t: lm.local_loss(m, t, plan),
-            mesh=mesh,
-            in_specs=(specs, batch_spec),
-            out_specs=P(),
-        )
+        loss = eqpar.shard_map(global_loss, mesh=mesh, in_specs=(specs, batch_spec), out_specs=P())
         loss_and_grads = eqx.filter_value_and_grad(loss)
 
     param_specs = storage_specs(model, mesh, run.fsdp)
@@ -179,10 +204,10 @@ def place(model: lm.LM, optimizer: Any, mesh: eqpar.DeviceMesh, fsdp: bool) -> t
 
 
 def make_optimizer(run: RunConfig) -> Any:
-    """Adam by default; SGD with momentum (`--optimizer sgd`) for comparisons at float32
-    rounding: Adam divides by the gradient's running magnitude, which turns rounding noise in
-    gradients that are exactly zero in exact arithmetic (e.g. the attention keys' bias) into
-    full-size updates."""
+    """Adam by default; SGD with momentum (`--optimizer sgd`) for the tests' comparisons: Adam
+    divides by the gradient's running magnitude, which hides a gradient that is `n` times too
+    large and turns rounding noise in a gradient that is zero in exact arithmetic into a
+    full-size update."""
     warmup = optax.linear_schedule(0.0, run.lr, transition_steps=10)
     if run.optimizer == "adam":
         return optax.chain(optax.clip_by_global_norm(1.0), optax.adam(warmup))
@@ -206,16 +231,6 @@ class CheckpointOptions:
     resume: bool = False
 
 
-def _layer_order(tree: Any, num_stages: int, repeats: int, to_model: bool) -> Any:
-    """Reorder the layer stack of every LM-shaped node (the model and the optimizer moments)."""
-    convert = lm.to_model_order if to_model else lm.to_device_major
-    return jax.tree.map(
-        lambda node: convert(node, num_stages, repeats) if isinstance(node, lm.LM) else node,
-        tree,
-        is_leaf=lambda node: isinstance(node, lm.LM),
-    )
-
-
 def train(
     run: RunConfig,
     *,
@@ -227,21 +242,19 @@ def train(
     checkpoint: CheckpointOptions | None = None,
 ) -> tuple[list[float], lm.LM]:
     """Train until step `run.steps`; returns the losses of the steps run here and the final
-    model in model order.
+    model as trained (`lm.model_order` gives its serial form, the same for every layout).
 
     `place_batch(batches, position, mesh)` gives the global token array of a step; with
     several processes each one feeds its own rows (see `multihost.py`). With `checkpoint`,
     the model, optimizer state and data position are saved every `save_every` steps and at
-    the end (in model order, so any layout can restore them), and `resume` starts from the
-    latest good checkpoint.
+    the end, and `resume` starts from the latest good checkpoint. Stacked layers are stored
+    in model order under every layout, so a checkpoint restores under any other mesh or
+    schedule (`restore(..., reshape=True)` reshapes the stage stacks).
     """
     config = lm.LMConfig() if config is None else config
     check_sizes(config, run)
     mesh = make_mesh(run.mesh, devices)
-    stages = run.mesh[lm.PIPE]
-    repeats = run.repeats if run.schedule == "circular" and stages > 1 else 1
-    model = lm.LM(config, use_ring=run.ring, key=jax.random.key(run.seed))
-    model = lm.to_device_major(model, stages, repeats)
+    model = build_model(config, run, mesh)
     optimizer = make_optimizer(run)
     model, opt_state = place(model, optimizer, mesh, run.fsdp)
     start = 0
@@ -253,10 +266,8 @@ def train(
             checkpoint.directory, save_every=checkpoint.save_every, keep=checkpoint.keep
         )
         if checkpoint.resume and checkpointer.latest_step() is not None:
-            target = _layer_order(
-                {"model": model, "opt_state": opt_state, "position": 0}, stages, repeats, True
-            )
-            state = _layer_order(checkpointer.restore(target=target), stages, repeats, False)
+            target = {"model": model, "opt_state": opt_state, "position": 0}
+            state = checkpointer.restore(target=target, reshape=True)
             model, opt_state, start = state["model"], state["opt_state"], int(state["position"])
             print(f"resumed from step {checkpointer.restored_step} ({checkpoint.directory})")
     if show_layout:
@@ -272,7 +283,7 @@ def train(
     def save(position: int, *, force: bool) -> None:
         if checkpointer is not None and (force or checkpointer.should_save(position)):
             state = {"model": model, "opt_state": opt_state, "position": position}
-            checkpointer.save(position, _layer_order(state, stages, repeats, True), force=force)
+            checkpointer.save(position, state, force=force)
 
     try:
         for position in range(start, run.steps):
@@ -289,7 +300,7 @@ def train(
         bar.close()
         if checkpointer is not None:
             checkpointer.close()
-    return losses, lm.to_model_order(model, stages, repeats)
+    return losses, model
 
 
 def _progress(total: int, enabled: bool, *, initial: int = 0) -> Any:
@@ -344,14 +355,15 @@ def parameter_digest(model: lm.LM) -> str:
     import hashlib
 
     digest = hashlib.sha256()
-    for leaf in jax.tree.leaves(eqx.filter(model, eqx.is_array)):
+    for leaf in jax.tree.leaves(eqx.filter(lm.model_order(model), eqx.is_array)):
         digest.update(np.asarray(leaf).tobytes())
     return digest.hexdigest()
 
 
 def largest_differences(a: lm.LM, b: lm.LM) -> float:
-    leaves_a = jax.tree.leaves(eqx.filter(a, eqx.is_array))
-    leaves_b = jax.tree.leaves(eqx.filter(b, eqx.is_array))
+    """The largest parameter difference of two models (any layouts)."""
+    leaves_a = jax.tree.leaves(eqx.filter(lm.model_order(a), eqx.is_array))
+    leaves_b = jax.tree.leaves(eqx.filter(lm.model_order(b), eqx.is_array))
     return max(
         float(np.max(np.abs(np.asarray(x) - np.asarray(y)))) for x, y in zip(leaves_a, leaves_b)
     )
@@ -367,7 +379,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--repeats", type=int, default=2, help="stages per device (circular)")
     parser.add_argument("--fsdp", action="store_true", help="also shard parameters over data")
     parser.add_argument("--remat", action="store_true", help="recompute stage activations")
-    parser.add_argument("--ring", action="store_true", help="ring-overlapped TPAsyncDense layers")
     parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--lr", type=float, default=3e-3)
@@ -400,7 +411,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         repeats=args.repeats,
         fsdp=args.fsdp,
         remat=args.remat,
-        ring=args.ring,
         steps=args.steps,
         batch_size=args.batch_size,
         lr=args.lr,

@@ -14,6 +14,7 @@ import os
 import pickle
 import signal
 from pathlib import Path
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -840,3 +841,90 @@ def test_two_processes_write_their_own_shards_and_one_process_restores(tmp_path)
             np.testing.assert_array_equal(
                 jax.random.key_data(restored["key"]), jax.random.key_data(expected["key"])
             )
+
+
+# ---------------------------------------------------------------------------------------------
+# Pipeline stage counts: model-order stacks restore under another layout by a reshape
+
+
+class _PipelinedNet(eqx.Module):
+    head: eqx.nn.Linear
+    body: Any  # a PipelineModule, or _SerialBody
+
+
+class _SerialBody(eqx.Module):
+    """One-device stand-in with the leaf paths of a PipelineModule (`stages/layers/...`) but the
+    layers stored as one plain `[L, ...]` scanned stack."""
+
+    stages: Any  # a ScannedLayers
+
+
+def _pipelined_net(num_stages: int, num_repeats: int, key: int):
+    from eqpar.nn.pipeline import PipelineModule
+
+    keys = jax.random.split(jax.random.key(key), 9)
+    layers = eqx.filter_vmap(lambda k: eqx.nn.MLP(4, 4, 8, 1, key=k))(keys[:8])
+    body = PipelineModule.from_layers(
+        layers, num_stages=num_stages, num_repeats=num_repeats, num_microbatches=1
+    )
+    return _PipelinedNet(eqx.nn.Linear(4, 2, key=keys[8]), body), layers
+
+
+def _placed_on_pipe_mesh(tree, size: int):
+    from eqpar.layout import partition_specs
+
+    mesh = mesh_of((size,), ("pipe",))
+    specs = partition_specs(tree)
+    return jax.tree.map(
+        lambda leaf, spec: (
+            jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=NamedSharding(mesh, spec))
+            if is_data(leaf)
+            else leaf
+        ),
+        tree,
+        specs,
+        is_leaf=lambda x: x is None,
+    )
+
+
+def test_pipeline_checkpoint_restores_under_another_stage_count_by_reshape(tmp_path):
+    from eqpar.nn.pipeline import ScannedLayers
+
+    saved, layers = _pipelined_net(8, 1, key=0)
+    assert saved.body.stages.layers.layers[0].weight.shape == (8, 1, 8, 4)
+    placed = jax.tree.map(
+        lambda leaf, target: jax.device_put(leaf, target.sharding) if is_data(target) else leaf,
+        saved,
+        _placed_on_pipe_mesh(eqx.filter_eval_shape(lambda: saved), 8),
+    )
+    with Checkpointer(tmp_path) as checkpointer:
+        checkpointer.save(0, placed)
+
+        # PP(S=4, V=2): stored [2, 4, 1, ...], sharded P(None, "pipe", ...) on 4 devices.
+        circular = eqx.filter_eval_shape(lambda: _pipelined_net(4, 2, key=1)[0])
+        target = _placed_on_pipe_mesh(circular, 4)
+        assert target.body.stages.layers.layers[0].weight.shape == (2, 4, 1, 8, 4)
+        with pytest.raises(CheckpointMismatchError, match=r"\(shape\): \(8, 1, 8, 4\) in the"):
+            checkpointer.restore(target=target)
+        restored = checkpointer.restore(target=target, reshape=True)
+        weight = restored.body.stages.layers.layers[0].weight
+        assert weight.sharding == target.body.stages.layers.layers[0].weight.sharding
+        assert_bitwise_equal(restored.body.to_layers(), layers)
+        assert_bitwise_equal(restored.head, saved.head)
+
+        # One device, a plain [8, ...] scanned stack at the same leaf paths.
+        serial = eqx.filter_eval_shape(
+            lambda: _PipelinedNet(saved.head, _SerialBody(ScannedLayers(layers)))
+        )
+        serial = place(serial, one_device_layout)
+        restored = checkpointer.restore(target=serial, reshape=True)
+        assert restored.body.stages.layers.layers[0].weight.shape == (8, 8, 4)
+        assert_bitwise_equal(restored.body.stages.layers, layers)
+        assert_bitwise_equal(restored.head, saved.head)
+
+        # Sizes that differ stay a mismatch even with reshape=True.
+        wrong = eqx.tree_at(
+            lambda n: n.head.weight, serial, jax.ShapeDtypeStruct((3, 4), jnp.float32)
+        )
+        with pytest.raises(CheckpointMismatchError, match=r"`head/weight` \(shape\): \(2, 4\)"):
+            checkpointer.restore(target=wrong, reshape=True)

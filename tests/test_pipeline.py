@@ -1,6 +1,7 @@
 """Pipeline executors and PipelineModule against their serial twins (float32, rtol 1e-5)."""
 
 import re
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -199,8 +200,9 @@ def test_scanned_layers_with_remat(schedule):
     """8 scanned layers cut into stages of 2 (or 4), rematerialised, against the serial twin
     and against running the 8 layers one by one."""
     module = _scanned_module(schedule, remat=True)
-    assert module.stages.layers.linear.weight.shape[:2] == (
-        (4, 2) if schedule == "circular" else (2, 4)
+    # [S, L/S, ...] for GPipe and 1F1B; [V, S, L/(S V), ...] for the circular schedule.
+    assert module.stages.layers.linear.weight.shape == (
+        (2, 2, 2, FEATURES, FEATURES) if schedule == "circular" else (2, 4, FEATURES, FEATURES)
     )
     x, t, shift = batch(4)
     y_ref, loss_ref, grads_ref, _ = serial_twin(module, x, t, shift)
@@ -277,8 +279,8 @@ def test_data_by_pipe_mesh(schedule):
 class TPBlock(eqx.Module):
     """Column-parallel up projection, row-parallel down projection, residual."""
 
-    up: eqx.Module
-    down: eqx.Module
+    up: Any  # TPDense
+    down: Any
 
     def __init__(self, key):
         from eqpar.nn.tensor_parallel import TPDense
@@ -308,8 +310,9 @@ def test_pipe_by_model_mesh_with_tpdense(schedule):
         num_repeats=2 if schedule == "circular" else 1,
     )
     arrays, static, specs = layout(module)
-    assert specs.stages.up.weight == P("pipe", "model", None)
-    assert specs.stages.down.weight == P("pipe", None, "model")
+    lead = (None,) if schedule == "circular" else ()
+    assert specs.stages.up.weight == P(*lead, "pipe", "model", None)
+    assert specs.stages.down.weight == P(*lead, "pipe", None, "model")
     x, t, _ = batch(4)
 
     def serial_loss(arrays):
@@ -471,7 +474,7 @@ def test_1f1b_loss_fn_parameters_get_gradients():
 def _compiled_size(module, mesh, schedule):
     x, t, shift = batch(module.num_microbatches)
     arrays, fn = (one_f_one_b if schedule == "1f1b" else forward_and_grad)(module, mesh)
-    return len(fn.lower(arrays, x, t, shift).compile().as_text())
+    return len(fn.lower(arrays, x, t, shift).compile().as_text() or "")
 
 
 @pytest.mark.parametrize(
@@ -551,7 +554,7 @@ def test_batch_must_be_replicated_over_the_pipeline_axis(schedule):
     stage = lambda h: h * 2.0
 
     def run(x):
-        options = dict(num_microbatches=1, model_axis_name="pipe")
+        options: dict[str, Any] = dict(num_microbatches=1, model_axis_name="pipe")
         if schedule == "gpipe":
             return execute_pipeline(stage, x, **options)
         if schedule == "circular":
@@ -711,10 +714,11 @@ def test_schedule_kind():
 def test_stage_order_round_trips():
     stages = eqx.filter_vmap(Block)(jax.random.split(jax.random.key(0), 6))
     module = PipelineModule(stages, num_stages=3, num_repeats=2, num_microbatches=1)
-    # Device d holds stages d and d + 3, in stored rows 2d and 2d + 1.
+    # Stored [V, S, ...] in model order: element [r, d] is stage r * S + d, a plain reshape.
     stored = module.stages.linear.weight
-    np.testing.assert_array_equal(stored[1], stages.linear.weight[3])
-    np.testing.assert_array_equal(stored[2], stages.linear.weight[1])
+    assert stored.shape == (2, 3, FEATURES, FEATURES)
+    np.testing.assert_array_equal(stored, stages.linear.weight.reshape(stored.shape))
+    np.testing.assert_array_equal(stored[1, 0], stages.linear.weight[3])
     np.testing.assert_array_equal(module.serial_stages().linear.weight, stages.linear.weight)
     np.testing.assert_array_equal(module.stage(4).linear.weight, stages.linear.weight[4])
     with pytest.raises(ValueError, match=r"`index` must be in \[0, 6\), got 6"):
@@ -728,8 +732,410 @@ def test_partition_specs_prepend_the_pipeline_axis():
         "stages/layers/linear/weight": P("pipe", None),
         "stages/layers/linear/bias": P("pipe", None),
     }
+    assert _scanned_module("circular", remat=False).__partition_specs__() == {
+        "stages/layers/linear/weight": P(None, "pipe", None),
+        "stages/layers/linear/bias": P(None, "pipe", None),
+    }
     tp = PipelineModule.from_stage_fn(
         TPBlock, num_stages=2, key=jax.random.key(0), num_microbatches=1, axis_name="stage"
     )
     assert tp.__partition_specs__()["stages/up/weight"] == P("stage", "model", None)
     assert tp.__partition_specs__()["stages/down/bias"] == P("stage", "model")
+
+
+def test_circular_stages_not_sharded_over_the_axis():
+    module = make_module("circular", 2, 2)
+    arrays, static, _ = layout(module)
+    x, _, shift = batch(2)
+    wrong = jax.tree.map(lambda _: P("pipe"), arrays)  # the V axis instead of the S axis
+    fn = _in_pipe(
+        lambda a, x, s: eqx.combine(a, static)(x, s, scale=SCALE),
+        size=2,
+        in_specs=(wrong, P(), P()),
+        out_specs=P(),
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"\[num_repeats, 1\] = \[2, 1\] block.*leading dimensions \[1, 2\].*"
+        r"P\(None, 'pipe', \.\.\.\)",
+    ):
+        fn(arrays, x, shift)
+
+
+# --------------------------------------------------------------------------------------
+# Model order: from_layers / to_layers and stack_layers / unstack_layers.
+
+
+@pytest.mark.parametrize(("num_stages", "num_repeats"), [(8, 1), (4, 1), (4, 2), (2, 2), (1, 1)])
+def test_layers_round_trip_through_stages_by_reshape(num_stages, num_repeats):
+    layers = eqx.filter_vmap(Block)(jax.random.split(jax.random.key(0), 8))
+    module = PipelineModule.from_layers(
+        layers, num_stages=num_stages, num_repeats=num_repeats, num_microbatches=1
+    )
+    per_stage = 8 // (num_stages * num_repeats)
+    lead = (num_stages,) if num_repeats == 1 else (num_repeats, num_stages)
+    weight = module.stages.layers.linear.weight
+    assert weight.shape == (*lead, per_stage, FEATURES, FEATURES)
+    # Storage is the model-order stack reshaped, nothing permuted.
+    np.testing.assert_array_equal(weight, layers.linear.weight.reshape(weight.shape))
+    back = module.to_layers()
+    assert jax.tree.structure(back) == jax.tree.structure(layers)
+    for a, e in zip(jax.tree.leaves(back), jax.tree.leaves(layers)):
+        np.testing.assert_array_equal(a, e)
+    stages = module.serial_stages().layers.linear.weight
+    assert stages.shape == (num_stages * num_repeats, per_stage, FEATURES, FEATURES)
+    for s in range(num_stages * num_repeats):
+        np.testing.assert_array_equal(
+            module.stage(s).layers.linear.weight,
+            layers.linear.weight[s * per_stage : (s + 1) * per_stage],
+        )
+
+
+def test_to_layers_needs_scanned_stages():
+    with pytest.raises(TypeError, match=r"stages are Block, not ScannedLayers.*serial_stages"):
+        make_module("gpipe", 2, 1).to_layers()
+
+
+def assert_exact(actual, expected):
+    """Same structure, bitwise-equal arrays of the same dtype, equal other leaves."""
+    assert jax.tree.structure(actual) == jax.tree.structure(expected)
+    for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected)):
+        if eqx.is_array(e):
+            assert a.dtype == e.dtype and a.shape == e.shape
+            np.testing.assert_array_equal(a, e)
+        else:
+            assert a == e
+
+
+def test_stack_and_unstack_layers_round_trip_exactly():
+    from eqpar.nn import stack_layers, unstack_layers
+
+    keys = jax.random.split(jax.random.key(0), 5)
+    make = lambda k: eqx.nn.MLP(3, 3, 4, 2, activation=jax.nn.gelu, key=k)
+    blocks = [make(k) for k in keys]
+    stacked = stack_layers(blocks)
+    assert stacked.layers[1].weight.shape == (5, 4, 4)
+    # The same as building the stack with eqx.filter_vmap over the same keys.
+    assert_exact(stacked, eqx.filter_vmap(make)(keys))
+    back = unstack_layers(stacked)
+    assert len(back) == 5
+    for layer, original in zip(back, blocks):
+        assert_exact(layer, original)
+    assert_exact(stack_layers(back), stacked)
+    one = jax.tree.map(lambda a: a[None] if eqx.is_array(a) else a, blocks[0])
+    assert_exact(stack_layers(tuple(blocks[:1])), one)
+    # A stacked list of layers feeds a pipeline like any scanned stack.
+    module = PipelineModule.from_layers(stacked, num_stages=5, num_microbatches=1)
+    assert module.stages.layers.layers[0].weight.shape == (5, 1, 4, 3)
+    assert_exact(module.to_layers(), stacked)
+
+
+def test_stack_layers_errors_name_the_layer_and_the_leaf():
+    from eqpar.nn import stack_layers, unstack_layers
+
+    k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+    mlp = lambda key, **kw: eqx.nn.MLP(3, 3, 4, 1, key=key, **kw)
+    with pytest.raises(
+        ValueError,
+        match=r"`layers\[2\]` differs from `layers\[0\]` at `activation`: it has .*gelu.* where "
+        r"the first layer has .*relu",
+    ):
+        stack_layers([mlp(k1), mlp(k2), mlp(k3, activation=jax.nn.gelu)])
+    with pytest.raises(
+        ValueError,
+        match=r"`layers\[1\]` differs from `layers\[0\]` at `layers/0/weight`: it has an array "
+        r"float32\[4, 2\] where the first layer has an array float32\[4, 3\]",
+    ):
+        stack_layers([mlp(k1), eqx.nn.MLP(2, 3, 4, 1, key=k2)])
+    with pytest.raises(ValueError, match=r"`layers\[1\]` differs .* at `eps`: it has 1e-06 where"):
+        stack_layers([eqx.nn.LayerNorm(3, eps=1e-5), eqx.nn.LayerNorm(3, eps=1e-6)])
+    with pytest.raises(ValueError, match=r"at `bias`: it has None where .* float32\[3\]"):
+        stack_layers([eqx.nn.Linear(3, 3, key=k1), eqx.nn.Linear(3, 3, use_bias=False, key=k2)])
+    with pytest.raises(ValueError, match=r"`layers\[1\]` differs .* as a whole: it has a Linear"):
+        stack_layers([mlp(k1), eqx.nn.Linear(3, 3, key=k2)])
+    with pytest.raises(ValueError, match=r"`layers` is empty"):
+        stack_layers([])
+    with pytest.raises(TypeError, match=r"layers"):  # beartype, or stack_layers itself
+        stack_layers(mlp(k1))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"same leading stacking axis"):
+        unstack_layers({"a": jnp.ones((2, 3)), "b": jnp.ones((3,))})
+
+
+# --------------------------------------------------------------------------------------
+# Per-example extra arguments (Microbatched).
+
+
+class MaskedBlock(eqx.Module):
+    """A stage with a per-example boolean mask (positional) and float weight (keyword)."""
+
+    linear: eqx.nn.Linear
+
+    def __init__(self, key):
+        self.linear = eqx.nn.Linear(FEATURES, FEATURES, key=key)
+
+    def __call__(self, x, mask, *, weight, scale):
+        y = weight[:, None] * jnp.tanh(jax.vmap(self.linear)(x))
+        return x + scale * jnp.where(mask[:, None], y, 0.0)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "circular", "1f1b"])
+def test_microbatched_arguments_follow_their_rows(schedule):
+    from eqpar.pipeline import Microbatched
+
+    num_stages, num_microbatches = (2, 4) if schedule == "circular" else (4, 4)
+    module = PipelineModule.from_stage_fn(
+        MaskedBlock,
+        num_stages=num_stages,
+        num_repeats=2 if schedule == "circular" else 1,
+        key=jax.random.key(7),
+        num_microbatches=num_microbatches,
+        broadcast_output=True,
+    )
+    x, t, _ = batch(num_microbatches)
+    rows = x.shape[0]
+    mask = jax.random.bernoulli(jax.random.key(8), 0.6, (rows,))
+    weight = jax.random.uniform(jax.random.key(9), (rows,), minval=0.5, maxval=2.0)
+    arrays, static, specs = layout(module)
+
+    def serial_loss(arrays, x):
+        y = eqx.combine(arrays, static).apply_serially(
+            x, Microbatched(mask), weight=Microbatched(weight), scale=SCALE
+        )
+        return mse(y, t), y
+
+    (loss_ref, y_ref), (grads_ref, x_grads_ref) = jax.value_and_grad(
+        serial_loss, argnums=(0, 1), has_aux=True
+    )(arrays, x)
+    # The rows matter: the same call with the mask reversed gives another result.
+    flipped = eqx.combine(arrays, static).apply_serially(
+        x, Microbatched(mask[::-1]), weight=Microbatched(weight), scale=SCALE
+    )
+    assert not np.allclose(flipped, y_ref)
+
+    def step(arrays, x, t, mask, weight):
+        model = eqx.combine(arrays, static)
+        extra = dict(weight=Microbatched(weight), scale=SCALE)
+        if schedule == "1f1b":
+            value, (grads, _, x_grads) = model.value_and_grad_1f1b(
+                mse, x, t, Microbatched(mask), return_all_grads=True, **extra
+            )
+            return value, jnp.zeros_like(x), eqx.filter(grads, eqx.is_array), x_grads
+
+        def loss(arrays, x):
+            y = eqx.combine(arrays, static)(x, Microbatched(mask), **extra)
+            return mse(y, t), y
+
+        (value, y), (grads, x_grads) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(
+            arrays, x
+        )
+        return value, y, grads, x_grads
+
+    fn = jax.jit(
+        jax.shard_map(
+            step,
+            mesh=pipe_mesh(num_stages),
+            in_specs=(specs, P(), P(), P(), P()),
+            out_specs=(P(), P(), specs, P()),
+        )
+    )
+    loss, y, grads, x_grads = fn(arrays, x, t, mask, weight)
+    if schedule != "1f1b":
+        assert_tree_close(y, y_ref)
+    assert_tree_close(loss, loss_ref)
+    assert_tree_close(grads, grads_ref)
+    assert_tree_close(x_grads, x_grads_ref)
+
+
+def test_microbatched_argument_errors():
+    from eqpar.pipeline import Microbatched
+
+    stage = lambda h, m: h * m[:, None]
+    run = lambda x, m: execute_pipeline(
+        stage, x, Microbatched(m), num_microbatches=2, model_axis_name="pipe"
+    )
+    fn = _in_pipe(run, size=2, in_specs=(P(), P()))
+    with pytest.raises(
+        ValueError,
+        match=r"`args\[0\]` \(a `Microbatched` argument\) has 3 rows but the batch `x` has 4",
+    ):
+        fn(jnp.ones((4, 3)), jnp.ones(3))
+    fn = _in_pipe(
+        lambda x, m: execute_1f1b(
+            lambda h, *, m: h * m[:, None],
+            mse,
+            x,
+            x,
+            m=Microbatched(m),
+            num_microbatches=2,
+            model_axis_name="pipe",
+        )[0],
+        size=2,
+        in_specs=(P(), P("pipe")),
+    )
+    with pytest.raises(ValueError, match=r"`kwargs\['m'\]` varies over the pipeline axis"):
+        fn(jnp.ones((4, 3)), jnp.ones(8))
+    step = lambda x, m: execute_pipeline_step(stage, x, x, Microbatched(m), model_axis_name="pipe")[
+        1
+    ]
+    with pytest.raises(TypeError, match=r"execute_pipeline_step: a `Microbatched` argument"):
+        _in_pipe(step, size=2, in_specs=(P(), P()))(jnp.ones((4, 3)), jnp.ones(4))
+    module = make_module("gpipe", 2, 2)
+    x, _, shift = batch(2)
+    with pytest.raises(ValueError, match=r"apply_serially: `kwargs\['scale'\]` \(a `Micro"):
+        module.apply_serially(x, shift, scale=Microbatched(jnp.ones(3)))
+
+
+# --------------------------------------------------------------------------------------
+# A PipelineModule as one field of a user's model, between an embedding and a head.
+
+VOCAB, SEQ, WIDTH = 11, 3, 8
+LEARNING_RATE = 0.5
+
+
+class TokenLayer(eqx.Module):
+    """A layer as Equinox's docs write one: an MLP applied per token, per example (vmap),
+    here with a residual and a padding mask."""
+
+    mlp: eqx.nn.MLP
+
+    def __init__(self, key):
+        self.mlp = eqx.nn.MLP(WIDTH, WIDTH, 2 * WIDTH, 1, key=key)
+
+    def __call__(self, h, mask):  # h [microbatch, seq, width], mask [microbatch, seq]
+        def example(h_i, mask_i):
+            return h_i + jnp.where(mask_i[:, None], jax.vmap(self.mlp)(h_i), 0.0)
+
+        return jax.vmap(example)(h, mask)
+
+
+def token_loss(logits, labels, mask):
+    """Mean over every token of the masked cross-entropy (equal-sized shards average exactly)."""
+    log_p = jax.nn.log_softmax(logits)
+    nll = -jnp.take_along_axis(log_p, labels[..., None], axis=-1)[..., 0]
+    return jnp.mean(jnp.where(mask, nll, 0.0))
+
+
+class Net(eqx.Module):
+    embed: eqx.nn.Embedding
+    body: PipelineModule
+    head: eqx.nn.Linear
+
+    def __init__(self, key, *, num_stages, num_repeats, num_microbatches):
+        k1, k2, k3 = jax.random.split(key, 3)
+        self.embed = eqx.nn.Embedding(VOCAB, WIDTH, key=k1)
+        self.body = PipelineModule.from_stage_fn(
+            TokenLayer,
+            num_stages=num_stages,
+            num_repeats=num_repeats,
+            key=k2,
+            num_microbatches=num_microbatches,
+            broadcast_output=True,  # every pipe device computes the head and the loss
+        )
+        self.head = eqx.nn.Linear(WIDTH, VOCAB, key=k3)
+
+    def __call__(self, tokens, mask, *, serial=False):
+        from eqpar.pipeline import Microbatched
+
+        h = jax.vmap(jax.vmap(self.embed))(tokens)
+        body = self.body.apply_serially if serial else self.body
+        h = body(h, Microbatched(mask))
+        return jax.vmap(jax.vmap(self.head))(h)
+
+
+class HeadLoss(eqx.Module):
+    """The 1F1B `loss_fn`: the output head and the loss of one microbatch."""
+
+    head: eqx.nn.Linear
+
+    def __call__(self, h, targets):
+        labels, mask = targets
+        return token_loss(jax.vmap(jax.vmap(self.head))(h), labels, mask)
+
+
+def sgd(model, grads):
+    return eqx.apply_updates(model, jax.tree.map(lambda g: -LEARNING_RATE * g, grads))
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "circular", "1f1b"])
+def test_pipeline_inside_a_user_model_trains_like_the_serial_model(schedule):
+    """Embedding -> PipelineModule (stages take a Microbatched mask) -> head, one SGD step on a
+    ("data", "pipe") mesh, against the same model on one device.
+
+    Gradient rule: the per-shard loss is averaged over `data` with `lax.pmean` before
+    differentiating (GPipe, circular), so the gradients of parameters replicated over `data`
+    are the global-mean gradients. 1F1B returns each shard's loss with gradients summed over
+    `data` (the embedding's too, through `eqx.filter_vjp` of the input gradients), so they
+    are divided by the size of `data`.
+    """
+    from eqpar.layout import partition_specs
+    from eqpar.pipeline import Microbatched
+    from eqpar.spmd import shard_map
+
+    num_stages, num_repeats = (2, 2) if schedule == "circular" else (4, 1)
+    mesh = Mesh(np.array(jax.devices()[: 2 * num_stages]).reshape(2, num_stages), ("data", "pipe"))
+    net = Net(jax.random.key(0), num_stages=num_stages, num_repeats=num_repeats, num_microbatches=2)
+    rows = 8  # 4 per data shard, 2 microbatches of 2
+    k1, k2, k3 = jax.random.split(jax.random.key(1), 3)
+    tokens = jax.random.randint(k1, (rows, SEQ), 0, VOCAB)
+    labels = jax.random.randint(k2, (rows, SEQ), 0, VOCAB)
+    mask = jax.random.bernoulli(k3, 0.7, (rows, SEQ))
+
+    def serial_loss(net):
+        logits = net(tokens, mask, serial=True)
+        return token_loss(logits, labels, mask), logits
+
+    (loss_ref, logits_ref), grads_ref = eqx.filter_value_and_grad(serial_loss, has_aux=True)(net)
+    updated_ref = sgd(net, grads_ref)
+
+    specs = partition_specs(net)
+    data = P("data")
+
+    if schedule == "1f1b":
+
+        def one_f_one_b_step(net, tokens, mask, labels):
+            h, embed_pullback = eqx.filter_vjp(lambda e: jax.vmap(jax.vmap(e))(tokens), net.embed)
+            loss, (body_grads, head_grads, h_grads) = net.body.value_and_grad_1f1b(
+                HeadLoss(net.head), h, (labels, mask), Microbatched(mask), return_all_grads=True
+            )
+            (embed_grads,) = embed_pullback(h_grads)
+            grads = eqx.tree_at(
+                lambda n: (n.embed, n.body, n.head),
+                net,
+                (embed_grads, body_grads, head_grads.head),
+                is_leaf=lambda x: x is None,
+            )
+            grads = jax.tree.map(lambda g: g / jax.lax.axis_size("data"), grads)
+            grads = eqx.filter(grads, eqx.is_inexact_array)
+            return lax.pmean(loss, "data"), jnp.zeros(logits_shape(tokens)), grads, sgd(net, grads)
+
+    else:
+
+        def autodiff_step(net, tokens, mask, labels):
+            def loss(net):
+                logits = net(tokens, mask)
+                return lax.pmean(token_loss(logits, labels, mask), "data"), logits
+
+            (value, logits), grads = eqx.filter_value_and_grad(loss, has_aux=True)(net)
+            return value, logits, grads, sgd(net, grads)
+
+    fn = eqx.filter_jit(
+        shard_map(
+            one_f_one_b_step if schedule == "1f1b" else autodiff_step,
+            mesh=mesh,
+            in_specs=(specs, data, data, data),
+            out_specs=(P(), data, specs, specs),
+        )
+    )
+    loss, logits, grads, updated = fn(net, tokens, mask, labels)
+    assert_tree_close(loss, loss_ref)
+    if schedule != "1f1b":
+        assert_tree_close(logits, logits_ref)
+    assert_tree_close(eqx.filter(grads, eqx.is_array), eqx.filter(grads_ref, eqx.is_array))
+    assert_tree_close(eqx.filter(updated, eqx.is_array), eqx.filter(updated_ref, eqx.is_array))
+    assert updated.body.stages.mlp.layers[0].weight.shape == (
+        net.body.stages.mlp.layers[0].weight.shape
+    )
+
+
+def logits_shape(tokens):
+    return (*tokens.shape, VOCAB)

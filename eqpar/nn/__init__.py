@@ -3,21 +3,35 @@
 from .blocks import TPAttentionBlock as TPAttentionBlock
 from .blocks import TPLayerNorm as TPLayerNorm
 from .blocks import TPMLPBlock as TPMLPBlock
+from .parallel_layers import ColumnParallelLinear as ColumnParallelLinear
+from .parallel_layers import FeatureParallelEmbedding as FeatureParallelEmbedding
+from .parallel_layers import HeadParallelAttention as HeadParallelAttention
+from .parallel_layers import RowParallelLinear as RowParallelLinear
+from .parallel_layers import VocabParallelEmbedding as VocabParallelEmbedding
 from .pipeline import PipelineModule as PipelineModule
 from .pipeline import ScannedLayers as ScannedLayers
+from .pipeline import stack_layers as stack_layers
+from .pipeline import unstack_layers as unstack_layers
 from .tensor_parallel import ModelParallelismWrapper as ModelParallelismWrapper
 from .tensor_parallel import TPAsyncDense as TPAsyncDense
 from .tensor_parallel import TPDense as TPDense
 from .tensor_parallel import scale_init as scale_init
 
 __all__ = [
+    "ColumnParallelLinear",
+    "FeatureParallelEmbedding",
+    "HeadParallelAttention",
     "ModelParallelismWrapper",
     "PipelineModule",
+    "RowParallelLinear",
     "ScannedLayers",
     "TPAsyncDense",
     "TPAttentionBlock",
     "TPDense",
     "TPLayerNorm",
     "TPMLPBlock",
+    "VocabParallelEmbedding",
     "scale_init",
+    "stack_layers",
+    "unstack_layers",
 ]

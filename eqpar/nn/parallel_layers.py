@@ -577,5 +577,21 @@ _PARALLEL_LAYERS = (
 
 
 def to_serial_layer(layer: Any) -> Any:
-    """`layer.to_serial()` for the layers of this module; any other value as it is."""
+    """`layer.to_serial()` for the layers of this module; any other value as it is.
+
+    **Arguments:**
+
+    - `layer`: any value.
+
+    **Returns:** the original `eqx.nn` layer for a converted one, else `layer` itself.
+
+    ```python
+    import equinox as eqx, jax
+    from eqpar.nn import RowParallelLinear
+    from eqpar.nn.parallel_layers import to_serial_layer
+    linear = eqx.nn.Linear(4, 4, key=jax.random.key(0))
+    assert type(to_serial_layer(RowParallelLinear(linear))) is eqx.nn.Linear
+    assert to_serial_layer(3) == 3
+    ```
+    """
     return layer.to_serial() if isinstance(layer, _PARALLEL_LAYERS) else layer

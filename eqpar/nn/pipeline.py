@@ -1,18 +1,22 @@
-"""`PipelineModule`: pipeline stages stacked over a mesh axis, and `ScannedLayers`.
+"""`PipelineModule`: pipeline stages stacked over a mesh axis; `ScannedLayers`; and
+`stack_layers` / `unstack_layers` between a list of identical layers and one stacked layer.
 
-The stages live on one leading axis of every parameter (`[S * V, ...]` for `S` devices and `V`
-stages per device), sharded over the pipeline axis so that each device holds its own `V` rows
-(convention 4 of the design). Inside `shard_map` the module runs the GPipe or circular
-schedule of `eqpar.pipeline`; outside, `apply_serially` is its one-device twin.
+The stages are stored in model order whatever the schedule (conventions 4 and 7 of the
+design): `[S, ...]` for `S` devices, or `[V, S, ...]` with `V` stages per device, which is
+the model-order stack `[S * V, ...]` reshaped. The `S` axis is sharded over the pipeline
+axis, so device `d` holds stages `d, S + d, 2S + d, ...` with no reordering, and a checkpoint
+differs between layouts by a reshape at most. Inside `shard_map` the module runs the GPipe or
+circular schedule of `eqpar.pipeline`; outside, `apply_serially` is its one-device twin.
 """
 
-from collections.abc import Callable, Mapping
+import dataclasses
+import math
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import PartitionSpec
 from jaxtyping import Array, PRNGKeyArray, PyTree
 
@@ -21,7 +25,9 @@ from .._paths import path_to_str
 from .._typing import AxisName
 from ..pipeline import (
     _axis_size,
+    _batch_size,
     _scan,
+    _unwrap_microbatched,
     execute_1f1b,
     execute_circular_pipeline,
     execute_pipeline,
@@ -64,6 +70,149 @@ def _positive_int(name: str, value: object, owner: str) -> int:
     if value < 1:
         raise ValueError(f"{owner}: `{name}` must be at least 1, got {value}.")
     return value
+
+
+# ---------------------------------------------------------------------------------------
+# A Python list of identical layers <-> one layer with a leading layer axis.
+
+
+def _describe_value(value: Any) -> str:
+    if eqx.is_array(value):
+        return f"an array {jnp.result_type(value).name}{list(value.shape)}"
+    if isinstance(value, eqx.Module):
+        return f"a {type(value).__name__}"
+    name = getattr(value, "__name__", None)
+    if callable(value) and isinstance(name, str):
+        return f"the {type(value).__name__} `{name}`"
+    text = repr(value)
+    return text if len(text) <= 60 else f"{text[:57]}..."
+
+
+def _first_difference(a: Any, b: Any, path: tuple[str, ...] = ()) -> tuple[str, str] | None:
+    """Where `b` first differs from `a` in anything that stacking cannot hold: the pytree
+    structure, a static field or non-array leaf, or an array's shape or dtype. Returns
+    `(path, what)` or `None` when `b` stacks with `a`."""
+    where = "/".join(path)
+    if type(a) is not type(b):
+        return where, f"{_describe_value(b)} where the first layer has {_describe_value(a)}"
+    if eqx.is_array(a):
+        if a.shape != b.shape or jnp.result_type(a) != jnp.result_type(b):
+            return where, f"{_describe_value(b)} where the first layer has {_describe_value(a)}"
+        return None
+    if isinstance(a, eqx.Module):
+        for field in dataclasses.fields(a):
+            found = _first_difference(
+                getattr(a, field.name, None), getattr(b, field.name, None), (*path, field.name)
+            )
+            if found is not None:
+                return found
+        return None
+    flat_a, def_a = jax.tree_util.tree_flatten_with_path(a, is_leaf=lambda n: n is not a)
+    flat_b, def_b = jax.tree_util.tree_flatten_with_path(b, is_leaf=lambda n: n is not b)
+    if jax.tree_util.treedef_is_leaf(def_a):  # an opaque leaf (function, int, ...) or None
+        try:
+            same = a is b or bool(a == b)
+        except Exception:
+            same = False
+        if same:
+            return None
+        return where, f"{_describe_value(b)} where the first layer has {_describe_value(a)}"
+    if def_a != def_b:
+        keys_a = [path_to_str(p) for p, _ in flat_a]
+        keys_b = [path_to_str(p) for p, _ in flat_b]
+        return where, f"entries {keys_b} where the first layer has {keys_a}"
+    for (key, child_a), (_, child_b) in zip(flat_a, flat_b):
+        found = _first_difference(child_a, child_b, (*path, path_to_str(key)))
+        if found is not None:
+            return found
+    return None
+
+
+def stack_layers(layers: Sequence[Any]) -> Any:
+    """Stack a list of identical layers into one layer whose arrays carry a leading layer axis.
+
+    This is the form `ScannedLayers`, `PipelineModule.from_layers` and `eqx.filter_vmap`
+    use, built from layers that already exist (say the `list` of blocks a model holds). Every
+    array leaf is stacked with `jnp.stack`; everything else (the pytree structure, static
+    fields, activation functions, ...) must be equal across the layers and is kept once.
+    `unstack_layers` is the inverse; the round trip is exact.
+
+    **Arguments:**
+
+    - `layers`: a non-empty list (or tuple) of modules of the same structure, with array
+      leaves of equal shapes and dtypes.
+
+    **Returns:** one module like `layers[0]`, each array leaf of shape `[len(layers), ...]`.
+
+    Raises `ValueError` naming the first layer and the leaf path where it differs from
+    `layers[0]`.
+
+    ```python
+    import equinox as eqx, jax, jax.numpy as jnp
+    from eqpar.nn import stack_layers, unstack_layers
+
+    keys = jax.random.split(jax.random.key(0), 3)
+    blocks = [eqx.nn.Linear(4, 4, key=k) for k in keys]
+    stacked = stack_layers(blocks)
+    assert stacked.weight.shape == (3, 4, 4)
+    assert jnp.array_equal(unstack_layers(stacked)[2].weight, blocks[2].weight)
+    ```
+    """
+    owner = "stack_layers"
+    if isinstance(layers, str | bytes) or not isinstance(layers, Sequence):
+        raise TypeError(
+            f"{owner}: `layers` must be a list or tuple of modules, got {type(layers).__name__}."
+        )
+    if not layers:
+        raise ValueError(f"{owner}: `layers` is empty; give at least one layer to stack.")
+    first = layers[0]
+    for index, layer in enumerate(layers[1:], start=1):
+        found = _first_difference(first, layer)
+        if found is not None:
+            where, what = found
+            at = f"at `{where}`" if where else "as a whole"
+            raise ValueError(
+                f"{owner}: `layers[{index}]` differs from `layers[0]` {at}: it has {what}. "
+                f"Only array values may differ between stacked layers; build every layer with "
+                f"the same constructor arguments (and share functions such as activations "
+                f"instead of creating one per layer)."
+            )
+    arrays = [eqx.filter(layer, eqx.is_array) for layer in layers]
+    if not jax.tree.leaves(arrays[0]):
+        raise ValueError(
+            f"{owner}: the layers have no array leaves, so there is nothing to stack; a stack "
+            f"of them would not know its depth."
+        )
+    stacked = jax.tree.map(lambda *leaves: jnp.stack(leaves), *arrays)
+    return eqx.combine(stacked, eqx.filter(first, eqx.is_array, inverse=True))
+
+
+def unstack_layers(stacked: Any) -> list[Any]:
+    """Split a layer whose array leaves carry a leading layer axis into a list of layers.
+
+    The inverse of `stack_layers` (and of `eqx.filter_vmap` over one key per layer): item `i`
+    is `stacked` with every array leaf indexed at `i`.
+
+    **Arguments:**
+
+    - `stacked`: a module (or any pytree) whose array leaves all have the same leading size.
+
+    **Returns:** a `list` of that many modules.
+
+    ```python
+    import equinox as eqx, jax
+    from eqpar.nn import stack_layers, unstack_layers
+
+    stacked = eqx.filter_vmap(lambda k: eqx.nn.MLP(2, 2, 4, 1, key=k))(
+        jax.random.split(jax.random.key(0), 4))
+    layers = unstack_layers(stacked)
+    assert len(layers) == 4 and layers[0].layers[0].weight.shape == (4, 2)
+    restacked = stack_layers(layers)
+    assert (restacked.layers[1].bias == stacked.layers[1].bias).all()
+    ```
+    """
+    size = _common_leading_size(stacked, "stacked", "unstack_layers")
+    return [_map_arrays(lambda a, i=i: a[i], stacked) for i in range(size)]
 
 
 class ScannedLayers(eqx.Module):
@@ -134,49 +283,64 @@ class _StageCall(eqx.Module):
         return self.stage(x, *args, **kwargs)
 
 
-def _device_major_order(num_stages: int, num_repeats: int) -> np.ndarray:
-    """Row `d * V + r` of the stored stack holds model stage `r * S + d`."""
-    rows = np.arange(num_stages * num_repeats).reshape(num_repeats, num_stages)
-    return rows.T.reshape(-1)
+def _leading_shapes(tree: Any, ndim: int) -> dict[str, tuple[int, ...]]:
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+    return {
+        path_to_str(path): tuple(leaf.shape[:ndim])
+        for path, leaf in flat
+        if eqx.is_array(leaf) or isinstance(leaf, jax.ShapeDtypeStruct)
+    }
 
 
 class PipelineModule(eqx.Module):
-    """Pipeline stages stacked on a leading axis sharded over a mesh axis.
+    """Pipeline stages stacked in model order, their stage axis sharded over a mesh axis.
 
     The model is `S * V` stages applied in order, where `S = num_stages` is the size of the
     pipeline mesh axis and `V = num_repeats` the stages each device holds. Every stage must
-    return the shape and dtype it takes (keep embeddings and output heads outside). Called
-    inside `shard_map` it runs GPipe (`V == 1`) or the circular schedule (`V > 1`), and
-    `value_and_grad_1f1b` gives a training step in the 1F1B order. The module declares its
-    layout (`__partition_specs__`): every stage leaf is `P(axis_name, *inner)`, where `inner`
-    is whatever the stage's own modules declare (e.g. tensor-parallel layers).
+    return the shape and dtype it takes (keep embeddings and output heads outside, before and
+    after the pipeline). Called inside `shard_map` it runs GPipe (`V == 1`) or the circular
+    schedule (`V > 1`), and `value_and_grad_1f1b` gives a training step in the 1F1B order.
 
-    Stage `s` lives on device `s % S`. The stored stack `stages` is therefore in
-    *device-major* order (row `d * V + r` is stage `r * S + d`); with `V == 1` that is simply
-    stage order. `serial_stages()` and `stage(i)` give the model order back.
+    **Storage.** `stages` is always in model order: `[S, ...]` (row `s` is stage `s`) with
+    `V == 1`, and `[V, S, ...]` with `V > 1`, which is the model-order stack `[S * V, ...]`
+    reshaped, so element `[r, d]` is stage `r * S + d`. The module declares its layout
+    (`__partition_specs__`): `P(axis_name, *inner)`, or `P(None, axis_name, *inner)` with
+    `V > 1`, where `inner` is whatever the stage's own modules declare (e.g. tensor-parallel
+    layers). Device `d` thus holds stages `d, S + d, 2S + d, ...` without any reordering.
+    `serial_stages()`, `stage(i)` and (for `from_layers`) `to_layers()` are reshapes and
+    indexing, and a checkpoint written under one `(S, V)` restores under another by a
+    reshape (`eqpar.checkpoint.Checkpointer.restore(..., reshape=True)`).
+
+    **Inside a model.** The module can be a field of your own model, between an embedding
+    and a head: `eqpar.partition_specs(model)` collects its layout, and the model's
+    `__call__` runs inside `eqpar.shard_map` with the pipeline as one line of it. Per-example
+    extra arguments (an attention mask) go in `eqpar.pipeline.Microbatched` so each stage
+    call gets the rows of its microbatch.
 
     **Arguments:**
 
     - `stages`: the `S * V` stages in model order, stacked on a leading axis (e.g.
-      `eqx.filter_vmap(make_stage)(keys)`); each slice must be callable as
-      `stage(x, *args, **kwargs)`. See also `from_stage_fn` and `from_layers`.
+      `eqx.filter_vmap(make_stage)(keys)` or `stack_layers(list_of_stages)`); each slice
+      must be callable as `stage(x, *args, **kwargs)`. See also `from_stage_fn` and
+      `from_layers`.
     - `num_stages`: `S`, which must equal the size of the mesh axis `axis_name`.
     - `num_microbatches`: how many microbatches each batch is cut into (must divide the
       per-device batch).
     - `axis_name`: the pipeline mesh axis.
     - `num_repeats`: `V`, stages per device (`> 1` selects the circular schedule).
     - `remat`: recompute each stage's activations in the backward pass instead of storing
-      them (`jax.checkpoint` around every stage call).
+      them (`jax.checkpoint` around every stage call of `__call__`). `value_and_grad_1f1b`
+      ignores it: its backward step already recomputes the stage from the stored input, one
+      microbatch at a time, so a checkpoint around the whole stage would save nothing.
     - `broadcast_output`: return the pipeline's result on every device of the axis instead
       of only on the last (zeros elsewhere); costs one `psum` of the output.
 
     ```python
     import equinox as eqx, jax, jax.numpy as jnp, numpy as np
     from jax.sharding import Mesh, PartitionSpec as P
+    from eqpar.layout import partition_specs
     from eqpar.nn.pipeline import PipelineModule
-
-    def make_stage(key):
-        return eqx.nn.MLP(4, 4, 8, 1, key=key)  # maps [4] -> [4]
+    from eqpar.spmd import shard_map
 
     class Batched(eqx.Module):  # a stage that takes a batch [rows, 4]
         mlp: eqx.nn.MLP
@@ -184,22 +348,19 @@ class PipelineModule(eqx.Module):
             return jax.vmap(self.mlp)(x)
 
     model = PipelineModule.from_stage_fn(
-        lambda k: Batched(make_stage(k)), num_stages=4, key=jax.random.key(0),
-        num_microbatches=2, broadcast_output=True,
+        lambda k: Batched(eqx.nn.MLP(4, 4, 8, 1, key=k)), num_stages=2, num_repeats=2,
+        key=jax.random.key(0), num_microbatches=2, broadcast_output=True,
     )
-    specs = model.__partition_specs__()
-    assert specs["stages/mlp/layers/0/weight"] == P("pipe")  # stage axis over "pipe"
+    assert model.stages.mlp.layers[0].weight.shape == (2, 2, 8, 4)  # [V, S, out, in]
+    specs = partition_specs(model)
+    assert specs.stages.mlp.layers[0].weight == P(None, "pipe")
 
-    mesh = Mesh(np.array(jax.devices()[:4]), ("pipe",))
-    arrays, static = eqx.partition(model, eqx.is_array)
-    in_specs = jax.tree.map(lambda _: P("pipe"), arrays)
-
-    def forward(arrays, x):
-        return eqx.combine(arrays, static)(x)
-
-    f = jax.jit(jax.shard_map(forward, mesh=mesh, in_specs=(in_specs, P()), out_specs=P()))
+    mesh = Mesh(np.array(jax.devices()[:2]), ("pipe",))
+    f = eqx.filter_jit(
+        shard_map(lambda m, x: m(x), mesh=mesh, in_specs=(specs, P()), out_specs=P())
+    )
     x = jnp.ones((6, 4))
-    assert jnp.allclose(f(arrays, x), model.apply_serially(x), rtol=1e-5, atol=1e-6)
+    assert jnp.allclose(f(model, x), model.apply_serially(x), rtol=1e-5, atol=1e-6)
     ```
     """
 
@@ -229,16 +390,16 @@ class PipelineModule(eqx.Module):
         self.axis_name = axis_name
         self.remat = bool(remat)
         self.broadcast_output = bool(broadcast_output)
-        total = self.num_stages * self.num_repeats
+        s, v = self.num_stages, self.num_repeats
         size = _common_leading_size(stages, "stages", owner)
-        if size != total:
+        if size != s * v:
             raise ValueError(
                 f"{owner}: `stages` is stacked {size} deep but num_stages * num_repeats = "
-                f"{self.num_stages} * {self.num_repeats} = {total}; stack one stage per "
-                f"(device, repeat)."
+                f"{s} * {v} = {s * v}; stack one stage per (device, repeat), in model order."
             )
-        order = _device_major_order(self.num_stages, self.num_repeats)
-        self.stages = stages if self.num_repeats == 1 else _map_arrays(lambda a: a[order], stages)
+        if v > 1:
+            stages = _map_arrays(lambda a: a.reshape(v, s, *a.shape[1:]), stages)
+        self.stages = stages
 
     @classmethod
     def from_stage_fn(
@@ -270,7 +431,8 @@ class PipelineModule(eqx.Module):
             lambda k: eqx.nn.Linear(3, 3, key=k), num_stages=2, key=jax.random.key(0),
             num_microbatches=1, num_repeats=2,
         )
-        assert model.stages.weight.shape == (4, 3, 3)
+        assert model.stages.weight.shape == (2, 2, 3, 3)  # [V, S, out, in]
+        assert model.serial_stages().weight.shape == (4, 3, 3)  # model order
         ```
         """
         total = _positive_int("num_stages", num_stages, "PipelineModule.from_stage_fn")
@@ -297,12 +459,14 @@ class PipelineModule(eqx.Module):
         """Cut a scanned stack of `L` identical layers into `num_stages * num_repeats` stages.
 
         `layers` is one layer module whose array leaves carry a leading layer axis of size
-        `L` (`[L, ...]`); it becomes `[S * V, L / (S * V), ...]` and every stage runs its
-        layers with `lax.scan` (`ScannedLayers`).
+        `L` (`[L, ...]`). It is reshaped, never reordered: to `[S, L / S, ...]` for GPipe and
+        to `[V, S, L / (S * V), ...]` for the circular schedule; every stage runs its layers
+        with `lax.scan` (`ScannedLayers`). `to_layers()` reshapes back to `[L, ...]`.
 
         **Arguments:**
 
-        - `layers`: the stacked layers (e.g. `eqx.filter_vmap(make_layer)(keys)`).
+        - `layers`: the stacked layers (e.g. `eqx.filter_vmap(make_layer)(keys)`, or
+          `stack_layers(list_of_layers)`).
         - `num_stages`, `num_microbatches`, `num_repeats`: as in the constructor; `L` must
           divide by `num_stages * num_repeats`.
         - `**options`: `axis_name`, `remat`, `broadcast_output`.
@@ -310,12 +474,16 @@ class PipelineModule(eqx.Module):
         **Returns:** a `PipelineModule` whose stages are `ScannedLayers`.
 
         ```python
-        import equinox as eqx, jax
+        import equinox as eqx, jax, jax.numpy as jnp
         from eqpar.nn.pipeline import PipelineModule
         layers = eqx.filter_vmap(lambda k: eqx.nn.Linear(3, 3, key=k))(
             jax.random.split(jax.random.key(0), 8))
         model = PipelineModule.from_layers(layers, num_stages=4, num_microbatches=2)
-        assert model.stages.layers.weight.shape == (4, 2, 3, 3)
+        assert model.stages.layers.weight.shape == (4, 2, 3, 3)  # [S, L/S, out, in]
+        circular = PipelineModule.from_layers(
+            layers, num_stages=2, num_repeats=2, num_microbatches=2)
+        assert circular.stages.layers.weight.shape == (2, 2, 2, 3, 3)  # [V, S, L/(SV), ...]
+        assert jnp.array_equal(circular.to_layers().weight, layers.weight)
         ```
         """
         owner = "PipelineModule.from_layers"
@@ -340,21 +508,56 @@ class PipelineModule(eqx.Module):
         )
 
     # ----------------------------------------------------------------------------------
-    # Views in model order (outside shard_map).
+    # Views in model order (outside shard_map): reshapes and indexing only.
+
+    def _stacked_dims(self) -> int:
+        return 1 if self.num_repeats == 1 else 2
 
     def serial_stages(self) -> PyTree:
-        """The stage stack in model order (row `s` is stage `s`)."""
+        """The stages in model order, `[S * V, ...]` (row `s` is stage `s`): `stages` itself
+        with `V == 1`, its `[V, S, ...]` arrays reshaped otherwise."""
         if self.num_repeats == 1:
             return self.stages
-        inverse = np.argsort(_device_major_order(self.num_stages, self.num_repeats))
-        return _map_arrays(lambda a: a[inverse], self.stages)
+        total = self.num_stages * self.num_repeats
+        return _map_arrays(lambda a: a.reshape(total, *a.shape[2:]), self.stages)
 
     def stage(self, index: int) -> Any:
         """Stage `index` (model order) as an ordinary module."""
         total = self.num_stages * self.num_repeats
-        if not 0 <= index < total:
+        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < total:
             raise ValueError(f"PipelineModule.stage: `index` must be in [0, {total}), got {index}.")
-        return _map_arrays(lambda a: a[index], self.serial_stages())
+        if self.num_repeats == 1:
+            return _map_arrays(lambda a: a[index], self.stages)
+        repeat, device = divmod(index, self.num_stages)
+        return _map_arrays(lambda a: a[repeat, device], self.stages)
+
+    def to_layers(self) -> PyTree:
+        """The layers of a module built by `from_layers`, back as one stack `[L, ...]` in model
+        order (a reshape of `stages.layers`): the inverse of `from_layers`.
+
+        **Returns:** the stacked layer module, `[L, ...]` on every array leaf.
+
+        ```python
+        import equinox as eqx, jax, jax.numpy as jnp
+        from eqpar.nn.pipeline import PipelineModule
+        layers = eqx.filter_vmap(lambda k: eqx.nn.Linear(3, 3, key=k))(
+            jax.random.split(jax.random.key(0), 6))
+        model = PipelineModule.from_layers(layers, num_stages=3, num_microbatches=1)
+        assert jnp.array_equal(model.to_layers().bias, layers.bias)
+        ```
+        """
+        if not isinstance(self.stages, ScannedLayers):
+            raise TypeError(
+                f"PipelineModule.to_layers: the stages are {type(self.stages).__name__}, not "
+                f"ScannedLayers, so there is no layer axis inside them; use `serial_stages()` "
+                f"for the model-order stack of stages (or build the module with `from_layers`)."
+            )
+        dims = self._stacked_dims()
+
+        def flatten(a: Array) -> Array:
+            return a.reshape(math.prod(a.shape[: dims + 1]), *a.shape[dims + 1 :])
+
+        return _map_arrays(flatten, self.stages.layers)
 
     def apply_serially(self, x: PyTree[Array], *args: Any, **kwargs: Any) -> PyTree[Array]:
         """The serial twin: every stage in model order on the whole batch, on one device.
@@ -362,10 +565,13 @@ class PipelineModule(eqx.Module):
         **Arguments:**
 
         - `x`: the batch (what `__call__` takes).
-        - `*args`, `**kwargs`: passed to every stage.
+        - `*args`, `**kwargs`: passed to every stage; a `Microbatched` value is passed whole
+          (its rows are checked against the batch).
 
         **Returns:** what the pipeline returns on its last device.
         """
+        caller = "PipelineModule.apply_serially"
+        args, kwargs = _unwrap_microbatched(args, kwargs, _batch_size(x, "x", caller), caller)
         arrays, static = eqx.partition(self.serial_stages(), eqx.is_array)
 
         def apply(h: Any, stage_arrays: Any) -> tuple[Any, None]:
@@ -388,12 +594,15 @@ class PipelineModule(eqx.Module):
         )
 
     def __partition_specs__(self) -> Mapping[str, PartitionSpec]:
-        return prefixed("stages", stacked_partition_specs(self.stages, self.axis_name))
+        before = self._stacked_dims() - 1
+        specs = stacked_partition_specs(self.stages, self.axis_name, unsharded_before=before)
+        return prefixed("stages", specs)
 
     # ----------------------------------------------------------------------------------
     # Inside shard_map.
 
     def _local_stages(self, caller: str) -> Any:
+        """This device's stage (`V == 1`) or its `[V, ...]` stack of stages `d, S + d, ...`."""
         size = _axis_size(self.axis_name, caller)
         if size != self.num_stages:
             raise ValueError(
@@ -402,15 +611,30 @@ class PipelineModule(eqx.Module):
                 f"num_stages={size} (with num_repeats stages per device for more stages), or "
                 f"use a mesh whose {self.axis_name!r} axis has {self.num_stages} devices."
             )
-        local = _common_leading_size(self.stages, "stages", caller)
-        if local != self.num_repeats:
+        fix = (
+            "Pass the module with its declared layout (`eqpar.partition_specs(module)`) as "
+            "shard_map's in_specs."
+        )
+        if self.num_repeats == 1:
+            local = _common_leading_size(self.stages, "stages", caller)
+            if local != 1:
+                raise ValueError(
+                    f"{caller}: each device sees {local} stacked stages but should see "
+                    f"num_repeats=1: the leading axis of `stages` must be sharded over "
+                    f"{self.axis_name!r}. {fix}"
+                )
+            return _map_arrays(lambda a: a[0], self.stages)
+        shapes = _leading_shapes(self.stages, 2)
+        wrong = {path: shape for path, shape in shapes.items() if shape != (self.num_repeats, 1)}
+        if wrong:
+            path, shape = next(iter(wrong.items()))
             raise ValueError(
-                f"{caller}: each device sees {local} stacked stages but should see "
-                f"num_repeats={self.num_repeats}: the leading axis of `stages` must be sharded "
-                f"over {self.axis_name!r}. Pass the module with its declared layout "
-                f"(`eqpar.partition_specs(module)`) as shard_map's in_specs."
+                f"{caller}: each device should see a [num_repeats, 1] = [{self.num_repeats}, 1] "
+                f"block of the [V, S, ...] stage stack, but `stages/{path}` arrives with "
+                f"leading dimensions {list(shape)}: the second axis of `stages` must be sharded "
+                f"over {self.axis_name!r} (spec P(None, {self.axis_name!r}, ...)). {fix}"
             )
-        return self.stages
+        return _map_arrays(lambda a: a[:, 0], self.stages)
 
     def __call__(self, x: PyTree[Array], *args: Any, **kwargs: Any) -> PyTree[Array]:
         """Run the pipeline inside `shard_map` (over `axis_name`).
@@ -419,7 +643,9 @@ class PipelineModule(eqx.Module):
 
         - `x`: the batch, a pytree of arrays with a leading batch axis, the same on every
           device of the pipeline axis.
-        - `*args`, `**kwargs`: passed to every stage call.
+        - `*args`, `**kwargs`: passed to every stage call; a value wrapped in
+          `eqpar.pipeline.Microbatched` (say a padding mask `[batch, seq]`) is split into
+          microbatches with `x`, each stage call getting the rows of its microbatch.
 
         **Returns:** the outputs in batch order on the last device of the axis and zeros on
         the others (on every device with `broadcast_output=True`).
@@ -431,8 +657,7 @@ class PipelineModule(eqx.Module):
             broadcast_output=self.broadcast_output,
         )
         if self.num_repeats == 1:
-            stage = _map_arrays(lambda a: a[0], local)
-            return execute_pipeline(stage, x, *args, **options, **kwargs)
+            return execute_pipeline(local, x, *args, **options, **kwargs)
         return execute_circular_pipeline(local, x, *args, **options, **kwargs)
 
     def value_and_grad_1f1b(
@@ -449,18 +674,26 @@ class PipelineModule(eqx.Module):
         Equivalent to differentiating `mean over microbatches of loss_fn(self(x_m), t_m)`
         but each device holds at most `num_stages` microbatch inputs (see
         `eqpar.pipeline.execute_1f1b`). Needs `num_repeats == 1`. The loss is the same on
-        every device of the pipeline axis. Over a data-parallel axis the loss is each shard's
-        own, while the stage gradients arrive summed over it (as `jax.grad` inside
-        `shard_map` gives them for replicated parameters): `lax.pmean` the loss and divide
-        the gradients by the axis size for the mean.
+        every device of the pipeline axis.
+
+        Over a data-parallel axis the loss is each shard's own, while the gradients of
+        parameters replicated over that axis arrive summed over it (as `jax.grad` inside
+        `shard_map` gives them): `lax.pmean` the loss and divide the gradients by the axis
+        size for the global mean. To continue the backward pass into an embedding before
+        the pipeline, take `return_all_grads=True` and feed the returned input gradients to
+        the embedding's pullback (`eqx.filter_vjp`); they are this shard's, so the embedding
+        gradients come out summed over the data axis too.
 
         **Arguments:**
 
-        - `loss_fn`: `loss_fn(outputs, targets) -> scalar` for one microbatch.
-        - `x`, `targets`: the batch and its targets (leading batch axis).
-        - `*args`, `**kwargs`: passed to every stage call.
+        - `loss_fn`: `loss_fn(outputs, targets) -> scalar` for one microbatch (a callable
+          pytree, e.g. a module holding an output head).
+        - `x`, `targets`: the batch and its targets (leading batch axis); `targets` may be a
+          pytree, e.g. `(labels, mask)`, and is split into microbatches with `x`.
+        - `*args`, `**kwargs`: passed to every stage call; `Microbatched` values are split
+          with `x`.
         - `return_all_grads`: also return the gradients of `loss_fn`'s array leaves and of
-          `x` (to continue the backward pass into an embedding before the pipeline).
+          `x`.
 
         **Returns:** `(loss, grads)` where `grads` is a `PipelineModule` of gradients (this
         device's block, `None` for leaves that are not inexact arrays), or
@@ -473,7 +706,7 @@ class PipelineModule(eqx.Module):
                 f"num_repeats={self.num_repeats}. Use num_repeats=1, or train the circular "
                 f"schedule by differentiating `module(x)`."
             )
-        stage = _map_arrays(lambda a: a[0], self._local_stages(caller))
+        stage = self._local_stages(caller)
         loss, result = execute_1f1b(
             stage,
             loss_fn,
@@ -493,4 +726,4 @@ class PipelineModule(eqx.Module):
         return loss, grads
 
 
-__all__ = ["PipelineModule", "ScannedLayers"]
+__all__ = ["PipelineModule", "ScannedLayers", "stack_layers", "unstack_layers"]
