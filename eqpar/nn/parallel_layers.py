@@ -438,12 +438,26 @@ class HeadParallelAttention(eqx.nn.MultiheadAttention):
         return out if self.output_proj.bias is None else out + self.output_proj.bias
 
 
-def _check_embedding(embedding: Any, owner: str) -> None:
-    if not isinstance(embedding, eqx.nn.Embedding):
-        raise TypeError(f"{owner}: expected an eqx.nn.Embedding; got {type(embedding).__name__}.")
+class _SplitEmbedding(eqx.nn.Embedding):
+    """What the two split embeddings share: the axis, conversion from and to the original."""
+
+    axis_name: Hashable = eqx.field(static=True)
+
+    def __init__(self, embedding: eqx.nn.Embedding, *, axis_name: Hashable = "model"):
+        if not isinstance(embedding, eqx.nn.Embedding):
+            raise TypeError(
+                f"{type(self).__name__}: expected an eqx.nn.Embedding; got "
+                f"{type(embedding).__name__}."
+            )
+        _copy_fields(embedding, self, eqx.nn.Embedding)
+        self.axis_name = axis_name
+
+    def to_serial(self) -> eqx.nn.Embedding:
+        """The `eqx.nn.Embedding` with the same table."""
+        return _rebuilt(self, eqx.nn.Embedding)
 
 
-class VocabParallelEmbedding(eqx.nn.Embedding):
+class VocabParallelEmbedding(_SplitEmbedding):
     """`eqx.nn.Embedding` with its rows (the vocabulary) split over a mesh axis.
 
     Each device looks the token up in its block of rows (zeros when the token is another
@@ -473,19 +487,8 @@ class VocabParallelEmbedding(eqx.nn.Embedding):
     ```
     """
 
-    axis_name: Hashable = eqx.field(static=True)
-
-    def __init__(self, embedding: eqx.nn.Embedding, *, axis_name: Hashable = "model"):
-        _check_embedding(embedding, type(self).__name__)
-        _copy_fields(embedding, self, eqx.nn.Embedding)
-        self.axis_name = axis_name
-
     def __partition_specs__(self) -> Mapping[str, P]:
         return {"weight": P(self.axis_name, None)}
-
-    def to_serial(self) -> eqx.nn.Embedding:
-        """The `eqx.nn.Embedding` with the same table."""
-        return _rebuilt(self, eqx.nn.Embedding)
 
     def __call__(self, x: Int[Array, ""], *, key: PRNGKeyArray | None = None) -> Array:
         """The embedding of token `x`, the same on every device of the axis.
@@ -506,7 +509,7 @@ class VocabParallelEmbedding(eqx.nn.Embedding):
         return lax.psum(jnp.where(mine[..., None], found, 0), self.axis_name)
 
 
-class FeatureParallelEmbedding(eqx.nn.Embedding):
+class FeatureParallelEmbedding(_SplitEmbedding):
     """`eqx.nn.Embedding` with its columns (features) split over a mesh axis.
 
     Each device looks the token up in its columns and one all-gather joins the blocks. Prefer
@@ -535,19 +538,8 @@ class FeatureParallelEmbedding(eqx.nn.Embedding):
     ```
     """
 
-    axis_name: Hashable = eqx.field(static=True)
-
-    def __init__(self, embedding: eqx.nn.Embedding, *, axis_name: Hashable = "model"):
-        _check_embedding(embedding, type(self).__name__)
-        _copy_fields(embedding, self, eqx.nn.Embedding)
-        self.axis_name = axis_name
-
     def __partition_specs__(self) -> Mapping[str, P]:
         return {"weight": P(None, self.axis_name)}
-
-    def to_serial(self) -> eqx.nn.Embedding:
-        """The `eqx.nn.Embedding` with the same table."""
-        return _rebuilt(self, eqx.nn.Embedding)
 
     def __call__(self, x: Int[Array, ""], *, key: PRNGKeyArray | None = None) -> Array:
         """The embedding of token `x`, the same on every device of the axis.
