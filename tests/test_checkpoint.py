@@ -26,6 +26,7 @@ from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 from multiprocess_util import run_processes
 
+import eqpar
 from eqpar.checkpoint import (
     Checkpointer,
     CheckpointMismatchError,
@@ -910,6 +911,31 @@ def test_pipeline_checkpoint_restores_under_another_stage_count_by_reshape(tmp_p
         weight = restored.body.stages.layers.layers[0].weight
         assert weight.sharding == target.body.stages.layers.layers[0].weight.sharding
         assert_bitwise_equal(restored.body.to_layers(), layers)
+        assert_bitwise_equal(restored.head, saved.head)
+
+        # TP(8) without a pipeline (S = 1): the MLP's layers converted by a plan, split over
+        # "model"; the converted layers keep their leaves, so the paths are the same.
+        plan = {
+            "body/stages/layers/layers/0": eqpar.ColumnParallel(),
+            "body/stages/layers/layers/1": eqpar.RowParallel(),
+        }
+        tp = eqpar.parallelize(eqx.filter_eval_shape(lambda: _pipelined_net(1, 1, key=2)[0]), plan)
+        tp_mesh = mesh_of((1, 8), ("pipe", "model"))
+        tp = jax.tree.map(
+            lambda leaf, spec: (
+                jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=NamedSharding(tp_mesh, spec))
+                if is_data(leaf)
+                else leaf
+            ),
+            tp,
+            eqpar.partition_specs(tp),
+            is_leaf=lambda x: x is None,
+        )
+        restored = checkpointer.restore(target=tp, reshape=True)
+        weight = restored.body.stages.layers.layers[0].weight
+        assert weight.shape == (1, 8, 8, 4)
+        assert weight.sharding.spec == P("pipe", None, "model", None)
+        assert_bitwise_equal(eqpar.unparallelize(restored.body.to_layers()), layers)
         assert_bitwise_equal(restored.head, saved.head)
 
         # One device, a plain [8, ...] scanned stack at the same leaf paths.
