@@ -642,13 +642,18 @@ def _valid_record(record: object) -> bool:
 
 def _reshapable(record: dict, leaf: _Leaf) -> bool:
     """A saved array that `restore(..., reshape=True)` reads and reshapes into `leaf`: same
-    dtype and number of elements, another shape."""
+    dtype, number of elements and last dimension, another shape. Stacks cut into pipeline
+    stages differ only in their leading dimensions; requiring the same last dimension keeps a
+    transposed or otherwise different layer (say `Linear(4, 8)` into `Linear(8, 4)`) a
+    mismatch."""
+    saved = tuple(record["shape"])
     return (
         record["kind"] in _ARRAY_KINDS
         and leaf.kind in _ARRAY_KINDS
         and record["dtype"] == leaf.dtype
-        and tuple(record["shape"]) != leaf.shape
-        and int(np.prod(record["shape"])) == int(np.prod(leaf.shape))
+        and saved != leaf.shape
+        and int(np.prod(saved)) == int(np.prod(leaf.shape))
+        and saved[-1:] == leaf.shape[-1:]
     )
 
 

@@ -18,7 +18,7 @@ from typing import Any
 import equinox as eqx
 import jax
 
-from ._matching import compile_key, matching_keys, single_match
+from ._matching import compile_key, single_match
 from ._paths import path_to_str
 from ._typing import PyTree
 from .mesh import DeviceMesh, as_jax_mesh
@@ -261,8 +261,9 @@ def parallelize(
 
     Keys are matched against the paths of the model's `eqx.nn.Linear`,
     `eqx.nn.MultiheadAttention`, `eqx.nn.Embedding`, `eqx.nn.LayerNorm` and `eqx.nn.RMSNorm`
-    layers, wherever they sit (fields of your modules, lists, dicts, stacks made with
-    `eqx.filter_vmap`): a key equal to the path wins, else exactly one key may match it as a
+    layers, wherever they sit (fields of your modules, lists, dicts, and layer stacks inside
+    `eqpar.nn.ScannedLayers` or `PipelineModule`, which index one layer per call): a key equal to
+    the path wins, else exactly one key may match it as a
     regular expression (`re.fullmatch`), as for `LayoutMap`. Layers no key names stay as
     they are (replicated over the axis). Each converted layer keeps its parameters (the
     global view: same leaves, shapes and meaning) and its call signature, and declares its
@@ -330,9 +331,10 @@ def parallelize(
                 f"{where!r} is a {type(serial).__name__}. Narrow the key, or choose a style "
                 f"for that layer."
             )
+        converted = style.convert(serial)
         if axis_sizes is not None and style.axis is not None:
             _check_axis(style, serial, where, axis_sizes)
-        return style.convert(serial)
+        return converted
 
     converted = jax.tree_util.tree_map_with_path(convert, model, is_leaf=_is_plannable)
     unused = [key for key in plan if key not in used]
@@ -391,32 +393,3 @@ def unparallelize(model: PyTree) -> PyTree:
     return jax.tree.map(
         to_serial_layer, model, is_leaf=lambda node: isinstance(node, _PARALLEL_LAYERS)
     )
-
-
-def plan_matches(plan: Mapping[str, Any], model: PyTree) -> dict[str, list[str]]:
-    """For each plan key, the layer paths of `model` it selects (an empty list: none).
-
-    **Arguments:**
-
-    - `plan`: as for `parallelize`.
-    - `model`: the model.
-
-    **Returns:** `{key: [layer paths]}` in plan order.
-
-    ```python
-    import equinox as eqx, jax, eqpar
-    from eqpar.plan import plan_matches
-    mlp = eqx.nn.MLP(4, 4, 8, 2, key=jax.random.key(0))
-    found = plan_matches({"layers/[01]": eqpar.Replicated()}, mlp)
-    assert found == {"layers/[01]": ["layers/0", "layers/1"]}
-    ```
-    """
-    patterns = _check_plan(plan)
-    found: dict[str, list[str]] = {key: [] for key in plan}
-    flat, _ = jax.tree_util.tree_flatten_with_path(model, is_leaf=_is_plannable)
-    for path, node in flat:
-        if _is_plannable(node):
-            where = path_to_str(path)
-            for key in matching_keys(patterns, where):
-                found[key].append(where)
-    return found

@@ -948,6 +948,13 @@ def test_pipeline_checkpoint_restores_under_another_stage_count_by_reshape(tmp_p
         assert_bitwise_equal(restored.body.stages.layers, layers)
         assert_bitwise_equal(restored.head, saved.head)
 
+        # Another layer of the same size (transposed) stays a mismatch even with reshape=True.
+        transposed = eqx.tree_at(
+            lambda n: n.head.weight, serial, jax.ShapeDtypeStruct((4, 2), jnp.float32)
+        )
+        with pytest.raises(CheckpointMismatchError, match=r"`head/weight` \(shape\): \(2, 4\)"):
+            checkpointer.restore(target=transposed, reshape=True)
+
         # Sizes that differ stay a mismatch even with reshape=True.
         wrong = eqx.tree_at(
             lambda n: n.head.weight, serial, jax.ShapeDtypeStruct((3, 4), jnp.float32)

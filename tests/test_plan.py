@@ -206,6 +206,15 @@ def test_attention_cross_masks_dropout_and_gradients(n):
         expected = attention(query, memory, value, mask, key=dropout_key, inference=inference)
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
 
+    # process_heads that treats every head alike (as rotary embeddings do).
+    def scale_queries(q, k, v):
+        return 2.0 * q, k, v
+
+    options = dict(process_heads=scale_queries, inference=True)
+    got = run(mesh, lambda m, q, k, v: m(q, k, v, **options), layer, query, memory, value)
+    expected = attention(query, memory, value, **options)
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+
     def parallel_loss(m):
         out = run(mesh, lambda m, q, k, v, key: m(q, k, v, per_head, key=key), m,
                   query, memory, value, dropout_key)  # fmt: skip
@@ -228,7 +237,7 @@ def test_embeddings_and_their_gradients(style):
         if isinstance(style, eqpar.VocabParallel)
         else FeatureParallelEmbedding
     )
-    ids = jnp.array([[0, 5, 15], [3, 3, 9]])
+    ids = jnp.array([[0, 5, 15], [3, -1, 16]])  # out of range: as the serial layer's weight[x]
     weights = jnp.arange(6.0).reshape(2, 3, 1)
 
     def parallel_loss(m):
@@ -289,7 +298,22 @@ def test_layer_errors_outside_the_declared_layout():
         eqpar.shard_map(lambda m, x: m(x), mesh=mesh, in_specs=(P(), P()), out_specs=P())(
             layer, jnp.ones(2)
         )
-    with pytest.raises(ValueError, match="'scalar' has nothing to split"):
-        eqpar.parallelize(
-            eqx.nn.Linear("scalar", 4, key=jax.random.key(0)), {"": eqpar.ColumnParallel()}
-        )
+    for mesh_option in (None, mesh):
+        with pytest.raises(ValueError, match="'scalar' has nothing to split"):
+            eqpar.parallelize(
+                eqx.nn.Linear("scalar", 4, key=jax.random.key(0)),
+                {"": eqpar.ColumnParallel()},
+                mesh=mesh_option,
+            )
+    column = eqpar.parallelize(
+        eqx.nn.Linear(8, 8, key=jax.random.key(0)), {"": eqpar.ColumnParallel()}
+    )
+    with pytest.raises(ValueError, match=r"one example's features \[in_features\] = \[8\]"):
+        run(mesh, lambda m, x: m(x), column, jnp.ones((2, 8)))
+    # A stack made by a bare filter_vmap is called as one layer: say so, and what to use.
+    stack = eqx.filter_vmap(lambda k: eqx.nn.Linear(8, 8, key=k))(
+        jax.random.split(jax.random.key(0), 4)
+    )
+    stack = eqpar.parallelize(stack, {"": eqpar.ColumnParallel()})
+    with pytest.raises(ValueError, match=r"a stack of layers called as one.*ScannedLayers"):
+        run(mesh, lambda m, x: m(x), stack, jnp.ones(8))

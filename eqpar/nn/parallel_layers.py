@@ -79,12 +79,20 @@ def _check_divides(owner: str, label: str, size: int, n: int, axis_name: Hashabl
 
 
 def _check_block(owner: str, name: str, got: tuple, expected: tuple) -> None:
-    if got != expected:
+    if got == expected:
+        return
+    if len(got) > len(expected):
         raise ValueError(
-            f"{owner}: the local block of {name} has shape {got} but {expected} was expected. "
-            f"Pass the model into `eqpar.shard_map` with the specs of "
-            f"`eqpar.partition_specs(model)` as its in_specs."
+            f"{owner}: the local block of {name} has shape {got}, with leading dimensions "
+            f"beyond the layer's own {expected}: a stack of layers called as one. Keep stacks "
+            f"in `eqpar.nn.ScannedLayers` or `PipelineModule.from_layers` (or unstack them with "
+            f"`eqpar.nn.unstack_layers`), which index one layer per call and shift its layout."
         )
+    raise ValueError(
+        f"{owner}: the local block of {name} has shape {got} but {expected} was expected. "
+        f"Pass the model into `eqpar.shard_map` with the specs of "
+        f"`eqpar.partition_specs(model)` as its in_specs."
+    )
 
 
 _GATHER_TAKES_TO = "to" in inspect.signature(lax.all_gather).parameters
@@ -167,7 +175,7 @@ class ColumnParallelLinear(eqx.nn.Linear):
         return _rebuilt(self, eqx.nn.Linear)
 
     def __call__(
-        self, x: Float[Array, " in_features"], *, key: PRNGKeyArray | None = None
+        self, x: Float[Array, "..."], *, key: PRNGKeyArray | None = None
     ) -> Float[Array, " out_block"]:
         """This device's block of `linear(x)` (or all of it with `gather_output=True`).
 
@@ -183,6 +191,12 @@ class ColumnParallelLinear(eqx.nn.Linear):
         assert isinstance(self.out_features, int) and isinstance(self.in_features, int)
         _check_divides(owner, "out_features", self.out_features, n, self.axis_name)
         _check_block(owner, "weight", self.weight.shape, (self.out_features // n, self.in_features))
+        if x.shape != (self.in_features,):
+            raise ValueError(
+                f"{owner}: the input must be one example's features [in_features] = "
+                f"[{self.in_features}], as for eqx.nn.Linear; got shape {x.shape}. Apply the "
+                f"layer to a batch with jax.vmap."
+            )
         y = super().__call__(x, key=key)
         return _gather_replicated(y, self.axis_name, y.ndim - 1) if self.gather_output else y
 
@@ -276,7 +290,10 @@ class HeadParallelAttention(eqx.nn.MultiheadAttention):
     contributions; the output bias is added once. The call is `MultiheadAttention`'s: padding
     or causal masks (`[q_seq, kv_seq]`, or per head `[num_heads, q_seq, kv_seq]`), cross
     attention (key and value of another length), `inference`, `process_heads`, and dropout
-    on the attention weights. Dropout draws the same per-head keys as the serial layer
+    on the attention weights. `process_heads` sees this device's heads only
+    (`[seq, num_heads / n, size]`), so it must treat every head alike (rotary embeddings do);
+    one that depends on the head's index (ALiBi slopes) would need that index passed in. Dropout
+    draws the same per-head keys as the serial layer
     (`jax.random.split(key, num_heads)`) and uses this device's, so a training step with
     dropout equals the serial one.
 
@@ -503,6 +520,9 @@ class VocabParallelEmbedding(_SplitEmbedding):
         _check_divides(owner, "num_embeddings", self.num_embeddings, n, self.axis_name)
         rows = self.num_embeddings // n
         _check_block(owner, "weight", self.weight.shape, (rows, self.embedding_size))
+        # As `weight[x]` in the serial layer: negative ids count from the end, ids past the
+        # end clamp to the last row.
+        x = jnp.clip(jnp.where(x < 0, x + self.num_embeddings, x), 0, self.num_embeddings - 1)
         local = x - lax.axis_index(self.axis_name) * rows
         mine = (local >= 0) & (local < rows)
         found = self.weight[(jnp.clip(local, 0, rows - 1),)]
