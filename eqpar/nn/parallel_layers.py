@@ -504,6 +504,9 @@ class VocabParallelEmbedding(_SplitEmbedding):
     ```
     """
 
+    def __init__(self, embedding: eqx.nn.Embedding, *, axis_name: Hashable = "model"):
+        super().__init__(embedding, axis_name=axis_name)
+
     def __partition_specs__(self) -> Mapping[str, P]:
         return {"weight": P(self.axis_name, None)}
 
@@ -557,6 +560,9 @@ class FeatureParallelEmbedding(_SplitEmbedding):
     assert jnp.allclose(f(layer, ids), jax.vmap(table)(ids))
     ```
     """
+
+    def __init__(self, embedding: eqx.nn.Embedding, *, axis_name: Hashable = "model"):
+        super().__init__(embedding, axis_name=axis_name)
 
     def __partition_specs__(self) -> Mapping[str, P]:
         return {"weight": P(None, self.axis_name)}
