@@ -89,7 +89,9 @@ class ColumnParallel(Style):
     """Split an `eqx.nn.Linear`'s output features over `axis_name` (`ColumnParallelLinear`).
 
     It takes the replicated input and gives this device's block of the output, for a
-    following `RowParallel` layer; with `gather_output=True` it gives the whole output.
+    following `RowParallel` layer; with `gather_output=True` it gives the whole output. With
+    `sequence_parallel=True` it takes this device's token of a sequence-sharded activation
+    (see "Sequence parallelism" in `parallelize`).
 
     ```python
     import equinox as eqx, jax, eqpar
@@ -102,11 +104,15 @@ class ColumnParallel(Style):
 
     axis_name: Hashable = "model"
     gather_output: bool = False
+    sequence_parallel: bool = False
     accepts = (eqx.nn.Linear,)
 
     def convert(self, layer: Any) -> Any:
         return ColumnParallelLinear(
-            layer, axis_name=self.axis_name, gather_output=self.gather_output
+            layer,
+            axis_name=self.axis_name,
+            gather_output=self.gather_output,
+            sequence_parallel=self.sequence_parallel,
         )
 
     def split_sizes(self, layer: Any) -> dict[str, int]:
@@ -116,7 +122,8 @@ class ColumnParallel(Style):
 @dataclasses.dataclass(frozen=True)
 class RowParallel(Style):
     """Split an `eqx.nn.Linear`'s input features over `axis_name` (`RowParallelLinear`): it
-    takes this device's block and gives the whole output (one `psum`).
+    takes this device's block and gives the whole output (one `psum`; with
+    `sequence_parallel=True` one reduce-scatter that leaves each device its own tokens).
 
     ```python
     import equinox as eqx, jax, eqpar
@@ -129,10 +136,13 @@ class RowParallel(Style):
     """
 
     axis_name: Hashable = "model"
+    sequence_parallel: bool = False
     accepts = (eqx.nn.Linear,)
 
     def convert(self, layer: Any) -> Any:
-        return RowParallelLinear(layer, axis_name=self.axis_name)
+        return RowParallelLinear(
+            layer, axis_name=self.axis_name, sequence_parallel=self.sequence_parallel
+        )
 
     def split_sizes(self, layer: Any) -> dict[str, int]:
         return {"in_features": layer.in_features}
@@ -141,7 +151,9 @@ class RowParallel(Style):
 @dataclasses.dataclass(frozen=True)
 class HeadParallel(Style):
     """Split an `eqx.nn.MultiheadAttention`'s heads over `axis_name`
-    (`HeadParallelAttention`): replicated in, replicated out, one `psum`.
+    (`HeadParallelAttention`): replicated in, replicated out, one `psum`; with
+    `sequence_parallel=True`, sequence-sharded in and out (one all-gather, one
+    reduce-scatter).
 
     ```python
     import equinox as eqx, jax, eqpar
@@ -153,10 +165,13 @@ class HeadParallel(Style):
     """
 
     axis_name: Hashable = "model"
+    sequence_parallel: bool = False
     accepts = (eqx.nn.MultiheadAttention,)
 
     def convert(self, layer: Any) -> Any:
-        return HeadParallelAttention(layer, axis_name=self.axis_name)
+        return HeadParallelAttention(
+            layer, axis_name=self.axis_name, sequence_parallel=self.sequence_parallel
+        )
 
     def split_sizes(self, layer: Any) -> dict[str, int]:
         return {"num_heads": layer.num_heads}
@@ -269,6 +284,18 @@ def parallelize(
     global view: same leaves, shapes and meaning) and its call signature, and declares its
     sharding, so `eqpar.partition_specs(model)` gives the `shard_map` in_specs. A layer
     that is already converted is converted afresh from its original class.
+
+    **Sequence parallelism.** Between blocks a tensor-parallel model holds every token on
+    every device of the axis. With `sequence_parallel=True` on a block's `ColumnParallel` /
+    `RowParallel` pair and its `HeadParallel` attention, the activations between blocks stay
+    split over the sequence on the same axis: the block all-gathers the tokens it needs on
+    entry and reduce-scatters on exit (the same bytes as the `psum` it replaces), so the norms,
+    residual adds and dropout in between run on `seq / n` tokens, and their activation memory
+    falls by `n`. The norms need no conversion: their parameters stay replicated, and
+    `shard_map` sums their gradients over the axis. The model's trunk must receive its own
+    tokens: call `eqpar.nn.scatter_sequence(x)` where the trunk begins (after the
+    embeddings, which need whole positions) and `eqpar.nn.gather_sequence(x)` where it ends,
+    two lines in the author's `__call__`. The attention mask stays whole.
 
     **Arguments:**
 

@@ -172,10 +172,10 @@ def test_gradients_inside_shard_map_need_no_reduction(setup):
 
 
 def run(mesh, fn, layer, *args):
+    """`fn(layer, *args)` inside shard_map, compiled (eager shard_map dispatches op by op)."""
     specs = eqpar.partition_specs(layer)
-    return eqpar.shard_map(fn, mesh=mesh, in_specs=(specs, *([P()] * len(args))), out_specs=P())(
-        layer, *args
-    )
+    mapped = eqpar.shard_map(fn, mesh=mesh, in_specs=(specs, *([P()] * len(args))), out_specs=P())
+    return eqx.filter_jit(mapped)(layer, *args)
 
 
 @pytest.mark.parametrize("n", [2, 8])
@@ -223,8 +223,120 @@ def test_attention_cross_masks_dropout_and_gradients(n):
     def serial_loss(m):
         return jnp.sum(m(query, memory, value, per_head, key=dropout_key) ** 2)
 
-    got = eqpar.unparallelize(eqx.filter_grad(parallel_loss)(layer))
-    assert_models_close(got, eqx.filter_grad(serial_loss)(attention), rtol=1e-4)
+    got = eqpar.unparallelize(eqx.filter_jit(eqx.filter_grad(parallel_loss))(layer))
+    assert_models_close(got, eqx.filter_jit(eqx.filter_grad(serial_loss))(attention), rtol=1e-4)
+
+
+# --- sequence parallelism -----------------------------------------------------------------
+
+SEQUENCE_PLAN = {
+    **PLAN,
+    r"layers/\d+/attention_block/attention": eqpar.HeadParallel(sequence_parallel=True),
+    r"layers/\d+/ff_block/mlp": eqpar.ColumnParallel(sequence_parallel=True),
+    r"layers/\d+/ff_block/output": eqpar.RowParallel(sequence_parallel=True),
+}
+
+
+class SequenceShardedEncoder(bert.Encoder):
+    """The author's Encoder with the two lines sequence parallelism asks for."""
+
+    def __call__(self, token_ids, *, enable_dropout=False, key=None):
+        embed_key, layer_key = (None, None) if key is None else jax.random.split(key)
+        x = self.embedder_block(token_ids, enable_dropout=enable_dropout, key=embed_key)
+        x = eqpar.nn.scatter_sequence(x)  # added: the trunk holds this device's tokens
+        mask = token_ids != 0
+        for layer in self.layers:
+            this_key, layer_key = (None, None) if layer_key is None else jax.random.split(layer_key)
+            x = layer(x, mask, enable_dropout=enable_dropout, key=this_key)
+        x = eqpar.nn.gather_sequence(x)  # added: the head reads the whole sequence
+        pooled = jnp.tanh(self.pooler(x[0]))
+        return self.classifier(pooled)
+
+
+def loss_without_dropout(model, tokens, labels):
+    logits = jax.vmap(model)(tokens)
+    log_probs = jax.nn.log_softmax(logits)
+    return -jnp.mean(jnp.take_along_axis(log_probs, labels[:, None], axis=1))
+
+
+@pytest.mark.parametrize(("data", "model_size"), [(1, 8), (2, 4)], ids=["tp8", "dp2xtp4"])
+def test_sequence_parallel_sgd_step_equals_serial(data, model_size):
+    serial = bert.Encoder(key=jax.random.key(0))
+    sharded = SequenceShardedEncoder(key=jax.random.key(0))  # the same parameters
+    tokens, labels, _ = bert.batch(8)
+    value, grads = eqx.filter_value_and_grad(loss_without_dropout)(serial, tokens, labels)
+    expected = sgd(serial, grads)
+
+    mesh = mesh_of(data, model_size)
+    parallel = eqpar.parallelize(sharded, SEQUENCE_PLAN, mesh=mesh)
+    loss_fn = eqpar.shard_map(
+        lambda m, t, y: lax.pmean(loss_without_dropout(m, t, y), "data"),
+        mesh=mesh,
+        in_specs=(eqpar.partition_specs(parallel), P("data"), P("data")),
+        out_specs=P(),
+    )
+    got_value, got_grads = eqx.filter_jit(eqx.filter_value_and_grad(loss_fn))(
+        parallel, tokens, labels
+    )
+    np.testing.assert_allclose(got_value, value, rtol=1e-5)
+    assert_models_close(sgd(parallel, got_grads), expected)
+
+
+def test_sequence_parallel_attention_cross_masks_dropout_and_gradients():
+    n = 4
+    mesh = eqpar.DeviceMesh((n,), ("model",), devices=jax.devices()[:n])
+    attention = eqx.nn.MultiheadAttention(
+        8, 16, key_size=12, value_size=12, output_size=6, use_output_bias=True,
+        dropout_p=0.25, key=jax.random.key(1),
+    )  # fmt: skip
+    keys = jax.random.split(jax.random.key(2), 3)
+    query = jax.random.normal(keys[0], (8, 16))
+    memory = jax.random.normal(keys[1], (4, 12))  # cross attention: another length
+    per_head = jax.random.bernoulli(keys[2], 0.7, (8, 8, 4)).at[:, :, 0].set(True)
+    layer = eqpar.parallelize(attention, {"": eqpar.HeadParallel(sequence_parallel=True)})
+    dropout_key = jax.random.key(3)
+
+    def parallel_out(m):
+        # Query, key and value arrive split over the sequence; the mask is whole.
+        return eqpar.shard_map(
+            lambda m, q, kv, mask, k: m(q, kv, kv, mask, key=k),
+            mesh=mesh,
+            in_specs=(eqpar.partition_specs(m), P("model"), P("model"), P(), P()),
+            out_specs=P("model"),
+        )(m, query, memory, per_head, dropout_key)
+
+    def serial_out(m):
+        return m(query, memory, memory, per_head, key=dropout_key)
+
+    np.testing.assert_allclose(
+        eqx.filter_jit(parallel_out)(layer), serial_out(attention), rtol=1e-5, atol=1e-6
+    )
+    got = eqx.filter_jit(eqx.filter_grad(lambda m: jnp.sum(parallel_out(m) ** 2)))(layer)
+    expected = eqx.filter_jit(eqx.filter_grad(lambda m: jnp.sum(serial_out(m) ** 2)))(attention)
+    assert_models_close(got, expected, rtol=1e-4)
+
+
+def test_sequence_parallel_errors_name_the_fix():
+    mesh = eqpar.DeviceMesh((4,), ("model",), devices=jax.devices()[:4])
+    linear = eqx.nn.Linear(8, 8, key=jax.random.key(0))
+    with pytest.raises(ValueError, match="gather_output=True and sequence_parallel=True"):
+        eqpar.parallelize(
+            linear, {"": eqpar.ColumnParallel(gather_output=True, sequence_parallel=True)}
+        )
+    mlp = eqx.nn.MLP(8, 8, 8, 1, key=jax.random.key(0))
+    mixed = eqpar.parallelize(
+        mlp,
+        {"layers/0": eqpar.ColumnParallel(sequence_parallel=True), "layers/1": eqpar.RowParallel()},
+    )
+    with pytest.raises(ValueError, match=r"set sequence_parallel=True on this layer too"):
+        eqpar.shard_map(
+            lambda m, x: jax.vmap(m)(x), mesh=mesh,
+            in_specs=(eqpar.partition_specs(mixed), P("model")), out_specs=P("model"),
+        )(mixed, jnp.ones((8, 8)))  # fmt: skip
+    with pytest.raises(ValueError, match=r"scatter_sequence: .*got shape \(6, 2\)\. Pad"):
+        eqpar.shard_map(eqpar.nn.scatter_sequence, mesh=mesh, in_specs=P(), out_specs=P("model"))(
+            jnp.ones((6, 2))
+        )
 
 
 @pytest.mark.parametrize("style", [eqpar.VocabParallel(), eqpar.FeatureParallel()])

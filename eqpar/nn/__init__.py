@@ -8,6 +8,8 @@ from .parallel_layers import FeatureParallelEmbedding as FeatureParallelEmbeddin
 from .parallel_layers import HeadParallelAttention as HeadParallelAttention
 from .parallel_layers import RowParallelLinear as RowParallelLinear
 from .parallel_layers import VocabParallelEmbedding as VocabParallelEmbedding
+from .parallel_layers import gather_sequence as gather_sequence
+from .parallel_layers import scatter_sequence as scatter_sequence
 from .pipeline import PipelineModule as PipelineModule
 from .pipeline import ScannedLayers as ScannedLayers
 from .pipeline import stack_layers as stack_layers
@@ -31,7 +33,9 @@ __all__ = [
     "TPLayerNorm",
     "TPMLPBlock",
     "VocabParallelEmbedding",
+    "gather_sequence",
     "scale_init",
+    "scatter_sequence",
     "stack_layers",
     "unstack_layers",
 ]

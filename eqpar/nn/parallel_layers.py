@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
-from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
+from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray, Shaped
 
 __all__ = [
     "ColumnParallelLinear",
@@ -43,6 +43,8 @@ __all__ = [
     "HeadParallelAttention",
     "RowParallelLinear",
     "VocabParallelEmbedding",
+    "gather_sequence",
+    "scatter_sequence",
     "to_serial_layer",
 ]
 
@@ -130,12 +132,22 @@ class ColumnParallelLinear(eqx.nn.Linear):
     elementwise function between them), which brings the block back to a replicated output,
     or set `gather_output=True` to return the whole output here.
 
+    Under sequence parallelism (`sequence_parallel=True`) the input is one of this device's
+    tokens of a sequence-sharded activation (the author's per-token `jax.vmap` runs over the
+    local tokens). The layer all-gathers the token at the same local position from every
+    device of the axis and returns `[n, out / n]`: row `j` is device `j`'s token, in this
+    device's block of features. A `RowParallelLinear(sequence_parallel=True)` brings it back
+    to this device's token with a reduce-scatter, so the block moves what Megatron's sequence
+    parallelism moves (one all-gather in, one reduce-scatter out) while every layer keeps its
+    per-token call.
+
     **Arguments:**
 
     - `linear`: the `eqx.nn.Linear` to convert; its parameters are kept as they are.
     - `axis_name`: the mesh axis to split over.
     - `gather_output`: all-gather the output (`[out]` replicated) instead of returning this
       device's block `[out / n]`.
+    - `sequence_parallel`: the input is sequence-sharded over the same axis (see above).
 
     ```python
     import equinox as eqx, jax, jax.numpy as jnp
@@ -157,14 +169,27 @@ class ColumnParallelLinear(eqx.nn.Linear):
 
     axis_name: Hashable = eqx.field(static=True)
     gather_output: bool = eqx.field(static=True)
+    sequence_parallel: bool = eqx.field(static=True)
 
     def __init__(
-        self, linear: eqx.nn.Linear, *, axis_name: Hashable = "model", gather_output: bool = False
+        self,
+        linear: eqx.nn.Linear,
+        *,
+        axis_name: Hashable = "model",
+        gather_output: bool = False,
+        sequence_parallel: bool = False,
     ):
         _check_linear(linear, type(self).__name__)
+        if gather_output and sequence_parallel:
+            raise ValueError(
+                "ColumnParallelLinear: gather_output=True and sequence_parallel=True do not go "
+                "together: under sequence parallelism the block ends in a RowParallelLinear "
+                "(sequence_parallel=True), which scatters the output back over the sequence."
+            )
         _copy_fields(linear, self, eqx.nn.Linear)
         self.axis_name = axis_name
         self.gather_output = bool(gather_output)
+        self.sequence_parallel = bool(sequence_parallel)
 
     def __partition_specs__(self) -> Mapping[str, P]:
         specs = {"weight": P(self.axis_name, None), "bias": P(self.axis_name)}
@@ -176,15 +201,17 @@ class ColumnParallelLinear(eqx.nn.Linear):
 
     def __call__(
         self, x: Float[Array, "..."], *, key: PRNGKeyArray | None = None
-    ) -> Float[Array, " out_block"]:
+    ) -> Float[Array, "*gathered out_block"]:
         """This device's block of `linear(x)` (or all of it with `gather_output=True`).
 
         **Arguments:**
 
-        - `x`: the whole input `[in_features]`, the same on every device of the axis.
+        - `x`: the whole input `[in_features]`, the same on every device of the axis (with
+          `sequence_parallel=True`: this device's token).
         - `key`: unused, as in `eqx.nn.Linear`.
 
-        **Returns:** `[out_features / n]`, or `[out_features]` with `gather_output=True`.
+        **Returns:** `[out_features / n]`, or `[out_features]` with `gather_output=True`, or
+        `[n, out_features / n]` with `sequence_parallel=True`.
         """
         owner = type(self).__name__
         n = _axis_size(self.axis_name, owner)
@@ -197,6 +224,9 @@ class ColumnParallelLinear(eqx.nn.Linear):
                 f"[{self.in_features}], as for eqx.nn.Linear; got shape {x.shape}. Apply the "
                 f"layer to a batch with jax.vmap."
             )
+        if self.sequence_parallel:
+            tokens = lax.all_gather(x, self.axis_name)  # [n, in]: one token from each device
+            return jax.vmap(lambda token: eqx.nn.Linear.__call__(self, token))(tokens)
         y = super().__call__(x, key=key)
         return _gather_replicated(y, self.axis_name, y.ndim - 1) if self.gather_output else y
 
@@ -209,10 +239,16 @@ class RowParallelLinear(eqx.nn.Linear):
     products, and the bias (replicated) is added once. The output is the whole `[out]`, the
     same on every device.
 
+    With `sequence_parallel=True` the input is what a `ColumnParallelLinear(sequence_parallel
+    =True)` gives, `[n, in / n]` (one token from each device), and a reduce-scatter in place of
+    the `psum` leaves each device the `[out]` of its own token: the activation stays sharded
+    on the sequence, and a norm after it runs on this device's tokens only.
+
     **Arguments:**
 
     - `linear`: the `eqx.nn.Linear` to convert.
     - `axis_name`: the mesh axis to split over.
+    - `sequence_parallel`: the activations around the block are sequence-sharded.
 
     ```python
     import equinox as eqx, jax, jax.numpy as jnp
@@ -235,11 +271,19 @@ class RowParallelLinear(eqx.nn.Linear):
     """
 
     axis_name: Hashable = eqx.field(static=True)
+    sequence_parallel: bool = eqx.field(static=True)
 
-    def __init__(self, linear: eqx.nn.Linear, *, axis_name: Hashable = "model"):
+    def __init__(
+        self,
+        linear: eqx.nn.Linear,
+        *,
+        axis_name: Hashable = "model",
+        sequence_parallel: bool = False,
+    ):
         _check_linear(linear, type(self).__name__)
         _copy_fields(linear, self, eqx.nn.Linear)
         self.axis_name = axis_name
+        self.sequence_parallel = bool(sequence_parallel)
 
     def __partition_specs__(self) -> Mapping[str, P]:
         specs = {"weight": P(None, self.axis_name), "bias": P()}
@@ -250,16 +294,18 @@ class RowParallelLinear(eqx.nn.Linear):
         return _rebuilt(self, eqx.nn.Linear)
 
     def __call__(
-        self, x: Float[Array, " in_block"], *, key: PRNGKeyArray | None = None
+        self, x: Float[Array, "*gathered in_block"], *, key: PRNGKeyArray | None = None
     ) -> Float[Array, " out_features"]:
         """`linear(x)` from this device's input block, summed over the axis.
 
         **Arguments:**
 
-        - `x`: this device's block of the input, `[in_features / n]`.
+        - `x`: this device's block of the input, `[in_features / n]` (with
+          `sequence_parallel=True`: `[n, in_features / n]`).
         - `key`: unused, as in `eqx.nn.Linear`.
 
-        **Returns:** `[out_features]`, the same on every device of the axis.
+        **Returns:** `[out_features]`, the same on every device of the axis (with
+        `sequence_parallel=True`: the output for this device's own token).
         """
         del key
         owner = type(self).__name__
@@ -267,6 +313,22 @@ class RowParallelLinear(eqx.nn.Linear):
         assert isinstance(self.out_features, int) and isinstance(self.in_features, int)
         _check_divides(owner, "in_features", self.in_features, n, self.axis_name)
         _check_block(owner, "weight", self.weight.shape, (self.out_features, self.in_features // n))
+        if self.sequence_parallel:
+            if x.shape != (n, self.in_features // n):
+                raise ValueError(
+                    f"{owner}: with sequence_parallel=True the input must be [n, in_features / "
+                    f"n] = [{n}, {self.in_features // n}], as a ColumnParallelLinear with "
+                    f"sequence_parallel=True gives; got shape {x.shape}."
+                )
+            partial = jax.vmap(lambda block: self.weight @ block)(x)  # [n, out]
+            y = lax.psum_scatter(partial, self.axis_name, scatter_dimension=0)
+            return y if self.bias is None else y + self.bias
+        if x.shape == (n, self.in_features // n):
+            raise ValueError(
+                f"{owner}: got [n, in_features / n] = {x.shape}, what a ColumnParallelLinear "
+                f"with sequence_parallel=True gives; set sequence_parallel=True on this layer "
+                f"too (RowParallel(sequence_parallel=True) in the plan)."
+            )
         if x.shape != (self.in_features // n,):
             raise ValueError(
                 f"{owner}: the input must be this device's block [in_features / n] = "
@@ -297,10 +359,18 @@ class HeadParallelAttention(eqx.nn.MultiheadAttention):
     (`jax.random.split(key, num_heads)`) and uses this device's, so a training step with
     dropout equals the serial one.
 
+    With `sequence_parallel=True`, `query`, `key_` and `value` are this device's blocks of the
+    sequence (`[seq / n, size]`, sharded over the same axis, as between the blocks of a
+    sequence-parallel model) while `mask` is still the whole `[q_seq, kv_seq]`: the layer
+    all-gathers the sequence (once for self-attention), attends with its heads, and a
+    reduce-scatter in place of the `psum` returns this device's block of the output,
+    `[q_seq / n, output_size]`.
+
     **Arguments:**
 
     - `attention`: the `eqx.nn.MultiheadAttention` to convert.
     - `axis_name`: the mesh axis to split the heads over; `num_heads` must divide by its size.
+    - `sequence_parallel`: inputs and output are sequence-sharded over the same axis.
 
     ```python
     import equinox as eqx, jax, jax.numpy as jnp
@@ -322,8 +392,15 @@ class HeadParallelAttention(eqx.nn.MultiheadAttention):
     """
 
     axis_name: Hashable = eqx.field(static=True)
+    sequence_parallel: bool = eqx.field(static=True)
 
-    def __init__(self, attention: eqx.nn.MultiheadAttention, *, axis_name: Hashable = "model"):
+    def __init__(
+        self,
+        attention: eqx.nn.MultiheadAttention,
+        *,
+        axis_name: Hashable = "model",
+        sequence_parallel: bool = False,
+    ):
         if not isinstance(attention, eqx.nn.MultiheadAttention):
             raise TypeError(
                 f"HeadParallelAttention: expected an eqx.nn.MultiheadAttention; got "
@@ -331,6 +408,7 @@ class HeadParallelAttention(eqx.nn.MultiheadAttention):
             )
         _copy_fields(attention, self, eqx.nn.MultiheadAttention)
         self.axis_name = axis_name
+        self.sequence_parallel = bool(sequence_parallel)
 
     def __partition_specs__(self) -> Mapping[str, P]:
         axis = self.axis_name
@@ -379,7 +457,9 @@ class HeadParallelAttention(eqx.nn.MultiheadAttention):
         query: Float[Array, "q_seq q_size"],
         key_: Float[Array, "kv_seq k_size"],
         value: Float[Array, "kv_seq v_size"],
-        mask: Bool[Array, "q_seq kv_seq"] | Bool[Array, "num_heads q_seq kv_seq"] | None = None,
+        # The mask's own names: under sequence parallelism it is whole while the inputs are
+        # this device's blocks of the sequence.
+        mask: Bool[Array, "mask_q mask_kv"] | Bool[Array, "num_heads mask_q mask_kv"] | None = None,
         *,
         key: PRNGKeyArray | None = None,
         inference: bool | None = None,
@@ -397,6 +477,8 @@ class HeadParallelAttention(eqx.nn.MultiheadAttention):
         if deterministic is not None:
             inference = deterministic
         heads, first_head = self._local_heads(owner)
+        if self.sequence_parallel:
+            query, key_, value = _gather_sequences((query, key_, value), self.axis_name)
         if key_.shape[0] != value.shape[0]:
             raise ValueError(
                 f"{owner}: key_ and value must have the same sequence length; got "
@@ -451,8 +533,102 @@ class HeadParallelAttention(eqx.nn.MultiheadAttention):
         )
         attn = attn.reshape(query.shape[0], -1)
         partial = jax.vmap(lambda row: self.output_proj.weight @ row)(attn)
-        out = lax.psum(partial, self.axis_name)
+        if self.sequence_parallel:
+            out = lax.psum_scatter(partial, self.axis_name, scatter_dimension=0, tiled=True)
+        else:
+            out = lax.psum(partial, self.axis_name)
         return out if self.output_proj.bias is None else out + self.output_proj.bias
+
+
+def _gather_sequences(arrays: tuple[Array, ...], axis_name: Hashable) -> tuple[Array, ...]:
+    """All-gather each array's blocks along its first (sequence) axis; an array passed more
+    than once (self-attention) is gathered once."""
+    gathered: dict[int, Array] = {}
+    for x in arrays:
+        if id(x) not in gathered:
+            gathered[id(x)] = lax.all_gather(x, axis_name, axis=0, tiled=True)
+    return tuple(gathered[id(x)] for x in arrays)
+
+
+def scatter_sequence(
+    x: Shaped[Array, " seq *rest"], axis_name: Hashable = "model"
+) -> Shaped[Array, " seq_block *rest"]:
+    """This device's block of a sequence that every device of `axis_name` holds whole.
+
+    Where a sequence-parallel trunk begins (after the embeddings, which need the whole
+    sequence for positions and masks), each device keeps `seq / n` consecutive tokens: device
+    `d` of `n` keeps tokens `[d * seq / n, (d + 1) * seq / n)`. No communication; the gradient
+    flows back to the whole sequence.
+
+    **Arguments:**
+
+    - `x`: `[seq, ...]`, the same on every device of the axis; `seq` must divide by `n`.
+    - `axis_name`: the mesh axis the sequence is split over.
+
+    **Returns:** `[seq / n, ...]`, this device's tokens.
+
+    ```python
+    import jax, jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+    import eqpar
+    from eqpar.nn import gather_sequence, scatter_sequence
+
+    mesh = eqpar.DeviceMesh((4,), ("model",), devices=jax.devices()[:4])
+    x = jnp.arange(8.0)[:, None]
+    blocks = eqpar.shard_map(
+        lambda x: scatter_sequence(x), mesh=mesh, in_specs=P(), out_specs=P("model")
+    )(x)
+    assert (blocks == x).all()  # the blocks, laid side by side, are the sequence
+    whole = eqpar.shard_map(
+        lambda x: gather_sequence(scatter_sequence(x)), mesh=mesh, in_specs=P(), out_specs=P()
+    )(x)
+    assert (whole == x).all()
+    ```
+    """
+    owner = "scatter_sequence"
+    n = _axis_size(axis_name, owner)
+    if x.ndim == 0 or x.shape[0] % n:
+        raise ValueError(
+            f"{owner}: x must have a sequence axis first whose length divides by the size of "
+            f"axis {axis_name!r} ({n}); got shape {x.shape}. Pad the sequence to a multiple "
+            f"of {n} (and mask the padding)."
+        )
+    block = x.shape[0] // n
+    return lax.dynamic_slice_in_dim(x, lax.axis_index(axis_name) * block, block, axis=0)
+
+
+def gather_sequence(
+    x: Shaped[Array, " seq_block *rest"], axis_name: Hashable = "model"
+) -> Shaped[Array, " seq *rest"]:
+    """The whole sequence from each device's block: the inverse of `scatter_sequence`, where a
+    sequence-parallel trunk ends (before a head that reads the whole sequence).
+
+    **Arguments:**
+
+    - `x`: `[seq / n, ...]`, this device's tokens.
+    - `axis_name`: the mesh axis the sequence is split over.
+
+    **Returns:** `[seq, ...]`, the same on every device of the axis (typed as replicated
+    where JAX can say so, so an `out_specs=P()` accepts it).
+
+    ```python
+    import jax, jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+    import eqpar
+    from eqpar.nn import gather_sequence
+
+    mesh = eqpar.DeviceMesh((2,), ("model",), devices=jax.devices()[:2])
+    x = jnp.arange(6.0)
+    whole = eqpar.shard_map(
+        gather_sequence, mesh=mesh, in_specs=P("model"), out_specs=P()
+    )(x)
+    assert (whole == x).all()
+    ```
+    """
+    _axis_size(axis_name, "gather_sequence")
+    if x.ndim == 0:
+        raise ValueError("gather_sequence: x must have a sequence axis first; got a scalar.")
+    return _gather_replicated(x, axis_name, 0)
 
 
 class _SplitEmbedding(eqx.nn.Embedding):
