@@ -4,8 +4,9 @@
 same rules, so one implementation serves both.
 """
 
+import difflib
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 
 def compile_key(key: object, owner: str) -> re.Pattern:
@@ -38,3 +39,12 @@ def single_match(patterns: Mapping[str, re.Pattern], path: str, owner: str) -> s
             f"expressions exclusive or add the exact path as a key."
         )
     return keys[0] if keys else None
+
+
+def unused_key_hints(keys: Sequence[str], paths: Sequence[str]) -> str:
+    """`'key' (closest paths: [...])` for each key, for messages about keys that match nothing."""
+    hints = []
+    for key in keys:
+        close = difflib.get_close_matches(key, paths, n=3, cutoff=0.4)
+        hints.append(f"{key!r} (closest paths: {close})" if close else repr(key))
+    return ", ".join(hints)

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import PyTree
 
+from ._paths import path_to_str
 from ._typing import AxisName
 
 __all__ = [
@@ -238,6 +239,26 @@ def _check_chunks(xs: Sequence[PyTree], n: int, name: str) -> None:
             f"{name}: len(xs) must equal the size of the mesh axis ({n}), one chunk per "
             f"destination device; got {len(xs)} chunks."
         )
+    # The chunks are summed across devices, so every chunk must be the same pytree of the
+    # same shapes and dtypes; otherwise broadcasting would add them silently.
+    first = jax.tree.structure(xs[0])
+    expected = [(jnp.shape(leaf), jnp.result_type(leaf)) for leaf in jax.tree.leaves(xs[0])]
+    for index, chunk in enumerate(xs[1:], start=1):
+        if jax.tree.structure(chunk) != first:
+            raise ValueError(
+                f"{name}: chunk {index} has the pytree structure {jax.tree.structure(chunk)} but "
+                f"chunk 0 has {first}; every chunk must have the same structure."
+            )
+        flat = jax.tree_util.tree_flatten_with_path(chunk)[0]
+        for (path, leaf), (shape, dtype) in zip(flat, expected):
+            got = (jnp.shape(leaf), jnp.result_type(leaf))
+            if got != (shape, dtype):
+                where = f" at leaf {path_to_str(path)!r}" if path else ""
+                raise ValueError(
+                    f"{name}: chunk {index}{where} has shape {got[0]} and dtype {got[1]}, but "
+                    f"chunk 0 has {shape} and {dtype}; every chunk must have the same shapes "
+                    f"and dtypes (split the array into equal pieces, padding the last)."
+                )
 
 
 def _ring_reduce(

@@ -15,6 +15,7 @@ __all__ = [
 ]
 
 import re
+import warnings
 from collections.abc import Callable, Hashable, Iterator, MutableMapping, Sequence
 
 import equinox as eqx
@@ -23,8 +24,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jax.tree_util import keystr
 
 from ._declare import declared_partition_specs
-from ._matching import compile_key, matching_keys, single_match
+from ._matching import compile_key, matching_keys, single_match, unused_key_hints
 from ._paths import path_to_str
+from ._specs import check_spec, entry_names
 from ._typing import PyTree, Specs
 from .mesh import DeviceMesh, as_jax_mesh
 
@@ -37,19 +39,11 @@ def is_array_like(leaf: object) -> bool:
     return eqx.is_array(leaf) or isinstance(leaf, jax.ShapeDtypeStruct)
 
 
-def _entry_names(entry: object) -> tuple[Hashable, ...]:
-    if entry is None:
-        return ()
-    if isinstance(entry, tuple):
-        return entry
-    return (entry,)
-
-
 def _normalized(spec: PartitionSpec | Sequence[AxisEntry], rank: int) -> tuple:
     """Spec entries padded to `rank`, with `("a",)` written as `"a"` and `()` as `None`."""
     entries = []
     for entry in tuple(spec):
-        names = _entry_names(entry)
+        names = entry_names(entry)
         entries.append(None if not names else names[0] if len(names) == 1 else tuple(names))
     return tuple(entries) + (None,) * (rank - len(entries))
 
@@ -97,7 +91,7 @@ class TensorLayout:
         for dim, entry in enumerate(tuple(axes)):
             if isinstance(entry, list):
                 entry = tuple(entry)
-            names = _entry_names(entry)
+            names = entry_names(entry)
             for name in names:
                 if not isinstance(name, str):
                     raise TypeError(
@@ -303,49 +297,6 @@ def _array_paths(tree: PyTree) -> list[str]:
     return [path_to_str(path) for path, leaf in flat if is_array_like(leaf)]
 
 
-def _check_spec(
-    path: str,
-    spec: PartitionSpec,
-    shape: tuple[int, ...],
-    mesh: DeviceMesh | Mesh | None,
-    *,
-    source: str,
-    exact_rank: bool,
-) -> None:
-    """Raise if `spec` cannot shard an array of `shape` at `path` on `mesh` without padding."""
-    entries = tuple(spec)
-    if exact_rank and entries and len(entries) != len(shape):
-        raise ValueError(
-            f"{source} gives {spec} for leaf {path!r} of shape {shape}: {len(entries)} "
-            f"entries for {len(shape)} dimensions; give one entry per dimension."
-        )
-    if len(entries) > len(shape):
-        raise ValueError(
-            f"{source} gives {spec} for leaf {path!r} of shape {shape}: more entries than "
-            f"dimensions."
-        )
-    if mesh is None:
-        return
-    axes = _mesh_axes(mesh)
-    for dim, entry in enumerate(entries):
-        names = _entry_names(entry)
-        unknown = [n for n in names if n not in axes]
-        if unknown:
-            raise ValueError(
-                f"{source} gives {spec} for leaf {path!r}, naming mesh axes {unknown} that the "
-                f"mesh does not have; its axes are {tuple(axes)}."
-            )
-        split = 1
-        for name in names:
-            split *= axes[name]
-        if shape[dim] % split:
-            raise ValueError(
-                f"{source} gives {spec} for leaf {path!r} of shape {shape}: dimension {dim} "
-                f"(size {shape[dim]}) does not divide by {split} (mesh axes {names}); change the "
-                f"layout or the size."
-            )
-
-
 def partition_specs(
     module: PyTree,
     layout_map: LayoutMap | None = None,
@@ -390,35 +341,35 @@ def partition_specs(
     """
     if layout_map is not None and mesh is None:
         mesh = layout_map.device_mesh
+    axes = None if mesh is None else _mesh_axes(mesh)
     declared = declared_partition_specs(module)
     flat, treedef = jax.tree_util.tree_flatten_with_path(module)
     specs: list[PartitionSpec | None] = []
-    array_paths: set[str] = set()
+    array_paths: dict[str, str] = {}  # joined path -> the leaf's key path, to name collisions
     unmatched: list[str] = []
     for key_path, leaf in flat:
         if not is_array_like(leaf):
             specs.append(None)
             continue
         path = path_to_str(key_path)
-        array_paths.add(path)
+        if path in array_paths:
+            raise ValueError(
+                f"partition_specs: two leaves have the path {path!r} once joined with '/' "
+                f"({array_paths[path]} and {keystr(key_path)}), so a layout key or a declared "
+                f"spec could not tell them apart. Rename the dict key that contains '/'."
+            )
+        array_paths[path] = keystr(key_path)
         shape = tuple(leaf.shape)
         declared_spec = declared.get(path)
         if declared_spec is not None:
-            _check_spec(
-                path,
-                declared_spec,
-                shape,
-                mesh,
-                source="the module's __partition_specs__",
-                exact_rank=False,
-            )
+            check_spec(path, declared_spec, shape, axes, source="the module's __partition_specs__")
         mapped = layout_map._match(path) if layout_map is not None else None
         mapped_spec = None
         if mapped is not None:
             map_key, layout = mapped
             mapped_spec = layout.spec
-            _check_spec(
-                path, mapped_spec, shape, mesh, source=f"LayoutMap[{map_key!r}]", exact_rank=True
+            check_spec(
+                path, mapped_spec, shape, axes, source=f"LayoutMap[{map_key!r}]", exact_rank=True
             )
             if declared_spec is not None and _normalized(declared_spec, len(shape)) != _normalized(
                 mapped_spec, len(shape)
@@ -437,24 +388,32 @@ def partition_specs(
                 unmatched.append(path)
             if default is not None:
                 spec = default(path, jax.ShapeDtypeStruct(shape, leaf.dtype))
-                _check_spec(path, spec, shape, mesh, source="the default layout", exact_rank=False)
+                check_spec(path, spec, shape, axes, source="the default layout")
                 specs.append(spec)
             else:
                 specs.append(PartitionSpec())
-    stray = sorted(set(declared) - array_paths)
+    stray = sorted(set(declared) - set(array_paths))
     if stray:
         raise ValueError(
             f"partition_specs: modules declare specs for {stray}, which are not array leaves of "
             f"the model; fix the module's __partition_specs__ keys."
         )
+    unused = [] if layout_map is None else layout_map.unused_keys(module)
     if layout_map is not None and layout_map.strict:
-        unused = layout_map.unused_keys(module)
         if unmatched or unused:
             raise ValueError(
                 f"partition_specs with LayoutMap(strict=True): leaf paths no key matches: "
-                f"{unmatched}; keys that match no leaf: {unused}. Add or fix keys (None "
+                f"{unmatched}; keys that match no leaf: "
+                f"{unused_key_hints(unused, list(array_paths))}. Add or fix keys (None "
                 f"replicates a leaf), or use strict=False."
             )
+    elif unused:
+        warnings.warn(
+            f"partition_specs: LayoutMap keys that match no array leaf: "
+            f"{unused_key_hints(unused, list(array_paths))}; the leaves they were meant for are "
+            f"replicated. Fix the keys (`eqpar.leaf_paths(model)` lists the paths).",
+            stacklevel=2,
+        )
     return jax.tree_util.tree_unflatten(treedef, specs)
 
 

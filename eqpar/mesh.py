@@ -395,6 +395,11 @@ class DeviceMesh:
                 f"DeviceMesh: axis_names must be a sequence of names; got the string "
                 f"{axis_names!r}. Write ({axis_names!r},) for a one-axis mesh."
             )
+        if isinstance(shape, int | np.integer | str):
+            raise TypeError(
+                f"DeviceMesh: shape must be a tuple of axis sizes, one per axis name; got "
+                f"{shape!r}. Write ({shape!r},) for a one-axis mesh."
+            )
         shape = tuple(shape)
         axis_names = tuple(axis_names)
         if len(shape) == 0:

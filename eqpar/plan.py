@@ -10,7 +10,6 @@ original classes back.
 """
 
 import dataclasses
-import difflib
 import warnings
 from collections.abc import Hashable, Mapping
 from typing import Any
@@ -18,7 +17,7 @@ from typing import Any
 import equinox as eqx
 import jax
 
-from ._matching import compile_key, single_match
+from ._matching import compile_key, single_match, unused_key_hints
 from ._paths import path_to_str
 from ._typing import PyTree
 from .mesh import DeviceMesh, as_jax_mesh
@@ -366,12 +365,9 @@ def parallelize(
     converted = jax.tree_util.tree_map_with_path(convert, model, is_leaf=_is_plannable)
     unused = [key for key in plan if key not in used]
     if unused:
-        hints = []
-        for key in unused:
-            close = difflib.get_close_matches(key, paths, n=3, cutoff=0.4)
-            hints.append(f"{key!r} (closest layer paths: {close})" if close else repr(key))
+        hints = unused_key_hints(unused, paths)
         message = (
-            f"parallelize: plan keys that match no layer: {', '.join(hints)}. Keys are "
+            f"parallelize: plan keys that match no layer: {hints}. Keys are "
             f"matched against the paths of Linear, MultiheadAttention, Embedding, LayerNorm "
             f"and RMSNorm layers (`eqpar.leaf_paths(model)` lists leaf paths; drop the last "
             f"part such as '/weight')."

@@ -204,6 +204,18 @@ def _check_devices(devices: object, function: str) -> list[jax.Device]:  # pyrig
     return devices
 
 
+def _input_shape(input: object, function: str) -> tuple[int, ...]:
+    """The shape of `input`, which must be an array with a leading token axis."""
+    if not isinstance(input, jax.Array | np.ndarray):
+        raise TypeError(
+            f"{function}: `input` must be a jax.Array or numpy array of shape [tokens, "
+            f"*features]; got a {type(input).__name__}. Convert it first, e.g. "
+            f"`np.asarray(input)`, so its dtype is explicit."
+        )
+    _feature_check(tuple(input.shape))
+    return tuple(input.shape)
+
+
 def _feature_check(input_shape: tuple[int, ...]) -> None:
     if len(input_shape) == 0:
         raise ValueError(
@@ -274,7 +286,7 @@ def split_batch(
     _reject_traced("input", input, function)
     _reject_traced("input_row_offsets", input_row_offsets, function)
     _reject_traced("data_parallel_splits", data_parallel_splits, function)
-    _feature_check(tuple(input.shape))
+    _input_shape(input, function)
     offsets = _host_integers("input_row_offsets", input_row_offsets)
     splits = _host_integers("data_parallel_splits", data_parallel_splits)
     _check_row_offsets("input_row_offsets", offsets, int(input.shape[0]))
@@ -848,7 +860,7 @@ def pack_splits(
     capacity = _static_size("capacity", capacity, 1)
     if on_overflow not in ("raise", "flag"):
         raise ValueError(f"`on_overflow` must be 'raise' or 'flag', got {on_overflow!r}.")
-    _feature_check(tuple(input.shape))
+    _input_shape(input, "pack_splits")
     traced = _is_traced(input_row_offsets) or _is_traced(data_parallel_splits)
     index_dtype = _index_dtype()
 

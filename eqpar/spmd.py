@@ -10,6 +10,8 @@ import equinox as eqx
 import jax
 from jax.sharding import Mesh
 
+from ._paths import path_to_str
+from ._specs import check_spec
 from ._typing import PyTree, Specs
 from .layout import (
     _is_spec_leaf,
@@ -113,6 +115,9 @@ def shard_map(
             )
             for i, (prefix, arg) in enumerate(zip(arg_prefixes, args))
         )
+        axes = None if jax_mesh is None else dict(jax_mesh.shape)
+        for i, (arg, arg_specs) in enumerate(zip(args, specs)):
+            _check_argument_specs(arg, arg_specs, axes, f"shard_map: in_specs for argument {i}")
         static_out: list = []
 
         @functools.wraps(fn)
@@ -134,6 +139,17 @@ def shard_map(
         return eqx.combine(out_dynamic, static_out[-1])
 
     return mapped
+
+
+def _check_argument_specs(arg: Any, specs: Any, axes: dict | None, source: str) -> None:
+    """Every array of `arg` against its spec, through the one spec checker."""
+    flat_specs = jax.tree.leaves(specs, is_leaf=_is_spec_leaf)
+    flat_args = jax.tree_util.tree_flatten_with_path(arg, is_leaf=lambda x: x is None)[0]
+    if len(flat_specs) != len(flat_args):
+        return  # expand_specs gave the argument's structure; anything else JAX reports itself
+    for (path, leaf), spec in zip(flat_args, flat_specs):
+        if eqx.is_array(leaf) and spec is not None:
+            check_spec(path_to_str(path), spec, tuple(leaf.shape), axes, source=source)
 
 
 def build_sharded(

@@ -371,7 +371,7 @@ def test_plan_errors_name_the_key_the_path_and_the_fix(setup):
     model = setup[0]
     with pytest.raises(
         ValueError,
-        match=r"no layer: 'layers/.*/ff/mlp' \(closest layer paths: \['layers/1/ff_block/mlp'",
+        match=r"no layer: 'layers/.*/ff/mlp' \(closest paths: \['layers/1/ff_block/mlp'",
     ):
         eqpar.parallelize(model, {r"layers/\d+/ff/mlp": eqpar.ColumnParallel()})
     with pytest.warns(UserWarning, match="match no layer"):

@@ -484,6 +484,7 @@ class HeadParallelAttention(eqx.nn.MultiheadAttention):
                 f"{owner}: key_ and value must have the same sequence length; got "
                 f"{key_.shape[0]} and {value.shape[0]}."
             )
+        _check_sequences(owner, query.shape[0], key_.shape[0])
 
         def project(linear: eqx.nn.Linear, x: Array) -> Array:
             return jax.vmap(linear)(x).reshape(x.shape[0], heads, -1)
@@ -538,6 +539,16 @@ class HeadParallelAttention(eqx.nn.MultiheadAttention):
         else:
             out = lax.psum(partial, self.axis_name)
         return out if self.output_proj.bias is None else out + self.output_proj.bias
+
+
+def _check_sequences(owner: str, query_length: int, key_length: int) -> None:
+    """Attention over an empty sequence has no softmax to take: refuse it by name."""
+    if query_length == 0 or key_length == 0:
+        raise ValueError(
+            f"{owner}: zero-length sequence (query length {query_length}, key/value length "
+            f"{key_length}); attention needs at least one token on each side. Drop empty "
+            f"examples, or pad them to one token and mask it out."
+        )
 
 
 def _gather_sequences(arrays: tuple[Array, ...], axis_name: Hashable) -> tuple[Array, ...]:

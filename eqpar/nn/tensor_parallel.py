@@ -167,6 +167,12 @@ class TPDense(eqx.Module):
                     f"{type(self).__name__}: kernel_init returned shape {weight.shape}; expected "
                     f"({out_features}, {in_features}) = (out_features, in_features)."
                 )
+            if not jnp.issubdtype(weight.dtype, jnp.inexact):
+                raise ValueError(
+                    f"{type(self).__name__}: kernel_init returned dtype {weight.dtype}; a weight "
+                    f"must be floating point ({jnp.dtype(dtype)} was asked for), or it would "
+                    f"get no gradient. Return `initializer(key, shape, dtype)` in the dtype given."
+                )
         self.weight = weight
         self.bias = linear.bias
         self.in_features = in_features
