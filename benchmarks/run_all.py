@@ -30,6 +30,7 @@ ROOT = HERE.parent
 # (module, heading, arguments at default sizes, arguments with --quick)
 BENCHMARKS: list[tuple[str, str, list[str], list[str]]] = [
     ("tensor_parallel", "Tensor-parallel MLP block", [], []),
+    ("sequence_parallel", "Sequence parallelism against tensor parallelism", [], ["--quick"]),
     (
         "pipeline",
         "Pipeline schedules",
