@@ -195,11 +195,14 @@ def _scanned_module(schedule, remat):
     )
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "circular", "1f1b"])
-def test_scanned_layers_with_remat(schedule):
-    """8 scanned layers cut into stages of 2 (or 4), rematerialised, against the serial twin
-    and against running the 8 layers one by one."""
-    module = _scanned_module(schedule, remat=True)
+@pytest.mark.parametrize(
+    ("schedule", "remat"), [("gpipe", True), ("circular", "matmuls"), ("1f1b", "full")]
+)
+def test_scanned_layers_with_remat(schedule, remat):
+    """8 scanned layers cut into stages of 2 (or 4), rematerialised layer by layer, against
+    the serial twin and against running the 8 layers one by one."""
+    module = _scanned_module(schedule, remat=remat)
+    assert module.stages.remat == ("full" if remat is True else remat)
     # [S, L/S, ...] for GPipe and 1F1B; [V, S, L/(S V), ...] for the circular schedule.
     assert module.stages.layers.linear.weight.shape == (
         (2, 2, 2, FEATURES, FEATURES) if schedule == "circular" else (2, 4, FEATURES, FEATURES)

@@ -12,7 +12,7 @@ circular schedule of `eqpar.pipeline`; outside, `apply_serially` is its one-devi
 import dataclasses
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import equinox as eqx
 import jax
@@ -70,6 +70,35 @@ def _positive_int(name: str, value: object, owner: str) -> int:
     if value < 1:
         raise ValueError(f"{owner}: `{name}` must be at least 1, got {value}.")
     return value
+
+
+# What a layer (or stage) keeps for the backward pass; ScannedLayers' docstring says more.
+RematPolicy = Literal["none", "full", "matmuls"]
+
+_REMAT_POLICIES: dict[str, Callable | None] = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "matmuls": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+def _remat_policy(remat: object, owner: str) -> str:
+    """`remat` as one of `_REMAT_POLICIES` (`True` is `"full"`, `False` is `"none"`)."""
+    if isinstance(remat, bool):
+        return "full" if remat else "none"
+    if remat not in _REMAT_POLICIES:
+        raise ValueError(
+            f"{owner}: `remat` must be one of {list(_REMAT_POLICIES)} (or True for 'full', "
+            f"False for 'none'); got {remat!r}."
+        )
+    return str(remat)
+
+
+def _rematerialized(fn: Callable, remat: str) -> Callable:
+    """`fn` under `jax.checkpoint` with the policy named `remat` (`fn` itself for "none")."""
+    if remat == "none":
+        return fn
+    return eqx.filter_checkpoint(fn, policy=_REMAT_POLICIES[remat])
 
 
 # ---------------------------------------------------------------------------------------
@@ -224,9 +253,18 @@ class ScannedLayers(eqx.Module):
     layer body whatever the depth. Layers that declare a sharding (`__partition_specs__`) keep
     it, shifted right by the layer axis.
 
+    With `remat`, each layer's activations are recomputed in the backward pass instead of
+    stored: the scan then keeps, per layer, only what the policy saves (the layer's input for
+    `"full"`), so the memory for activations grows by one layer's input per layer rather
+    than by everything the layer computes.
+
     **Arguments:**
 
     - `layers`: the stacked layer module.
+    - `remat`: what each layer keeps for the backward pass: `"none"` (default) everything;
+      `"full"` (or `True`) only its input, everything else recomputed; `"matmuls"` its input
+      and the outputs of its matrix products without batch dimensions (projections, MLP
+      matmuls), so attention scores and elementwise work are recomputed but no matmul is.
 
     ```python
     import equinox as eqx, jax, jax.numpy as jnp
@@ -243,6 +281,11 @@ class ScannedLayers(eqx.Module):
     """
 
     layers: PyTree
+    remat: str = eqx.field(static=True)
+
+    def __init__(self, layers: PyTree, *, remat: RematPolicy | bool = "none"):
+        self.layers = layers
+        self.remat = _remat_policy(remat, "ScannedLayers")
 
     @property
     def num_layers(self) -> int:
@@ -256,9 +299,10 @@ class ScannedLayers(eqx.Module):
     def __call__(self, x: PyTree[Array], *args: Any, **kwargs: Any) -> PyTree[Array]:
         """Apply every layer in order: `x -> layers[L-1](... layers[0](x, *args, **kwargs))`."""
         arrays, static = eqx.partition(self.layers, eqx.is_array)
+        call = _rematerialized(_call_stage, self.remat)
 
         def apply(h: Any, layer_arrays: Any) -> tuple[Any, None]:
-            return eqx.combine(layer_arrays, static)(h, *args, **kwargs), None
+            return call(eqx.combine(layer_arrays, static), h, *args, **kwargs), None
 
         out, _ = _scan(apply, x, arrays)
         return out
@@ -275,12 +319,10 @@ class _StageCall(eqx.Module):
     """A stage (or a stack of stages) called directly or under `jax.checkpoint`."""
 
     stage: Any
-    remat: bool = eqx.field(static=True)
+    remat: str = eqx.field(static=True)
 
     def __call__(self, x: Any, *args: Any, **kwargs: Any) -> Any:
-        if self.remat:
-            return eqx.filter_checkpoint(_call_stage)(self.stage, x, *args, **kwargs)
-        return self.stage(x, *args, **kwargs)
+        return _rematerialized(_call_stage, self.remat)(self.stage, x, *args, **kwargs)
 
 
 def _leading_shapes(tree: Any, ndim: int) -> dict[str, tuple[int, ...]]:
@@ -329,9 +371,12 @@ class PipelineModule(eqx.Module):
     - `axis_name`: the pipeline mesh axis.
     - `num_repeats`: `V`, stages per device (`> 1` selects the circular schedule).
     - `remat`: recompute each stage's activations in the backward pass instead of storing
-      them (`jax.checkpoint` around every stage call of `__call__`). `value_and_grad_1f1b`
-      ignores it: its backward step already recomputes the stage from the stored input, one
-      microbatch at a time, so a checkpoint around the whole stage would save nothing.
+      them: `"none"` (default), `"full"` (`True`) or `"matmuls"` (as for `ScannedLayers`), a
+      `jax.checkpoint` with that policy around every stage call of `__call__`. For
+      `from_layers` the policy applies to each layer inside the stage instead
+      (`ScannedLayers.remat`), so a stage of many layers keeps one layer's worth at a time.
+      `value_and_grad_1f1b` ignores the stage-level policy: its backward step already
+      recomputes the stage from the stored input, one microbatch at a time.
     - `broadcast_output`: return the pipeline's result on every device of the axis instead
       of only on the last (zeros elsewhere); costs one `psum` of the output.
 
@@ -369,7 +414,7 @@ class PipelineModule(eqx.Module):
     num_microbatches: int = eqx.field(static=True)
     axis_name: AxisName = eqx.field(static=True)
     num_repeats: int = eqx.field(static=True)
-    remat: bool = eqx.field(static=True)
+    remat: str = eqx.field(static=True)
     broadcast_output: bool = eqx.field(static=True)
 
     def __init__(
@@ -380,7 +425,7 @@ class PipelineModule(eqx.Module):
         num_microbatches: int,
         axis_name: AxisName = "pipe",
         num_repeats: int = 1,
-        remat: bool = False,
+        remat: RematPolicy | bool = "none",
         broadcast_output: bool = False,
     ):
         owner = "PipelineModule"
@@ -388,7 +433,7 @@ class PipelineModule(eqx.Module):
         self.num_microbatches = _positive_int("num_microbatches", num_microbatches, owner)
         self.num_repeats = _positive_int("num_repeats", num_repeats, owner)
         self.axis_name = axis_name
-        self.remat = bool(remat)
+        self.remat = _remat_policy(remat, owner)
         self.broadcast_output = bool(broadcast_output)
         s, v = self.num_stages, self.num_repeats
         size = _common_leading_size(stages, "stages", owner)
@@ -499,8 +544,11 @@ class PipelineModule(eqx.Module):
             )
         per_stage = num_layers // total
         stacked = _map_arrays(lambda a: a.reshape(total, per_stage, *a.shape[1:]), layers)
+        # The policy goes to each layer; a checkpoint around the whole stage on top of it
+        # would only recompute the per-layer checkpoints once more.
+        remat = _remat_policy(options.pop("remat", "none"), owner)
         return cls(
-            ScannedLayers(stacked),
+            ScannedLayers(stacked, remat=remat),
             num_stages=s,
             num_microbatches=num_microbatches,
             num_repeats=v,
