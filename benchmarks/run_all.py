@@ -31,6 +31,7 @@ ROOT = HERE.parent
 BENCHMARKS: list[tuple[str, str, list[str], list[str]]] = [
     ("tensor_parallel", "Tensor-parallel MLP block", [], []),
     ("sequence_parallel", "Sequence parallelism against tensor parallelism", [], ["--quick"]),
+    ("remat", "Rematerialization policies: activation memory against depth", [], ["--quick"]),
     (
         "pipeline",
         "Pipeline schedules",
