@@ -47,6 +47,7 @@ from ._paths import path_to_str
 from ._typing import PyTree, Specs
 from .layout import LayoutMap, is_array_like, named_shardings, partition_specs
 from .mesh import DeviceMesh, as_jax_mesh
+from .placement import checked_local_leaves
 from .spmd import build_sharded
 
 DEFAULT_AXIS_NAME = "data"
@@ -235,7 +236,11 @@ class Distribution:
 
         In a single process `batch` is the global batch; with several processes each passes
         its own rows and they are joined into one global array
-        (`jax.make_array_from_process_local_data`).
+        (`jax.make_array_from_process_local_data`). The leaves are checked by the same code as
+        `eqpar.placement.host_to_global_device_array` (`checked_local_leaves`): array data only,
+        values that fit the dtype JAX uses (no silent `int64` -> `int32` wrap), and, with
+        several processes, the same shapes and dtypes on every process (and the same values
+        for a replicated batch), or a `ValueError` naming the leaf and the processes.
 
         **Arguments:**
 
@@ -248,17 +253,22 @@ class Distribution:
 
         **Returns:** the placed batch, or `(batch, mask)` when `pad=True`.
         """
-        flat, treedef = jax.tree_util.tree_flatten_with_path(batch)
-        if not flat:
+        # The checks and the exchange that every process's data agrees are placement's own
+        # (shared with `host_to_global_device_array`), before any shape-dependent decision.
+        mesh = self.device_mesh.jax_mesh
+        replicated = self.batch_dim_name is None
+        paths, leaves, treedef = checked_local_leaves(
+            batch, mesh, "distribute_input", same_values=replicated
+        )
+        if not leaves:
             raise ValueError("distribute_input: batch has no array leaves.")
         sizes = {}
-        for path, leaf in flat:
-            where = path_to_str(path) or "batch"
-            if not hasattr(leaf, "shape") or len(leaf.shape) == 0:
+        for path, leaf in zip(paths, leaves):
+            where = "batch" if path == "<root>" else path
+            if leaf.ndim == 0:
                 raise ValueError(
                     f"distribute_input: leaf {where!r} has no batch dimension (shape "
-                    f"{getattr(leaf, 'shape', type(leaf).__name__)}); every leaf needs "
-                    f"dimension 0 to split."
+                    f"{leaf.shape}); every leaf needs dimension 0 to split."
                 )
             sizes[where] = leaf.shape[0]
         if len(set(sizes.values())) > 1:
@@ -266,10 +276,8 @@ class Distribution:
                 f"distribute_input: leaves disagree on the batch size (dimension 0): {sizes}."
             )
         rows = next(iter(sizes.values()))
-        if self.batch_dim_name is None:
-            shards = 1
-        else:
-            shards = self.device_mesh.axis_size(self.batch_dim_name)
+        axis = self.batch_dim_name
+        shards = 1 if axis is None else self.device_mesh.axis_size(axis)
         processes = jax.process_count()
         multiple = shards // processes if processes > 1 and shards % processes == 0 else shards
         remainder = rows % multiple
@@ -281,24 +289,21 @@ class Distribution:
                 f"{remainder} rows, or pass pad=True to get zero-padded rows and a mask."
             )
         padding = (multiple - remainder) % multiple if pad else 0
-        leaves = []
-        for _, leaf in flat:
-            leaf = np.asarray(leaf) if not isinstance(leaf, jax.Array) else leaf
-            if padding:
-                widths = [(0, padding)] + [(0, 0)] * (leaf.ndim - 1)
-                leaf = (jnp if isinstance(leaf, jax.Array) else np).pad(leaf, widths)
-            leaves.append(self._place_rows(leaf))
-        placed = jax.tree_util.tree_unflatten(treedef, leaves)
+        if padding:
+            leaves = [
+                (jnp if isinstance(leaf, jax.Array) else np).pad(
+                    leaf, [(0, padding)] + [(0, 0)] * (leaf.ndim - 1)
+                )
+                for leaf in leaves
+            ]
+        shardings = [self.batch_sharding(leaf.ndim) for leaf in leaves]
+        placed = jax.make_array_from_process_local_data(
+            treedef.unflatten(shardings), treedef.unflatten(leaves)
+        )
         if not pad:
             return placed
         mask = np.arange(rows + padding) < rows
-        return placed, self._place_rows(mask)
-
-    def _place_rows(self, leaf):
-        sharding = self.batch_sharding(leaf.ndim)
-        if jax.process_count() > 1:
-            return jax.make_array_from_process_local_data(sharding, np.asarray(leaf))
-        return jax.device_put(leaf, sharding)
+        return placed, jax.make_array_from_process_local_data(self.batch_sharding(1), mask)
 
     # --- optimizer state ----------------------------------------------------------------------
 

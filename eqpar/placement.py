@@ -10,6 +10,17 @@ hand, produce one ordinary NumPy batch per process. This module converts between
 - `with_sharding_constraint` is `jax.lax.with_sharding_constraint` that also runs, as a checked
   no-op, on a single device.
 
+**What JAX does and what eqpar adds.** Placement itself is JAX's
+`jax.make_array_from_process_local_data` (which also puts each process's rows, in order, on
+its own devices, however the processes interleave in the mesh), and resharding for the way back
+is a `jax.jit` with `out_shardings`. eqpar owns only what JAX leaves unchecked: before a
+global array is built, the processes agree on every leaf's shape and dtype (and, for
+replicated data, its values), so a process that feeds other rows or another dtype is an error
+naming the leaf and the processes instead of a global array that silently differs between
+processes; host values that do not fit the dtype JAX will use (`int64` beyond `int32`,
+`float64` beyond `float32`, while `jax_enable_x64` is off) are an error instead of a wrap; and
+every error names the leaf path (`/`-joined, as `LayoutMap` keys) and the fix.
+
 **Which mesh.** The functions take `mesh=` explicitly or read the mesh of the surrounding
 context. The context mesh is the one set by `jax.set_mesh(mesh)` (as a context manager or a
 global setter), read through the public `jax.sharding.get_mesh()` (outside `jax.jit`) and
@@ -20,15 +31,21 @@ keeps working, but new code should use `jax.set_mesh`.
 """
 
 import enum
+import functools
+import json
 import warnings
-from collections.abc import Sequence
+import zlib
 from typing import Any
 
 import jax
 import numpy as np
 from jax.core import Tracer
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
+from jax.tree_util import tree_flatten_with_path, tree_map_with_path
 from jaxtyping import Array, ArrayLike, PyTree
+
+from ._paths import path_to_str
+from ._specs import check_spec
 
 __all__ = [
     "DataPartitionType",
@@ -62,173 +79,157 @@ class DataPartitionType(enum.Enum):
 # Finding the mesh
 
 
-_NO_MESH_HELP = (
-    "Pass one explicitly (`mesh=jax.sharding.Mesh(devices, axis_names)`) or set it for the "
-    "surrounding code with `jax.set_mesh(mesh)` (as a context manager, `with jax.set_mesh(mesh):`, "
-    "or once, globally)."
-)
-
-
-def _legacy_context_mesh() -> Mesh | None:
-    """The mesh of a legacy `with mesh:` block, while JAX still exposes it.
-
-    JAX deprecated `with mesh:` in favour of `jax.set_mesh` and offers no public reader for
-    it; `jax.interpreters.pxla.thread_resources` (itself deprecated) is the only place it is
-    recorded. Reading it is best effort: once JAX removes it, `with mesh:` is simply not seen.
-    """
+def _context_mesh(function: str | None = None) -> Any:
+    """The context mesh, concrete outside a trace and abstract inside one (an error naming
+    `function` when given); `None` when none is set. A deprecated `with mesh:` block has no
+    public reader: it is read, best effort, where JAX still records it."""
     try:
-        from jax.interpreters import pxla
-    except ImportError:
-        return None
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        resources = getattr(pxla, "thread_resources", None)
-    env = getattr(resources, "env", None)
-    mesh = getattr(env, "physical_mesh", None)
-    if isinstance(mesh, Mesh) and not mesh.empty:
-        return mesh
-    return None
+        mesh = jax.sharding.get_mesh()
+    except ValueError:  # `get_mesh` refuses to run under a trace
+        if function:
+            raise ValueError(f"`{function}` must be called outside `jax.jit`.") from None
+        mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            pxla = getattr(getattr(jax, "interpreters", None), "pxla", None)
+            env = getattr(getattr(pxla, "thread_resources", None), "env", None)
+        mesh = getattr(env, "physical_mesh", None)
+    return mesh if mesh is not None and not mesh.empty else None
 
 
-def _context_mesh() -> Mesh | None:
-    """The concrete mesh set by `jax.set_mesh` or `with mesh:`; only valid outside `jax.jit`."""
-    get_mesh = getattr(jax.sharding, "get_mesh", None)
-    if get_mesh is not None:
-        mesh = get_mesh()
-        if isinstance(mesh, Mesh) and not mesh.empty:
-            return mesh
-    return _legacy_context_mesh()
-
-
-def _context_abstract_mesh() -> jax.sharding.AbstractMesh | Mesh | None:
-    """Axis names and sizes of the context mesh; also valid inside `jax.jit`."""
-    get_abstract_mesh = getattr(jax.sharding, "get_abstract_mesh", None)
-    if get_abstract_mesh is not None:
-        mesh = get_abstract_mesh()
-        if not mesh.empty:
-            return mesh
-    return _legacy_context_mesh()
-
-
-def _resolve_mesh(mesh: object, function: str) -> Mesh:
-    if mesh is not None:
-        if not isinstance(mesh, Mesh):
-            raise TypeError(
-                f"`{function}`: `mesh` must be a concrete `jax.sharding.Mesh` (placement needs "
-                f"actual devices), got {type(mesh).__name__}: {mesh!r}."
-            )
-        return mesh
-    try:
-        found = _context_mesh()
-    except ValueError as error:  # `jax.sharding.get_mesh` refuses to run under a trace
-        raise ValueError(
-            f"`{function}` moves data between hosts and devices and must be called outside "
-            "`jax.jit` / `jax.grad` / `shard_map`."
-        ) from error
-    if found is None:
-        raise ValueError(f"`{function}`: no device mesh given and none is set. {_NO_MESH_HELP}")
-    return found
+def _resolve(mesh: Any, partition: object, function: str) -> tuple[Mesh, NamedSharding, int]:
+    """The mesh, the sharding `partition` means on it and this process's devices in it."""
+    if not isinstance(partition, DataPartitionType):
+        raise TypeError(f"`{function}`: `partition` must be a `DataPartitionType`: {partition!r}")
+    if mesh is not None and not isinstance(mesh, Mesh):
+        raise TypeError(f"`{function}`: `mesh` must be a concrete `jax.sharding.Mesh`: {mesh!r}")
+    if (mesh := _context_mesh(function) if mesh is None else mesh) is None:
+        raise ValueError(f"`{function}`: no device mesh; pass `mesh=` or use `jax.set_mesh(mesh)`.")
+    if not (local := sum(d.process_index == jax.process_index() for d in mesh.devices.flat)):
+        raise ValueError(f"`{function}`: the mesh has no device of process {jax.process_index()}.")
+    spec = PartitionSpec(*[tuple(mesh.axis_names)] * (partition is DataPartitionType.FULL))
+    return mesh, NamedSharding(mesh, spec), local
 
 
 # ---------------------------------------------------------------------------------------------
-# Host -> global
+# Host -> global (shared with `eqpar.distributions`)
 
 
-def _check_partition(partition: object, function: str) -> DataPartitionType:
-    if not isinstance(partition, DataPartitionType):
-        raise TypeError(
-            f"`{function}`: `partition` must be a `DataPartitionType` (`DataPartitionType.FULL` "
-            f"or `DataPartitionType.REPLICATED`), got {partition!r}."
-        )
-    return partition
+def _gather(mesh: Mesh, row: np.ndarray) -> dict[int, np.ndarray]:
+    """`row` (int32) of every process with devices in `mesh`, by process: one tiny collective
+    among those processes only (`multihost_utils.process_allgather` involves every process of
+    the job, and would hang where the mesh covers only some of them)."""
+    owners = [device.process_index for device in mesh.devices.flat]
+    local = np.tile(row, (owners.count(jax.process_index()), 1))
+    rows = jax.make_array_from_process_local_data(
+        NamedSharding(mesh, PartitionSpec(tuple(mesh.axis_names))), local, (mesh.size, row.size)
+    )
+    whole = jax.device_put(rows, NamedSharding(mesh, PartitionSpec()))
+    return dict(zip(owners, np.asarray(whole.addressable_data(0))))
 
 
-def _local_mesh_devices(mesh: Mesh, function: str) -> list[Any]:
-    process = jax.process_index()
-    local = [device for device in mesh.devices.flat if device.process_index == process]
-    if not local:
-        raise ValueError(
-            f"`{function}`: the mesh has no device of this process (process {process}); "
-            f"mesh devices: {[device.id for device in mesh.devices.flat]}, this process's "
-            f"devices: {[device.id for device in jax.local_devices()]}. Build the mesh from "
-            "`jax.devices()` so that every process contributes devices."
-        )
-    return local
+def _check_agreement(mesh: Mesh, described: dict[str, str], function: str) -> None:
+    """Raise unless every process of `mesh` described its leaves alike: a digest first, and
+    the descriptions themselves only when the digests differ, to name the leaf."""
+    text = json.dumps(described).encode()
+    digests = _gather(mesh, np.array([len(text), zlib.crc32(text) & 0x7FFFFFFF], np.int32))
+    if len({tuple(row) for row in digests.values()}) == 1:
+        return
+    padded = text.ljust(max(int(row[0]) for row in digests.values()))
+    gathered = _gather(mesh, np.frombuffer(padded, np.uint8).astype(np.int32))
+    tables = {p: json.loads(bytes(row.astype(np.uint8))) for p, row in gathered.items()}
+    differ = (k for t in tables.values() for k in t if len({u.get(k) for u in tables.values()}) > 1)
+    leaf = next(differ, "<order>")
+    seen = "; ".join(f"process {p}: {t.get(leaf, 'no such leaf')}" for p, t in tables.items())
+    raise ValueError(f"`{function}`: the processes disagree on leaf {leaf!r} ({seen}).")
 
 
-def _full_sharding(mesh: Mesh) -> NamedSharding:
-    return NamedSharding(mesh, PartitionSpec(tuple(mesh.axis_names)))
-
-
-def _replicated_sharding(mesh: Mesh) -> NamedSharding:
-    return NamedSharding(mesh, PartitionSpec())
-
-
-def _host_leaf_to_numpy(path: str, leaf: object) -> np.ndarray:
-    if isinstance(leaf, Tracer):
-        raise TypeError(
-            f"`host_to_global_device_array`: leaf {path} is a traced value; host batches are "
-            "placed outside `jax.jit`."
-        )
-    if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
-        raise TypeError(
-            f"`host_to_global_device_array`: leaf {path} is already a global array spanning "
-            f"several processes (shape {leaf.shape}); pass each process's local NumPy batch, "
-            "or use the global array as it is."
-        )
-    if not isinstance(leaf, np.ndarray | np.generic | jax.Array | bool | int | float | complex):
-        raise TypeError(
-            f"`host_to_global_device_array`: leaf {path} must be a NumPy array, a JAX array or "
-            f"a Python number, got {type(leaf).__name__}."
-        )
-    array = np.asarray(leaf)
-    if array.dtype.kind in "OUS" or array.dtype.names is not None:
-        raise TypeError(
-            f"`host_to_global_device_array`: leaf {path} has dtype {array.dtype}, which cannot "
-            "live on a device; convert it to a numeric dtype first."
-        )
-    return array
-
-
-def _place_full(path: str, array: np.ndarray, mesh: Mesh, local: Sequence[Any]) -> Array:
-    if array.ndim == 0:
-        raise ValueError(
-            f"`host_to_global_device_array`: leaf {path} is a scalar, but "
-            "`DataPartitionType.FULL` splits the leading (batch) axis. Give it a batch axis, or "
-            "place it with `DataPartitionType.REPLICATED`."
-        )
-    local_batch = array.shape[0]
-    if local_batch % len(local) != 0:
-        raise ValueError(
-            f"`host_to_global_device_array`: leaf {path} has a local batch of {local_batch} "
-            f"rows (shape {array.shape}), which does not divide over this process's "
-            f"{len(local)} devices of the mesh. Make the per-process batch a multiple of "
-            f"{len(local)} (rows are never dropped or padded)."
-        )
-    block = local_batch // len(local)
-    global_shape = (block * mesh.size, *array.shape[1:])
-    sharding = _full_sharding(mesh)
-    # A process's devices need not hold consecutive global rows (e.g. when processes
-    # interleave in the mesh); its own rows go, in order, to its devices sorted by the global
-    # block each holds, which `global_to_host_array` undoes with the same ordering.
-    index_map = sharding.addressable_devices_indices_map(global_shape)
-    devices = sorted(local, key=lambda device: _start(index_map[device], global_shape[0]))
-    blocks = [array[i * block : (i + 1) * block] for i in range(len(devices))]
-    buffers = jax.device_put(blocks, devices)
-    return jax.make_array_from_single_device_arrays(global_shape, sharding, buffers)
-
-
-def _place_replicated(array: np.ndarray, mesh: Mesh, local: Sequence[Any]) -> Array:
-    buffers = jax.device_put([array] * len(local), list(local))
-    return jax.make_array_from_single_device_arrays(
-        array.shape, _replicated_sharding(mesh), buffers
+def _fits(path: str, array: np.ndarray, function: str) -> str | None:
+    """Why the values of `array` do not fit the dtype JAX will place them as, if they do not."""
+    target = jax.dtypes.canonicalize_dtype(array.dtype)
+    if target == array.dtype or array.size == 0 or array.dtype.kind not in "iufc":
+        return None
+    values = np.stack([np.real(array), np.imag(array)]) if array.dtype.kind == "c" else array
+    finite = np.isfinite(values) if values.dtype.kind == "f" else True  # inf stays inf
+    low, high = values.min(where=finite, initial=0), values.max(where=finite, initial=0)
+    info = np.iinfo(target) if values.dtype.kind in "iu" else np.finfo(target)
+    if info.min <= low and high <= info.max:
+        return None
+    return (
+        f"`{function}`: leaf {path!r} holds {array.dtype} values outside [{info.min}, "
+        f"{info.max}], the range of {target}, which JAX uses while `jax_enable_x64` is off (they "
+        "would wrap or overflow); enable it (`jax.config.update('jax_enable_x64', True)`) or cast."
     )
 
 
-def _start(index: tuple[slice, ...] | None, size: int) -> int:
-    """Where a shard's block starts along the leading axis."""
-    assert index is not None, "addressable shards always have an index"
-    return index[0].indices(size)[0]
+def checked_local_leaves(
+    local_data: PyTree, mesh: Mesh, function: str, *, same_values: bool = False
+) -> tuple[list[str], list[Any], Any]:
+    """The leaves of a per-process batch, checked before a global array is built from them.
+
+    The one implementation behind `host_to_global_device_array` and
+    `eqpar.distributions.Distribution.distribute_input` (which then call
+    `jax.make_array_from_process_local_data`). JAX checks none of this itself: every leaf must
+    be array data (NumPy, a JAX array on this process's devices, or a Python number); its
+    values must fit the dtype JAX will place them as (a NumPy min/max over 64-bit leaves while
+    `jax_enable_x64` is off); and with several processes, every process of `mesh` must pass
+    the same leaves with the same shapes and dtypes (and, with `same_values`, the same values,
+    by CRC-32), checked by one tiny exchange of a digest among the mesh's processes, skipped
+    in a single process. Every process of `mesh` must therefore call it together.
+
+    **Arguments:**
+
+    - `local_data`: this process's pytree of arrays.
+    - `mesh`: the mesh the data goes to; its processes take part in the exchange.
+    - `function`: the public function to name in errors.
+    - `same_values`: also require equal values on every process (replicated data).
+
+    **Returns:** `(paths, leaves, treedef)`: the `/`-joined leaf paths, the leaves (NumPy
+    arrays, or the local JAX arrays as given) and the tree structure.
+
+    **Raises:** `TypeError` for a leaf that is not array data; `ValueError` for values that
+    do not fit their dtype, or processes that disagree, naming the leaf and the processes.
+
+    ```python
+    import jax, numpy as np
+    from jax.sharding import Mesh
+    from eqpar.placement import checked_local_leaves
+
+    mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
+    paths, leaves, _ = checked_local_leaves({"x": [np.ones(2), 3]}, mesh, "example")
+    assert paths == ["x/0", "x/1"] and leaves[1].dtype == np.int64
+    try:
+        checked_local_leaves(np.array([2**40]), mesh, "example")
+    except ValueError as error:
+        assert "jax_enable_x64" in str(error)
+    ```
+    """
+    flat, treedef = tree_flatten_with_path(local_data)
+    paths = [path_to_str(key_path) or "<root>" for key_path, _ in flat]
+    leaves, described, problems = [], {}, []
+    for path, (_, leaf) in zip(paths, flat):
+        local_jax = isinstance(leaf, jax.Array) and leaf.is_fully_addressable
+        host = isinstance(leaf, np.ndarray | np.generic | int | float | complex)
+        if isinstance(leaf, Tracer) or not (local_jax or host):
+            raise TypeError(
+                f"`{function}`: leaf {path!r} must be a NumPy array or a local `jax.Array` "
+                f"(outside `jax.jit`), not {type(leaf).__name__}."
+            )
+        array: Any = leaf if local_jax else np.asarray(leaf)
+        leaves.append(array)
+        if array.dtype.kind in "OUS" or array.dtype.names is not None:
+            raise TypeError(f"`{function}`: leaf {path!r} has dtype {array.dtype}, not a number.")
+        problems.append(None if local_jax else _fits(path, array, function))
+        out_of_range = " (values out of range)" if problems[-1] else ""
+        described[path] = f"shape {array.shape} {array.dtype}{out_of_range}"
+        if same_values and jax.process_count() > 1:
+            described[path] += f", CRC-32 {zlib.crc32(np.ascontiguousarray(array).tobytes())}"
+    if jax.process_count() > 1:
+        _check_agreement(mesh, described, function)
+    if problem := next((p for p in problems if p), None):
+        raise ValueError(problem)
+    return paths, leaves, treedef
 
 
 def host_to_global_device_array(
@@ -239,8 +240,11 @@ def host_to_global_device_array(
 ) -> PyTree[Array]:
     """Build global `jax.Array`s from each process's local batch.
 
-    Every process calls this with its own local batch (a pytree of NumPy arrays of the same
-    structure, shapes and dtypes on every process).
+    Every process calls this with its own local batch, a pytree of NumPy arrays of the same
+    structure, shapes and dtypes on every process. That is checked: with several processes
+    they first exchange a digest of every leaf's shape and dtype, and a difference is a
+    `ValueError` naming the leaf and the processes (one tiny collective per call). The arrays
+    themselves are built by `jax.make_array_from_process_local_data`.
 
     - With `DataPartitionType.FULL` the leading axis of every leaf is split over all mesh axes
       (the sharding is `PartitionSpec(mesh.axis_names)`, one distinct block of rows per device).
@@ -249,10 +253,13 @@ def host_to_global_device_array(
       devices in the mesh). Each process's rows land, in order, on its own devices, so no data
       crosses processes.
     - With `DataPartitionType.REPLICATED` every device holds the whole array; every process
-      must pass identical data (this is not checked, as checking would need communication).
+      must pass identical data (checked, with several processes, through a CRC-32 of each
+      leaf's bytes).
 
     Dtypes follow JAX's usual canonicalization (e.g. `float64` becomes `float32` unless
-    `jax_enable_x64` is on).
+    `jax_enable_x64` is on); values that would not survive it (`int64` values beyond the
+    `int32` range, `float64` values beyond `float32`'s finite range) are a `ValueError`
+    rather than a silent wrap. The check is a NumPy min/max over such leaves.
 
     **Arguments:**
 
@@ -266,8 +273,9 @@ def host_to_global_device_array(
     `mesh`.
 
     **Raises:** `ValueError` when no mesh is available, when a `FULL` leaf is a scalar or its
-    local batch does not divide over this process's devices in the mesh (the message names the
-    leaf path); `TypeError` for a leaf that is not array data.
+    local batch does not divide over this process's devices in the mesh, when values do not fit
+    their dtype, or when processes disagree (the message names the leaf path); `TypeError` for
+    a leaf that is not array data.
 
     ```python
     import jax
@@ -287,71 +295,21 @@ def host_to_global_device_array(
     ```
     """
     function = "host_to_global_device_array"
-    partition = _check_partition(partition, function)
-    mesh = _resolve_mesh(mesh, function)
-    local = _local_mesh_devices(mesh, function)
-
-    def place(key_path: tuple, leaf: object) -> Array:
-        path = jax.tree_util.keystr(key_path) or "<root>"
-        array = _host_leaf_to_numpy(path, leaf)
-        if partition is DataPartitionType.FULL:
-            return _place_full(path, array, mesh, local)
-        return _place_replicated(array, mesh, local)
-
-    return jax.tree_util.tree_map_with_path(place, host_arrays)
+    mesh, sharding, local = _resolve(mesh, partition, function)
+    full = partition is DataPartitionType.FULL
+    paths, leaves, treedef = checked_local_leaves(host_arrays, mesh, function, same_values=not full)
+    for path, leaf in zip(paths, leaves):
+        rows = "is a scalar" if leaf.ndim == 0 else f"has a local batch of {leaf.shape[0]} rows"
+        if full and (leaf.ndim == 0 or leaf.shape[0] % local):
+            raise ValueError(
+                f"`{function}`: leaf {path!r} {rows} (shape {leaf.shape}), which does not divide "
+                f"over this process's {local} devices of the mesh (use REPLICATED for scalars)."
+            )
+    return jax.make_array_from_process_local_data(sharding, treedef.unflatten(leaves))
 
 
 # ---------------------------------------------------------------------------------------------
 # Global -> host
-
-
-def _identity(tree: PyTree) -> PyTree:
-    return tree
-
-
-def _check_global_leaf(
-    path: str, leaf: object, partition: DataPartitionType, mesh: Mesh
-) -> jax.Array:
-    function = "global_to_host_array"
-    if isinstance(leaf, Tracer):
-        raise TypeError(
-            f"`{function}`: leaf {path} is a traced value; copying to the host happens outside "
-            "`jax.jit`."
-        )
-    if not isinstance(leaf, jax.Array):
-        raise TypeError(
-            f"`{function}`: leaf {path} must be a `jax.Array` (as `host_to_global_device_array` "
-            f"returns), got {type(leaf).__name__}."
-        )
-    if leaf.sharding.device_set != set(mesh.devices.flat):
-        raise ValueError(
-            f"`{function}`: leaf {path} lives on devices "
-            f"{sorted(device.id for device in leaf.sharding.device_set)}, not on the mesh's "
-            f"devices {sorted(device.id for device in mesh.devices.flat)}. Pass the mesh it "
-            "was placed on as `mesh=`."
-        )
-    if partition is DataPartitionType.FULL:
-        if leaf.ndim == 0:
-            raise ValueError(
-                f"`{function}`: leaf {path} is a scalar, but `DataPartitionType.FULL` splits "
-                "the leading (batch) axis; use `DataPartitionType.REPLICATED` for it."
-            )
-        if leaf.shape[0] % mesh.size != 0:
-            raise ValueError(
-                f"`{function}`: leaf {path} has a global batch of {leaf.shape[0]} rows (shape "
-                f"{leaf.shape}), which does not divide over the mesh's {mesh.size} devices, so "
-                "it cannot be split into per-process rows with `DataPartitionType.FULL`."
-            )
-    return leaf
-
-
-def _local_rows(array: jax.Array) -> np.ndarray:
-    """This process's rows of a batch-sharded array, each distinct block once, in order."""
-    size = array.shape[0]
-    blocks: dict[int, jax.Array] = {}
-    for shard in array.addressable_shards:
-        blocks.setdefault(_start(shard.index, size), shard.data)
-    return np.concatenate([np.asarray(blocks[start]) for start in sorted(blocks)], axis=0)
 
 
 def global_to_host_array(
@@ -369,8 +327,9 @@ def global_to_host_array(
 
     Arrays whose sharding differs from the one `partition` implies (for example a model
     output replicated over the mesh, or sharded over one axis only) are first resharded to it
-    on the devices, so every process must make this call together, as with any operation on
-    global arrays. Blocks that several local devices hold are copied to the host once.
+    on the devices by one `jax.jit` with `out_shardings`, so every process must make this call
+    together, as with any operation on global arrays. Blocks that several local devices hold
+    are copied to the host once.
 
     **Arguments:**
 
@@ -406,77 +365,37 @@ def global_to_host_array(
     ```
     """
     function = "global_to_host_array"
-    partition = _check_partition(partition, function)
-    mesh = _resolve_mesh(mesh, function)
-    _local_mesh_devices(mesh, function)
-    if partition is DataPartitionType.FULL:
-        target = _full_sharding(mesh)
-    else:
-        target = _replicated_sharding(mesh)
+    mesh, target, _ = _resolve(mesh, partition, function)
+    full = partition is DataPartitionType.FULL
+    flat, treedef = tree_flatten_with_path(global_arrays)
+    mesh_devices = sorted(d.id for d in mesh.devices.flat)
+    for key_path, leaf in flat:
+        path = path_to_str(key_path) or "<root>"
+        if isinstance(leaf, Tracer) or not isinstance(leaf, jax.Array):
+            raise TypeError(f"`{function}`: leaf {path!r} must be a `jax.Array` (untraced).")
+        if (devices := sorted(d.id for d in leaf.sharding.device_set)) != mesh_devices:
+            raise ValueError(
+                f"`{function}`: leaf {path!r} lives on devices {devices}, not the mesh."
+            )
+        rows = "is a scalar" if leaf.ndim == 0 else f"has a global batch of {leaf.shape[0]} rows"
+        if full and (leaf.ndim == 0 or leaf.shape[0] % mesh.size):
+            raise ValueError(
+                f"`{function}`: leaf {path!r} {rows} (shape {leaf.shape}), which the mesh's "
+                f"{mesh.size} devices cannot split; use `DataPartitionType.REPLICATED` for it."
+            )
+    leaves = jax.device_put([leaf for _, leaf in flat], target)  # reshards what differs
 
-    paths_and_leaves, treedef = jax.tree_util.tree_flatten_with_path(global_arrays)
-    leaves = [
-        _check_global_leaf(jax.tree_util.keystr(key_path) or "<root>", leaf, partition, mesh)
-        for key_path, leaf in paths_and_leaves
-    ]
-    # All leaves that need another layout move in one compiled program: it involves every
-    # process, and one collective program is cheaper than one per leaf.
-    to_move = [
-        i for i, leaf in enumerate(leaves) if not leaf.sharding.is_equivalent_to(target, leaf.ndim)
-    ]
-    if to_move:
-        moved = jax.jit(_identity, out_shardings=[target] * len(to_move))(
-            [leaves[i] for i in to_move]
-        )
-        for i, leaf in zip(to_move, moved):
-            leaves[i] = leaf
+    def host(a: jax.Array) -> np.ndarray:  # FULL: every device holds a distinct block of rows
+        if not full:
+            return np.asarray(a.addressable_data(0))
+        shards = sorted(a.addressable_shards, key=lambda shard: shard.index[0].start or 0)
+        return np.concatenate([np.asarray(shard.data) for shard in shards])
 
-    if partition is DataPartitionType.FULL:
-        host = [_local_rows(leaf) for leaf in leaves]
-    else:
-        host = [np.array(leaf.addressable_shards[0].data) for leaf in leaves]
-    return jax.tree_util.tree_unflatten(treedef, host)
+    return treedef.unflatten([host(leaf) for leaf in leaves])
 
 
 # ---------------------------------------------------------------------------------------------
 # with_sharding_constraint
-
-
-def _is_sharding_leaf(node: object) -> bool:
-    return node is None or isinstance(node, PartitionSpec | Sharding)
-
-
-def _spec_axis_names(spec: PartitionSpec) -> list[object]:
-    names: list[object] = []
-    for entry in spec:
-        if entry is None or entry is PartitionSpec.UNCONSTRAINED:
-            continue
-        names.extend(entry if isinstance(entry, tuple) else (entry,))
-    return names
-
-
-def _check_spec(path: str, spec: PartitionSpec, axis_names: Sequence[object], leaf: object) -> None:
-    function = "with_sharding_constraint"
-    names = _spec_axis_names(spec)
-    unknown = [name for name in names if name not in axis_names]
-    if unknown:
-        raise ValueError(
-            f"`{function}`: the sharding at {path} is {spec}, which names "
-            f"{', '.join(repr(name) for name in unknown)}, but the mesh only has the axes "
-            f"{tuple(axis_names)}. Use the mesh's axis names (or fix the mesh)."
-        )
-    repeated = sorted({repr(name) for name in names if names.count(name) > 1})
-    if repeated:
-        raise ValueError(
-            f"`{function}`: the sharding at {path} is {spec}, which uses the mesh axes "
-            f"{', '.join(repeated)} more than once; each mesh axis can shard one dimension."
-        )
-    ndim = np.ndim(leaf)  # type: ignore[arg-type]
-    if len(spec) > ndim:
-        raise ValueError(
-            f"`{function}`: the sharding at {path} is {spec}, with {len(spec)} entries, but the "
-            f"array there has only {ndim} dimensions (shape {np.shape(leaf)})."  # type: ignore[arg-type]
-        )
 
 
 def with_sharding_constraint(x: PyTree[ArrayLike], shardings: PyTree) -> PyTree[ArrayLike]:
@@ -484,10 +403,11 @@ def with_sharding_constraint(x: PyTree[ArrayLike], shardings: PyTree) -> PyTree[
 
     On a mesh of more than one device this is `jax.lax.with_sharding_constraint(x,
     shardings)`. On a one-device mesh it returns `x` unchanged, so the same model code runs
-    on a laptop without a mesh of many devices. The shardings are checked in both cases:
-    an axis name the mesh does not have, an axis used twice, or more spec entries than the
-    array has dimensions is a `ValueError` even on one device, so code that runs on one
-    device does not fail only once it meets a bigger mesh.
+    on a laptop without a mesh of many devices. The shardings are checked in both cases, by
+    JAX's own `NamedSharding` and `Sharding.check_compatible_aval`: an axis name the mesh does
+    not have, an axis used twice, or more spec entries than the array has dimensions is a
+    `ValueError` naming the leaf even on one device, so code that runs on one device does not
+    fail only once it meets a bigger mesh.
 
     **Arguments:**
 
@@ -528,70 +448,52 @@ def with_sharding_constraint(x: PyTree[ArrayLike], shardings: PyTree) -> PyTree[
     ```
     """
     function = "with_sharding_constraint"
-    context: list[jax.sharding.AbstractMesh | Mesh | None] = []
-
-    def context_mesh(path: str) -> jax.sharding.AbstractMesh | Mesh:
-        if not context:
-            try:
-                # Outside a trace the concrete mesh turns a bare spec into a `NamedSharding`,
-                # which `lax.with_sharding_constraint` needs for concrete arrays.
-                context.append(_context_mesh() or _context_abstract_mesh())
-            except ValueError:  # inside a trace only the abstract mesh can be read
-                context.append(_context_abstract_mesh())
-        mesh = context[0]
-        if mesh is None:
-            raise ValueError(
-                f"`{function}`: the sharding at {path} is a bare `PartitionSpec`, which needs a "
-                "mesh, and none is set. Set one with `jax.set_mesh(mesh)` around the call (or "
-                "the `jax.jit` call that traces it), or pass `NamedSharding(mesh, spec)`."
-            )
-        return mesh
-
-    def constrain(key_path: tuple, sharding: object, subtree: PyTree) -> PyTree:
-        path = jax.tree_util.keystr(key_path) or "<root>"
-        if sharding is None:
-            return subtree
-        if isinstance(sharding, PartitionSpec):
-            mesh = context_mesh(path)
-            axis_names, size = mesh.axis_names, mesh.size
-            spec: PartitionSpec | None = sharding
-            concrete = mesh if isinstance(mesh, Mesh) else None
-        elif isinstance(sharding, NamedSharding):
-            axis_names, size = sharding.mesh.axis_names, sharding.mesh.size
-            spec, concrete = sharding.spec, None
-        elif isinstance(sharding, Sharding):
-            axis_names, size, spec, concrete = (), len(sharding.device_set), None, None
-        else:
-            raise TypeError(
-                f"`{function}`: `shardings` at {path} must be a `PartitionSpec`, a "
-                f"`jax.sharding.Sharding` or None, got {type(sharding).__name__}: {sharding!r}."
-            )
-
-        def apply(leaf_path: tuple, leaf: ArrayLike) -> ArrayLike:
-            if spec is not None:
-                leaf_path_str = jax.tree_util.keystr(key_path + leaf_path) or "<root>"
-                _check_spec(leaf_path_str, spec, axis_names, leaf)
-            if size <= 1:
-                return leaf
-            if concrete is not None and spec is not None:
-                return jax.lax.with_sharding_constraint(leaf, NamedSharding(concrete, spec))
-            return jax.lax.with_sharding_constraint(leaf, sharding)
-
-        return jax.tree_util.tree_map_with_path(apply, subtree)
-
-    paths_and_shardings, treedef = jax.tree_util.tree_flatten_with_path(
-        shardings, is_leaf=_is_sharding_leaf
-    )
+    is_sharding = lambda node: node is None or isinstance(node, PartitionSpec | Sharding)
+    flat, treedef = tree_flatten_with_path(shardings, is_leaf=is_sharding)
     try:
         subtrees = treedef.flatten_up_to(x)
     except ValueError as error:
         raise ValueError(
-            f"`{function}`: `shardings` must be one sharding or a pytree whose structure is a "
-            f"prefix of the structure of `x`; `shardings` has structure {treedef} and `x` has "
-            f"structure {jax.tree_util.tree_structure(x)} ({error})."
-        ) from error
-    constrained = [
-        constrain(key_path, sharding, subtree)
-        for (key_path, sharding), subtree in zip(paths_and_shardings, subtrees)
-    ]
-    return jax.tree_util.tree_unflatten(treedef, constrained)
+            f"`{function}`: `shardings` must be a prefix of the structure of `x` ({error})."
+        ) from None
+
+    def constrain(prefix: tuple, sharding: Any, path: tuple, leaf: ArrayLike) -> ArrayLike:
+        where = path_to_str(prefix + path) or "<root>"
+        if not is_sharding(sharding):
+            raise TypeError(
+                f"`{function}`: `shardings` at {where!r} must be a `PartitionSpec`, a `Sharding` "
+                f"or None, not {sharding!r}."
+            )
+        mesh = _context_mesh() if isinstance(sharding, PartitionSpec) else None
+        if isinstance(sharding, PartitionSpec) and mesh is None:
+            raise ValueError(
+                f"`{function}`: the sharding at {where!r} is a bare `PartitionSpec`, which needs "
+                "a mesh: `jax.set_mesh(mesh)`, or pass `NamedSharding(mesh, spec)`."
+            )
+        spec_mesh = mesh if mesh is not None else getattr(sharding, "mesh", None)
+        spec = sharding if mesh is not None else getattr(sharding, "spec", None)
+        if isinstance(spec, PartitionSpec) and spec_mesh is not None:
+            # The one spec checker, as for partition_specs and shard_map.
+            check_spec(
+                "" if where == "<root>" else where,
+                spec,
+                np.shape(leaf),
+                dict(spec_mesh.shape),
+                source=f"{function}: shardings",
+            )
+        try:  # what the spec checker does not cover (other kinds of sharding): JAX's checks
+            named: Any = sharding if mesh is None else NamedSharding(mesh, sharding)
+            named.check_compatible_aval(np.shape(leaf))
+        except Exception as error:
+            axes = getattr(mesh or getattr(sharding, "mesh", None), "axis_names", None)
+            raise ValueError(
+                f"`{function}`: the sharding at {where!r} is {sharding}; the mesh only has the "
+                f"axes {axes}: {error}"
+            ) from None
+        return leaf if named.num_devices <= 1 else jax.lax.with_sharding_constraint(leaf, named)
+
+    constrained = []
+    for (prefix, sharding), subtree in zip(flat, subtrees):
+        apply = functools.partial(constrain, prefix, sharding)
+        constrained.append(subtree if sharding is None else tree_map_with_path(apply, subtree))
+    return treedef.unflatten(constrained)

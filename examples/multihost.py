@@ -140,9 +140,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     # The training options and their defaults are train_lm.py's (fewer steps).
     defaults = train_lm.RunConfig
     parser.add_argument("--schedule", choices=lm.SCHEDULES, default=defaults.schedule)
-    parser.add_argument("--microbatches", type=int, default=defaults.microbatches)
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--batch-size", type=int, default=defaults.batch_size)
+    positive = train_lm.positive_int
+    parser.add_argument("--microbatches", type=positive, default=defaults.microbatches)
+    parser.add_argument("--steps", type=positive, default=20)
+    parser.add_argument("--batch-size", type=positive, default=defaults.batch_size)
     parser.add_argument("--lr", type=float, default=defaults.lr)
     parser.add_argument("--optimizer", choices=("adam", "sgd"), default=defaults.optimizer)
     parser.add_argument("--seed", type=int, default=defaults.seed)

@@ -369,18 +369,30 @@ def largest_differences(a: lm.LM, b: lm.LM) -> float:
     )
 
 
-def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+def positive_int(text: str) -> int:
+    """An argparse `type` for counts that must be at least 1 (argparse names the flag)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of `main`."""
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--mesh", default=None, help="axis sizes, e.g. data=2,pipe=2,model=2")
     parser.add_argument("--schedule", choices=lm.SCHEDULES, default="gpipe")
-    parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--microbatches", type=positive_int, default=4)
     parser.add_argument("--repeats", type=int, default=2, help="stages per device (circular)")
     parser.add_argument("--fsdp", action="store_true", help="also shard parameters over data")
     parser.add_argument("--remat", action="store_true", help="recompute stage activations")
-    parser.add_argument("--steps", type=int, default=120)
-    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--steps", type=positive_int, default=120)
+    parser.add_argument("--batch-size", type=positive_int, default=16)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
     parser.add_argument("--seed", type=int, default=0)
@@ -393,6 +405,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--save-every", type=int, default=20, help="checkpoint every N steps")
     parser.add_argument("--keep", type=int, default=3, help="checkpoints to keep")
     parser.add_argument("--resume", action="store_true", help="continue from the latest")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.resume and args.ckpt_dir is None:
         parser.error("--resume needs --ckpt-dir")

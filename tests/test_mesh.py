@@ -147,6 +147,8 @@ def test_resolution_arguments_win_over_environment():
 def test_resolution_job_address_list_uses_first_and_ipv6():
     config = resolve_distributed_config("10.0.0.1:1234,10.0.0.2:1234", environ={})
     assert config.coordinator_address == "10.0.0.1:1234"
+    assert config.num_processes == 2  # one address per process, as Keras' job_addresses
+    assert resolve_distributed_config("10.0.0.1:1234,10.0.0.2:1234", 2, environ={}) == config
     assert resolve_distributed_config("[::1]:80", environ={}).coordinator_bind_address == "[::1]:80"
 
 
@@ -169,6 +171,16 @@ def test_resolution_nothing_given_leaves_detection_to_jax():
         ({"coordinator_address": "10.0.0.1"}, {}, "coordinator_address .* 'host:port'.*'10.0.0.1'"),
         ({}, {"EQPAR_COORDINATOR_ADDRESS": "host:"}, r"from \$EQPAR_COORDINATOR_ADDRESS"),
         ({"coordinator_bind_address": "nope"}, {}, "coordinator_bind_address .* got 'nope'"),
+        (
+            {"coordinator_address": "10.0.0.1:1,10.0.0.2:1,10.0.0.3:1", "num_processes": 2},
+            {},
+            r"lists 3 addresses, one per process .* but num_processes=2 \(from argument\)",
+        ),
+        (
+            {"coordinator_address": "10.0.0.1:1,10.0.0.2:1"},
+            {"EQPAR_NUM_PROCESSES": "4"},
+            r"lists 2 addresses.*num_processes=4 \(from \$EQPAR_NUM_PROCESSES\)",
+        ),
         ({}, {"EQPAR_LOCAL_DEVICE_IDS": "0,a"}, "local_device_ids must be an integer"),
     ],
 )

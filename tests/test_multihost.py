@@ -13,10 +13,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from multiprocess_util import process_context, run_processes
 
 pytestmark = pytest.mark.multiprocess
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+REPO_ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = REPO_ROOT / "examples"
 LAUNCHER = EXAMPLES / "launch_multihost.py"
 # The smallest run that still splits over every axis of data=2,pipe=2,model=2.
 MULTIHOST_ARGS = ["--smallest", "--batch-size", "8", "--microbatches", "2", "--mesh"]
@@ -198,3 +200,44 @@ def test_process_rows_become_one_global_batch(examples):
     tokens = multihost.place_process_rows(batches, 5, mesh)
     assert tokens.sharding.spec == P(("data", "pipe", "model"))
     np.testing.assert_array_equal(np.asarray(tokens), batches.batch(5))
+
+
+def _child_initialize_alone():
+    """One process of a job of 2 calls `eqpar.initialize`; the other never starts."""
+    process_id, num_processes, coordinator = process_context()
+    import jax
+
+    jax.config.update("jax_platforms", "cpu")
+    import eqpar
+
+    try:
+        eqpar.initialize(coordinator, num_processes, process_id, initialization_timeout=2)
+    except TimeoutError as error:
+        print(f"TimeoutError: {error}")
+        sys.exit(3)
+    print("initialized without its peer")
+
+
+@pytest.mark.parametrize("started", [0, 1], ids=["coordinator-alone", "peer-alone"])
+def test_a_process_that_never_starts_is_a_python_error_in_bounded_time(started):
+    # JAX alone would SIGABRT with "another task died"; eqpar raises a TimeoutError that names
+    # what is missing, within the 2 s initialization_timeout (plus start-up).
+    (result,) = run_processes(
+        _child_initialize_alone, 2, start=[started], timeout=60, check=False, cwd=REPO_ROOT
+    )
+    assert result.killed_because is None, result.describe()
+    assert result.returncode == 3, f"{result.describe()}\n{result.stdout}\n{result.stderr}"
+    if started == 0:
+        assert "process(es) [1] never connected" in result.stdout
+    else:
+        assert "could not reach the coordinator (process 0) at 127.0.0.1:" in result.stdout
+    assert "initialization_timeout" in result.stdout
+    assert result.seconds < 30
+
+
+def test_multihost_flags_refuse_counts_below_one(examples, capsys):
+    _, _, multihost, _ = examples
+    for flag in ("--microbatches", "--batch-size", "--steps"):
+        with pytest.raises(SystemExit):
+            multihost.parse_args([flag, "0"])
+        assert f"argument {flag}: must be a positive integer, got '0'" in capsys.readouterr().err

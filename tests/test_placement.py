@@ -235,20 +235,20 @@ def test_placing_inside_jit_is_refused():
 
 def test_local_batch_that_does_not_divide_names_the_leaf():
     batch = {"inputs": (np.zeros((8, 3)), np.zeros((6, 3)))}
-    message = re.escape("leaf ['inputs'][1] has a local batch of 6 rows (shape (6, 3))")
+    message = re.escape("leaf 'inputs/1' has a local batch of 6 rows (shape (6, 3))")
     with pytest.raises(ValueError, match=message + r".*8 devices of the mesh"):
         host_to_global_device_array(batch, mesh=mesh_2x4())
 
 
 def test_full_scalar_leaf_names_the_leaf():
-    with pytest.raises(ValueError, match=re.escape("leaf ['step'] is a scalar")):
+    with pytest.raises(ValueError, match=re.escape("leaf 'step' is a scalar")):
         host_to_global_device_array({"step": np.int32(3)}, mesh=mesh_2x4())
 
 
 def test_non_numeric_leaf_is_a_type_error():
-    with pytest.raises(TypeError, match=re.escape("leaf ['name'] has dtype <U")):
+    with pytest.raises(TypeError, match=re.escape("leaf 'name' has dtype <U")):
         host_to_global_device_array({"name": np.array(["a"] * 8)}, REPLICATED, mesh=mesh_2x4())
-    with pytest.raises(TypeError, match=re.escape("leaf ['name'] must be a NumPy array")):
+    with pytest.raises(TypeError, match=re.escape("leaf 'name' must be a NumPy array")):
         host_to_global_device_array({"name": "tokens"}, REPLICATED, mesh=mesh_2x4())
 
 
@@ -263,14 +263,14 @@ def test_partition_must_be_the_enum():
 
 
 def test_global_to_host_rejects_host_arrays():
-    with pytest.raises(TypeError, match=re.escape("leaf ['x'] must be a `jax.Array`")):
+    with pytest.raises(TypeError, match=re.escape("leaf 'x' must be a `jax.Array`")):
         global_to_host_array({"x": np.zeros(8)}, mesh=mesh_2x4())
 
 
 def test_global_to_host_rejects_arrays_on_other_devices():
     on_four = Mesh(np.array(jax.devices()[:4]), ("data",))
     x = host_to_global_device_array(np.zeros((8, 2), np.float32), mesh=on_four)
-    with pytest.raises(ValueError, match=r"leaf <root> lives on devices \[0, 1, 2, 3\]"):
+    with pytest.raises(ValueError, match=r"leaf '<root>' lives on devices \[0, 1, 2, 3\]"):
         global_to_host_array(x, mesh=mesh_2x4())
 
 
@@ -279,7 +279,7 @@ def test_global_to_host_full_needs_a_batch_that_divides_over_the_mesh():
     x = jax.device_put(np.zeros((6, 2), np.float32), NamedSharding(mesh, P()))
     with pytest.raises(ValueError, match=r"global batch of 6 rows .* mesh's 8 devices"):
         global_to_host_array({"x": x}, mesh=mesh)
-    with pytest.raises(ValueError, match=re.escape("leaf ['s'] is a scalar")):
+    with pytest.raises(ValueError, match=re.escape("leaf 's' is a scalar")):
         global_to_host_array({"s": jax.device_put(1.0, NamedSharding(mesh, P()))}, mesh=mesh)
 
 
@@ -373,22 +373,22 @@ def test_unknown_axis_is_an_error_even_on_one_device(mesh_factory):
     with jax.set_mesh(mesh_factory()), pytest.raises(ValueError) as info:
         jax.jit(lambda t: with_sharding_constraint(t, {"h": P("batch")}))(x)
     message = str(info.value)
-    assert "['h']" in message and "'batch'" in message and "only has the axes" in message
+    assert "'h'" in message and "'batch'" in message and "the mesh does not have" in message
 
 
 def test_a_single_spec_for_a_whole_tree_names_the_leaf_at_fault():
     tree = {"a": jnp.ones((8, 4)), "b": jnp.ones(4)}
-    with jax.set_mesh(mesh_2x4()), pytest.raises(ValueError, match=re.escape("at ['b'] is")):
+    with jax.set_mesh(mesh_2x4()), pytest.raises(ValueError, match=re.escape("for leaf 'b' of")):
         with_sharding_constraint(tree, P("data", "model"))
-    with jax.set_mesh(mesh_2x4()), pytest.raises(ValueError, match=re.escape("at <root> is")):
+    with jax.set_mesh(mesh_2x4()), pytest.raises(ValueError, match=re.escape("for the array of")):
         with_sharding_constraint(jnp.ones(4), P("data", "model"))
 
 
 def test_repeated_axis_and_too_long_spec_are_errors():
     with jax.set_mesh(one_device_mesh()):
-        with pytest.raises(ValueError, match=r"uses the mesh axes 'data' more than once"):
+        with pytest.raises(ValueError, match=r"P\('data', 'data'\).*axes 'data' more than once"):
             with_sharding_constraint(jnp.ones((2, 2)), P("data", "data"))
-        with pytest.raises(ValueError, match=r"with 2 entries, but the array there has only 1"):
+        with pytest.raises(ValueError, match=r"2 entries but only 1 dimensions"):
             with_sharding_constraint(jnp.ones(2), P("data", None))
 
 
@@ -403,5 +403,5 @@ def test_shardings_not_a_prefix_of_x_is_an_error():
 
 
 def test_non_sharding_leaf_is_a_type_error():
-    with pytest.raises(TypeError, match=r"`shardings` at \['a'\] must be a `PartitionSpec`"):
+    with pytest.raises(TypeError, match=r"`shardings` at 'a' must be a `PartitionSpec`"):
         with_sharding_constraint({"a": jnp.ones(8)}, {"a": "data"})

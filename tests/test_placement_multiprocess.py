@@ -132,20 +132,77 @@ def _child_placement():
     )
 
     # a local batch that does not divide over this process's 4 devices is refused
-    try:
-        placement.host_to_global_device_array({"odd": np.zeros((6, 2))}, mesh=mesh)
-    except ValueError as error:
-        assert "leaf ['odd'] has a local batch of 6 rows" in str(error), error
-    else:
-        raise AssertionError("a local batch of 6 rows over 4 devices was accepted")
+    _expect_value_error(
+        lambda: placement.host_to_global_device_array({"odd": np.zeros((6, 2))}, mesh=mesh),
+        "leaf 'odd' has a local batch of 6 rows",
+    )
 
     print(f"process {process_id}: placement checks passed")
+    _check_processes_must_agree(placement, mesh, process_id)
+    print(f"process {process_id}: agreement checks passed")
+
+
+def _expect_value_error(call, *fragments: str) -> None:
+    try:
+        call()
+    except ValueError as error:
+        assert all(fragment in str(error) for fragment in fragments), (fragments, error)
+    else:
+        raise AssertionError(f"no ValueError with {fragments}")
+
+
+def _check_processes_must_agree(placement, mesh, process_id: int) -> None:
+    """Data that differs between processes is an error on every process, naming the leaf and
+    what each process passed, never a global array that differs between processes."""
+    import eqpar
+
+    place = placement.host_to_global_device_array
+    replicated = placement.DataPartitionType.REPLICATED
+    rows = 8 if process_id == 0 else 4
+    _expect_value_error(
+        lambda: place({"ok": np.zeros((8, 1)), "x": [np.zeros((rows, 3), np.float32)]}, mesh=mesh),
+        "disagree on leaf 'x/0'",
+        "process 0: shape (8, 3) float32",
+        "process 1: shape (4, 3) float32",
+    )
+    dtype = np.float32 if process_id == 0 else np.int32
+    _expect_value_error(
+        lambda: place({"x": np.zeros((8, 3), dtype)}, mesh=mesh),
+        "disagree on leaf 'x'",
+        "process 0: shape (8, 3) float32",
+        "process 1: shape (8, 3) int32",
+    )
+    _expect_value_error(
+        lambda: place({"table": np.full(3, process_id, np.float32)}, replicated, mesh=mesh),
+        "disagree on leaf 'table'",
+        "CRC-32",
+    )
+    # int64 values beyond int32 (jax_enable_x64 is off): on one process only, or on both
+    big = np.arange(8, dtype=np.int64) + (2**40 if process_id == 1 else 0)
+    _expect_value_error(
+        lambda: place({"ids": big}, mesh=mesh), "disagree on leaf 'ids'", "values out of range"
+    )
+    _expect_value_error(
+        lambda: place({"ids": np.arange(8, dtype=np.int64) + 2**40}, mesh=mesh),
+        "leaf 'ids' holds int64 values",
+        "jax_enable_x64",
+    )
+    # Distribution input placement shares the implementation, checks included
+    data_parallel = eqpar.DataParallel(devices=list(mesh.devices.flat))
+    _expect_value_error(
+        lambda: data_parallel.distribute_input({"x": np.zeros((rows, 2), np.float32)}),
+        "distribute_input",
+        "disagree on leaf 'x'",
+    )
+    x = data_parallel.distribute_input({"x": np.full((4, 2), process_id, np.float32)})["x"]
+    assert x.shape == (8, 2) and float(x.sum()) == 8.0
 
 
 def test_two_processes_place_reduce_and_round_trip():
     results = run_processes(_child_placement, 2, timeout=TIMEOUT, cwd=REPO_ROOT)
     for result in results:
         assert f"process {result.process_id}: placement checks passed" in result.stdout
+        assert f"process {result.process_id}: agreement checks passed" in result.stdout
 
 
 def _child_without_its_peer():

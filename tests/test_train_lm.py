@@ -117,6 +117,17 @@ def test_cli_errors_name_the_problem(capsys):
         train_lm.check_sizes(TINY, run_config("data=8", microbatches=2))
 
 
+@pytest.mark.parametrize("flag", ["--microbatches", "--batch-size", "--steps"])
+@pytest.mark.parametrize("value", ["0", "-2", "two"])
+def test_counts_below_one_are_refused_naming_the_flag(flag, value, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        train_lm.build_parser().parse_args([flag, value])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err
+    assert f"argument {flag}: must be a positive integer, got '{value}'" in error
+    assert train_lm.build_parser().parse_args([flag, "3"]).__dict__[flag[2:].replace("-", "_")] == 3
+
+
 def test_main_writes_pictures_and_checks(tmp_path):
     summary = train_lm.main(
         [
