@@ -26,19 +26,11 @@ from jax import lax
 from jaxtyping import Array, Float, PyTree, Scalar
 
 from ._typing import AxisName
+from ._vma import varying_axes as _varying_axes
 from .schedule import _one_f_one_b_slot
 
 # --------------------------------------------------------------------------------------
 # Replication types (shard_map's `check_vma`) across JAX versions.
-
-
-def _varying_axes(x: Any) -> frozenset:
-    """The mesh axes over which `x` (an array, tracer or ShapeDtypeStruct) may differ."""
-    aval = x if isinstance(x, jax.ShapeDtypeStruct) else jax.typeof(x)
-    manual = getattr(aval, "manual_axis_type", None)
-    if manual is not None:
-        return frozenset(manual.varying)
-    return frozenset(getattr(aval, "vma", ()))
 
 
 def _cast_varying(x: Any, axes: frozenset) -> Any:

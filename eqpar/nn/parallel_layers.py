@@ -37,6 +37,8 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray, Shaped
 
+from .._vma import varies_over
+
 __all__ = [
     "ColumnParallelLinear",
     "FeatureParallelEmbedding",
@@ -94,6 +96,29 @@ def _check_block(owner: str, name: str, got: tuple, expected: tuple) -> None:
         f"{owner}: the local block of {name} has shape {got} but {expected} was expected. "
         f"Pass the model into `eqpar.shard_map` with the specs of "
         f"`eqpar.partition_specs(model)` as its in_specs."
+    )
+
+
+def _check_sequence_layout(
+    owner: str, name: str, x: Array, axis_name: Hashable, sequence_parallel: bool
+) -> None:
+    """Refuse an input split over the sequence where the whole one belongs, and the reverse,
+    which would otherwise mix tokens of different devices silently."""
+    sharded = varies_over(x, axis_name)
+    if sharded is None or sharded == sequence_parallel:
+        return
+    if sequence_parallel:
+        raise ValueError(
+            f"{owner}: sequence_parallel=True, but `{name}` is the same on every device of axis "
+            f"{axis_name!r}, not split over the sequence. Call `eqpar.nn.scatter_sequence` where "
+            f"the sequence-parallel part of the model begins (after the embeddings), or drop "
+            f"sequence_parallel=True from this layer's style."
+        )
+    raise ValueError(
+        f"{owner}: `{name}` differs between the devices of axis {axis_name!r} (split over the "
+        f"sequence by `eqpar.nn.scatter_sequence`?), but this layer takes the whole input on "
+        f"every device. Set sequence_parallel=True on its style and on the rest of its block, "
+        f"or call `eqpar.nn.gather_sequence` before it."
     )
 
 
@@ -224,6 +249,7 @@ class ColumnParallelLinear(eqx.nn.Linear):
                 f"[{self.in_features}], as for eqx.nn.Linear; got shape {x.shape}. Apply the "
                 f"layer to a batch with jax.vmap."
             )
+        _check_sequence_layout(owner, "x", x, self.axis_name, self.sequence_parallel)
         if self.sequence_parallel:
             tokens = lax.all_gather(x, self.axis_name)  # [n, in]: one token from each device
             return jax.vmap(lambda token: eqx.nn.Linear.__call__(self, token))(tokens)
@@ -364,7 +390,10 @@ class HeadParallelAttention(eqx.nn.MultiheadAttention):
     sequence-parallel model) while `mask` is still the whole `[q_seq, kv_seq]`: the layer
     all-gathers the sequence (once for self-attention), attends with its heads, and a
     reduce-scatter in place of the `psum` returns this device's block of the output,
-    `[q_seq / n, output_size]`.
+    `[q_seq / n, output_size]`. In cross attention `key_` and `value` may be split over the
+    sequence too or held whole by every device (an encoder's output): a whole one is used as
+    it is, without a gather. A query that is not split, or a split input given to a layer
+    without `sequence_parallel=True`, is an error rather than a silent mix of tokens.
 
     **Arguments:**
 
@@ -469,16 +498,23 @@ class HeadParallelAttention(eqx.nn.MultiheadAttention):
         """Attention over this device's heads, summed over the axis.
 
         **Arguments:** as `eqx.nn.MultiheadAttention.__call__`; `query`, `key_`, `value` and
-        `mask` are the whole arrays, the same on every device of the axis.
+        `mask` are the whole arrays, the same on every device of the axis. With
+        `sequence_parallel=True`, `query` (and `key_` / `value`, unless every device holds them
+        whole) are this device's blocks of the sequence, while `mask` is whole.
 
-        **Returns:** `[q_seq, output_size]`, the same on every device of the axis.
+        **Returns:** `[q_seq, output_size]`, the same on every device of the axis; with
+        `sequence_parallel=True`, this device's block `[q_seq / n, output_size]`.
         """
         owner = type(self).__name__
         if deterministic is not None:
             inference = deterministic
         heads, first_head = self._local_heads(owner)
+        _check_sequence_layout(owner, "query", query, self.axis_name, self.sequence_parallel)
         if self.sequence_parallel:
             query, key_, value = _gather_sequences((query, key_, value), self.axis_name)
+        else:
+            _check_sequence_layout(owner, "key_", key_, self.axis_name, False)
+            _check_sequence_layout(owner, "value", value, self.axis_name, False)
         if key_.shape[0] != value.shape[0]:
             raise ValueError(
                 f"{owner}: key_ and value must have the same sequence length; got "
@@ -552,12 +588,14 @@ def _check_sequences(owner: str, query_length: int, key_length: int) -> None:
 
 
 def _gather_sequences(arrays: tuple[Array, ...], axis_name: Hashable) -> tuple[Array, ...]:
-    """All-gather each array's blocks along its first (sequence) axis; an array passed more
-    than once (self-attention) is gathered once."""
+    """All-gather each array's blocks along its first (sequence) axis. An array passed more
+    than once (self-attention) is gathered once; one that every device already holds whole
+    (an encoder memory in cross attention) is used as it is."""
     gathered: dict[int, Array] = {}
     for x in arrays:
         if id(x) not in gathered:
-            gathered[id(x)] = lax.all_gather(x, axis_name, axis=0, tiled=True)
+            whole = varies_over(x, axis_name) is False
+            gathered[id(x)] = x if whole else lax.all_gather(x, axis_name, axis=0, tiled=True)
     return tuple(gathered[id(x)] for x in arrays)
 
 
@@ -604,6 +642,12 @@ def scatter_sequence(
             f"axis {axis_name!r} ({n}); got shape {x.shape}. Pad the sequence to a multiple "
             f"of {n} (and mask the padding)."
         )
+    if varies_over(x, axis_name):
+        raise ValueError(
+            f"{owner}: x already differs between the devices of axis {axis_name!r}: it is split "
+            f"(or was computed from split values). Scatter the whole sequence once, where the "
+            f"sequence-parallel part of the model begins."
+        )
     block = x.shape[0] // n
     return lax.dynamic_slice_in_dim(x, lax.axis_index(axis_name) * block, block, axis=0)
 
@@ -639,6 +683,12 @@ def gather_sequence(
     _axis_size(axis_name, "gather_sequence")
     if x.ndim == 0:
         raise ValueError("gather_sequence: x must have a sequence axis first; got a scalar.")
+    if varies_over(x, axis_name) is False:
+        raise ValueError(
+            f"gather_sequence: x is the same on every device of axis {axis_name!r}, so it is not "
+            f"split over the sequence; gathering it would repeat it {lax.axis_size(axis_name)} "
+            f"times. Gather only what `scatter_sequence` (or a sequence-parallel layer) split."
+        )
     return _gather_replicated(x, axis_name, 0)
 
 

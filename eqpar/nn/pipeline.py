@@ -12,7 +12,7 @@ circular schedule of `eqpar.pipeline`; outside, `apply_serially` is its one-devi
 import dataclasses
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import equinox as eqx
 import jax
@@ -82,7 +82,7 @@ _REMAT_POLICIES: dict[str, Callable | None] = {
 }
 
 
-def _remat_policy(remat: object, owner: str) -> str:
+def _remat_policy(remat: object, owner: str) -> RematPolicy:
     """`remat` as one of `_REMAT_POLICIES` (`True` is `"full"`, `False` is `"none"`)."""
     if isinstance(remat, bool):
         return "full" if remat else "none"
@@ -91,7 +91,7 @@ def _remat_policy(remat: object, owner: str) -> str:
             f"{owner}: `remat` must be one of {list(_REMAT_POLICIES)} (or True for 'full', "
             f"False for 'none'); got {remat!r}."
         )
-    return str(remat)
+    return cast(RematPolicy, remat)
 
 
 def _rematerialized(fn: Callable, remat: str) -> Callable:

@@ -1,0 +1,28 @@
+"""Replication types inside `shard_map` (its `check_vma`), read the same way on every JAX.
+
+With `check_vma=True` JAX types every value inside `shard_map` with the mesh axes over which
+it may differ between devices. The pipeline executors use that to cast values once, and the
+tensor-parallel layers to tell a sequence-sharded activation from a replicated one.
+"""
+
+from collections.abc import Hashable
+from typing import Any
+
+import jax
+
+
+def varying_axes(x: Any) -> frozenset:
+    """The mesh axes over which `x` (an array, tracer or ShapeDtypeStruct) may differ."""
+    aval = x if isinstance(x, jax.ShapeDtypeStruct) else jax.typeof(x)
+    manual = getattr(aval, "manual_axis_type", None)
+    if manual is not None:
+        return frozenset(manual.varying)
+    return frozenset(getattr(aval, "vma", ()))
+
+
+def varies_over(x: Any, axis_name: Hashable) -> bool | None:
+    """Whether `x` differs over the mesh axis `axis_name` (inside `shard_map`); `None` when
+    JAX does not track it (`check_vma=False`, where even the device index looks replicated)."""
+    if axis_name not in varying_axes(jax.lax.axis_index(axis_name)):
+        return None
+    return axis_name in varying_axes(x)
