@@ -40,6 +40,7 @@ from .plan import FeatureParallel as FeatureParallel
 from .plan import HeadParallel as HeadParallel
 from .plan import Replicated as Replicated
 from .plan import RowParallel as RowParallel
+from .plan import SequenceParallel as SequenceParallel
 from .plan import Style as Style
 from .plan import VocabParallel as VocabParallel
 from .plan import parallelize as parallelize
@@ -63,6 +64,7 @@ __all__ = [
     "ModelParallel",
     "Replicated",
     "RowParallel",
+    "SequenceParallel",
     "Style",
     "TensorLayout",
     "VocabParallel",

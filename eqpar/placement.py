@@ -218,13 +218,15 @@ def checked_local_leaves(
             )
         array: Any = leaf if local_jax else np.asarray(leaf)
         leaves.append(array)
-        if array.dtype.kind in "OUS" or array.dtype.names is not None:
+        extended = jax.dtypes.issubdtype(array.dtype, jax.dtypes.extended)  # PRNG keys
+        if not extended and (array.dtype.kind in "OUS" or array.dtype.names is not None):
             raise TypeError(f"`{function}`: leaf {path!r} has dtype {array.dtype}, not a number.")
         problems.append(None if local_jax else _fits(path, array, function))
         out_of_range = " (values out of range)" if problems[-1] else ""
         described[path] = f"shape {array.shape} {array.dtype}{out_of_range}"
         if same_values and jax.process_count() > 1:
-            described[path] += f", CRC-32 {zlib.crc32(np.ascontiguousarray(array).tobytes())}"
+            values = np.asarray(jax.random.key_data(array) if extended else array)
+            described[path] += f", CRC-32 {zlib.crc32(np.ascontiguousarray(values).tobytes())}"
     if jax.process_count() > 1:
         _check_agreement(mesh, described, function)
     if problem := next((p for p in problems if p), None):

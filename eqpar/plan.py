@@ -27,6 +27,7 @@ from .nn.parallel_layers import (
     FeatureParallelEmbedding,
     HeadParallelAttention,
     RowParallelLinear,
+    SequenceParallelDropout,
     VocabParallelEmbedding,
     to_serial_layer,
 )
@@ -37,6 +38,7 @@ __all__ = [
     "HeadParallel",
     "Replicated",
     "RowParallel",
+    "SequenceParallel",
     "Style",
     "VocabParallel",
     "parallelize",
@@ -50,12 +52,13 @@ _PLANNABLE = (
     eqx.nn.Embedding,
     eqx.nn.LayerNorm,
     eqx.nn.RMSNorm,
+    eqx.nn.Dropout,
 )
 
 
 class Style:
     """How one layer is split; the styles are `ColumnParallel`, `RowParallel`,
-    `HeadParallel`, `VocabParallel`, `FeatureParallel` and `Replicated`.
+    `HeadParallel`, `VocabParallel`, `FeatureParallel`, `SequenceParallel` and `Replicated`.
 
     A style says which layers it accepts, converts one, and names the sizes it splits.
 
@@ -105,6 +108,14 @@ class ColumnParallel(Style):
     gather_output: bool = False
     sequence_parallel: bool = False
     accepts = (eqx.nn.Linear,)
+
+    def __post_init__(self) -> None:
+        if self.gather_output and self.sequence_parallel:
+            raise ValueError(
+                "ColumnParallel: gather_output=True and sequence_parallel=True do not go "
+                "together: under sequence parallelism the block ends in RowParallel("
+                "sequence_parallel=True), which scatters the output back over the sequence."
+            )
 
     def convert(self, layer: Any) -> Any:
         return ColumnParallelLinear(
@@ -223,6 +234,29 @@ class FeatureParallel(Style):
 
 
 @dataclasses.dataclass(frozen=True)
+class SequenceParallel(Style):
+    """An `eqx.nn.Dropout` that runs on activations split over the sequence
+    (`SequenceParallelDropout`): it applies this device's rows of the mask the serial layer
+    draws for the whole sequence, so dropout between sequence-parallel blocks equals the
+    serial model's. Norms need no style: they run on this device's tokens as they are.
+
+    ```python
+    import equinox as eqx, eqpar
+    from eqpar.nn import SequenceParallelDropout
+    block = {"dropout": eqx.nn.Dropout(0.1), "norm": eqx.nn.LayerNorm(8)}
+    parallel = eqpar.parallelize(block, {"dropout": eqpar.SequenceParallel()})
+    assert isinstance(parallel["dropout"], SequenceParallelDropout)
+    ```
+    """
+
+    axis_name: Hashable = "model"
+    accepts = (eqx.nn.Dropout,)
+
+    def convert(self, layer: Any) -> Any:
+        return SequenceParallelDropout(layer, axis_name=self.axis_name)
+
+
+@dataclasses.dataclass(frozen=True)
 class Replicated(Style):
     """Keep the layer whole on every device (its original class; norms, small heads). A
     layer already converted goes back to its original class.
@@ -258,7 +292,8 @@ def _check_plan(plan: object) -> dict[str, Any]:
         if not isinstance(style, Style):
             raise TypeError(
                 f"parallelize: plan[{key!r}] must be a style (ColumnParallel(), RowParallel(), "
-                f"HeadParallel(), VocabParallel(), FeatureParallel(), Replicated()); got "
+                f"HeadParallel(), VocabParallel(), FeatureParallel(), SequenceParallel(), "
+                f"Replicated()); got "
                 f"{type(style).__name__}."
             )
     return patterns
@@ -294,13 +329,18 @@ def parallelize(
     `shard_map` sums their gradients over the axis. The model's trunk must receive its own
     tokens: call `eqpar.nn.scatter_sequence(x)` where the trunk begins (after the
     embeddings, which need whole positions) and `eqpar.nn.gather_sequence(x)` where it ends,
-    two lines in the author's `__call__`. The attention mask stays whole.
+    two lines in the author's `__call__`. The attention mask stays whole. A dropout on the
+    split activations takes `SequenceParallel()`, so it applies this device's rows of the
+    serial mask instead of the same mask on every device's block. Mixing split and whole
+    activations (a missing `scatter_sequence`, or a style without `sequence_parallel=True`
+    in a sequence-parallel trunk) is an error, not a silent mix of tokens.
 
     **Arguments:**
 
     - `model`: any Equinox model (or pytree of them); arrays may be abstract.
     - `plan`: `{path or regex: style}`; the styles are `ColumnParallel`, `RowParallel`,
-      `HeadParallel`, `VocabParallel`, `FeatureParallel` and `Replicated`.
+      `HeadParallel`, `VocabParallel`, `FeatureParallel`, `SequenceParallel` (dropout) and
+      `Replicated`.
     - `mesh`: optional; when given, the styles' axes must be mesh axes and every size the
       plan splits must divide by its axis size (checked here rather than at trace time).
     - `strict`: a plan key that matches no layer raises (`True`) or warns (`False`).
@@ -357,10 +397,15 @@ def parallelize(
                 f"{where!r} is a {type(serial).__name__}. Narrow the key, or choose a style "
                 f"for that layer."
             )
-        converted = style.convert(serial)
         if axis_sizes is not None and style.axis is not None:
             _check_axis(style, serial, where, axis_sizes)
-        return converted
+        try:
+            return style.convert(serial)
+        except (TypeError, ValueError) as error:
+            raise type(error)(
+                f"parallelize: plan[{key!r}] = {style!r} cannot convert the layer at "
+                f"{where!r}: {error}"
+            ) from error
 
     converted = jax.tree_util.tree_map_with_path(convert, model, is_leaf=_is_plannable)
     unused = [key for key in plan if key not in used]
@@ -368,9 +413,10 @@ def parallelize(
         hints = unused_key_hints(unused, paths)
         message = (
             f"parallelize: plan keys that match no layer: {hints}. Keys are "
-            f"matched against the paths of Linear, MultiheadAttention, Embedding, LayerNorm "
-            f"and RMSNorm layers (`eqpar.leaf_paths(model)` lists leaf paths; drop the last "
-            f"part such as '/weight')."
+            f"matched against the paths of Linear, MultiheadAttention, Embedding, LayerNorm, "
+            f"RMSNorm and Dropout layers (`eqpar.leaf_paths(model)` lists leaf paths; drop the "
+            f"last part such as '/weight'). The projections inside a MultiheadAttention are "
+            f"not layers of their own here: HeadParallel() on the attention splits them all."
         )
         if strict:
             raise ValueError(message + " Pass strict=False to only warn.")

@@ -162,6 +162,14 @@ def test_python_numbers_and_local_jax_arrays_are_accepted():
     np.testing.assert_array_equal(np.asarray(placed["ids"]), np.arange(8))
 
 
+def test_prng_key_arrays_are_placed_like_any_leaf():
+    """Typed PRNG keys (one dropout key per row) have an extended dtype, not a number kind."""
+    keys = jax.random.split(jax.random.key(0), 8)
+    placed = host_to_global_device_array({"keys": keys}, FULL, mesh=mesh_2x4())["keys"]
+    assert placed.shape == (8,) and jax.dtypes.issubdtype(placed.dtype, jax.dtypes.extended)
+    np.testing.assert_array_equal(jax.random.key_data(placed), jax.random.key_data(keys))
+
+
 def test_an_empty_batch_round_trips():
     mesh = mesh_2x4()
     empty = np.zeros((0, 3), np.float32)

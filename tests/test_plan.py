@@ -339,6 +339,68 @@ def test_sequence_parallel_errors_name_the_fix():
         )
 
 
+def test_sequence_parallel_dropout_and_a_whole_memory_equal_the_serial_layers():
+    n = 4
+    mesh = eqpar.DeviceMesh((n,), ("model",), devices=jax.devices()[:n])
+    dropout = eqx.nn.Dropout(0.5)
+    layer = eqpar.parallelize({"d": dropout}, {"d": eqpar.SequenceParallel()})["d"]
+    assert type(eqpar.unparallelize(layer)) is eqx.nn.Dropout
+    x, key = jax.random.normal(jax.random.key(0), (8, 3)), jax.random.key(1)
+    blocks = eqx.filter_jit(
+        eqpar.shard_map(
+            lambda x, k: layer(x, key=k), mesh=mesh, in_specs=(P("model"), P()),
+            out_specs=P("model"),
+        )
+    )(x, key)  # fmt: skip
+    np.testing.assert_array_equal(blocks, dropout(x, key=key))
+
+    # Cross attention to a memory every device holds whole: used as it is, dropout on.
+    attention = eqx.nn.MultiheadAttention(4, 8, dropout_p=0.3, key=jax.random.key(2))
+    parallel = eqpar.parallelize(attention, {"": eqpar.HeadParallel(sequence_parallel=True)})
+    query, memory = jax.random.normal(key, (8, 8)), jax.random.normal(jax.random.key(3), (6, 8))
+
+    def parallel_out(m):
+        return eqpar.shard_map(
+            lambda m, q, kv, k: m(q, kv, kv, key=k), mesh=mesh,
+            in_specs=(eqpar.partition_specs(m), P("model"), P(), P()), out_specs=P("model"),
+        )(m, query, memory, key)  # fmt: skip
+
+    np.testing.assert_allclose(
+        eqx.filter_jit(parallel_out)(parallel), attention(query, memory, memory, key=key),
+        rtol=1e-5, atol=1e-6,
+    )  # fmt: skip
+
+
+def test_sequence_parallel_refuses_split_and_whole_activations_mixed():
+    mesh = mesh_of(1, 4)
+    model = SequenceShardedEncoder(key=jax.random.key(0))
+    tokens, labels, _ = bert.batch(2)
+
+    def run(plan):
+        parallel = eqpar.parallelize(model, plan, mesh=mesh)
+        return eqpar.shard_map(
+            lambda m, t, y: loss_without_dropout(m, t, y), mesh=mesh,
+            in_specs=(eqpar.partition_specs(parallel), P("data"), P("data")), out_specs=P(),
+        )(parallel, tokens, labels)  # fmt: skip
+
+    # The attention is sequence-parallel, the MLP is not: its input is split.
+    attention_only = {**PLAN, r"layers/\d+/attention_block/attention": SEQUENCE_PLAN[
+        r"layers/\d+/attention_block/attention"]}  # fmt: skip
+    with pytest.raises(ValueError, match=r"ColumnParallelLinear: `x` differs between the devices"):
+        run(attention_only)
+    # scatter_sequence in the model, no sequence-parallel styles at all.
+    with pytest.raises(ValueError, match=r"HeadParallelAttention: `query` differs"):
+        run(PLAN)
+    # Sequence-parallel styles on a model that never splits the sequence.
+    with pytest.raises(ValueError, match=r"`query` is the same on every device.*scatter_sequence"):
+        eqpar.shard_map(
+            lambda m, t, y: loss_without_dropout(m, t, y), mesh=mesh,
+            in_specs=(eqpar.partition_specs(p := eqpar.parallelize(
+                bert.Encoder(key=jax.random.key(0)), SEQUENCE_PLAN, mesh=mesh)),
+                P("data"), P("data")), out_specs=P(),
+        )(p, tokens, labels)  # fmt: skip
+
+
 @pytest.mark.parametrize("style", [eqpar.VocabParallel(), eqpar.FeatureParallel()])
 def test_embeddings_and_their_gradients(style):
     mesh = eqpar.DeviceMesh((4,), ("model",), devices=jax.devices()[:4])
@@ -399,6 +461,14 @@ def test_plan_errors_name_the_key_the_path_and_the_fix(setup):
     parallel = eqpar.parallelize(model, PLAN)
     with pytest.raises(ValueError, match=r"axis 'model' is not bound.*eqpar\.unparallelize"):
         parallel.classifier(jnp.ones(bert.DIM))
+
+
+def test_conversion_errors_name_the_plan_key_and_the_path():
+    model = {"proj": eqx.nn.Linear(8, "scalar", key=jax.random.key(0))}
+    with pytest.raises(ValueError, match=r"plan\['p.*'\] = ColumnParallel.* at 'proj': .*'scalar'"):
+        eqpar.parallelize(model, {"p.*": eqpar.ColumnParallel()})
+    with pytest.raises(ValueError, match="gather_output=True and sequence_parallel=True"):
+        eqpar.ColumnParallel(gather_output=True, sequence_parallel=True)
 
 
 def test_layer_errors_outside_the_declared_layout():

@@ -7,6 +7,7 @@ from .parallel_layers import ColumnParallelLinear as ColumnParallelLinear
 from .parallel_layers import FeatureParallelEmbedding as FeatureParallelEmbedding
 from .parallel_layers import HeadParallelAttention as HeadParallelAttention
 from .parallel_layers import RowParallelLinear as RowParallelLinear
+from .parallel_layers import SequenceParallelDropout as SequenceParallelDropout
 from .parallel_layers import VocabParallelEmbedding as VocabParallelEmbedding
 from .parallel_layers import gather_sequence as gather_sequence
 from .parallel_layers import scatter_sequence as scatter_sequence
@@ -27,6 +28,7 @@ __all__ = [
     "PipelineModule",
     "RowParallelLinear",
     "ScannedLayers",
+    "SequenceParallelDropout",
     "TPAsyncDense",
     "TPAttentionBlock",
     "TPDense",

@@ -18,6 +18,7 @@ are split over the axis on the feature dimension, and the block ends with one re
 | `HeadParallelAttention` | heads | as `MultiheadAttention` | `[q_seq, out]` (one `psum`) |
 | `VocabParallelEmbedding` | rows (vocabulary) | token ids | embeddings (one `psum`) |
 | `FeatureParallelEmbedding` | columns (features) | token ids | embeddings (one gather) |
+| `SequenceParallelDropout` | nothing | this device's tokens | its rows of the serial mask |
 
 Gradients need no help from the user: with `shard_map`'s default `check_vma=True`, JAX
 types a replicated input that meets a split weight as varying, and the transpose of that
@@ -44,6 +45,7 @@ __all__ = [
     "FeatureParallelEmbedding",
     "HeadParallelAttention",
     "RowParallelLinear",
+    "SequenceParallelDropout",
     "VocabParallelEmbedding",
     "gather_sequence",
     "scatter_sequence",
@@ -822,12 +824,101 @@ class FeatureParallelEmbedding(_SplitEmbedding):
         return _gather_replicated(found, self.axis_name, found.ndim - 1)
 
 
+class SequenceParallelDropout(eqx.nn.Dropout):
+    """`eqx.nn.Dropout` for activations split over the sequence (sequence parallelism).
+
+    Between sequence-parallel blocks each device holds `seq / n` tokens, and every device has
+    the same key. A plain `Dropout` would draw the same mask for every device's block, so
+    tokens `t`, `t + seq / n`, ... would share their dropout pattern. This layer draws the
+    mask for the whole sequence from the key, as the serial layer does, and applies this
+    device's rows of it: the result is the serial layer's, block by block.
+
+    Call it where the serial model calls its dropout on a `[seq, ...]` activation (after an
+    attention or a block). A dropout the model calls per token under `jax.vmap`, with one key
+    per token, sees no sequence axis; its keys are the model's to split.
+
+    **Arguments:**
+
+    - `dropout`: the `eqx.nn.Dropout` to convert (its `p` and `inference` are kept).
+    - `axis_name`: the mesh axis the sequence is split over.
+
+    ```python
+    import equinox as eqx, jax, jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+    import eqpar
+    from eqpar.nn import SequenceParallelDropout
+
+    mesh = eqpar.DeviceMesh((4,), ("model",), devices=jax.devices()[:4])
+    dropout = eqx.nn.Dropout(0.5)
+    layer = SequenceParallelDropout(dropout)
+    x, key = jnp.ones((8, 3)), jax.random.key(0)
+    blocks = eqpar.shard_map(
+        lambda x, key: layer(x, key=key), mesh=mesh, in_specs=(P("model"), P()),
+        out_specs=P("model"),
+    )(x, key)
+    assert (blocks == dropout(x, key=key)).all()
+    ```
+    """
+
+    axis_name: Hashable = eqx.field(static=True)
+
+    def __init__(self, dropout: eqx.nn.Dropout, *, axis_name: Hashable = "model"):
+        if not isinstance(dropout, eqx.nn.Dropout):
+            raise TypeError(
+                f"SequenceParallelDropout: expected an eqx.nn.Dropout; got "
+                f"{type(dropout).__name__}."
+            )
+        _copy_fields(dropout, self, eqx.nn.Dropout)
+        self.axis_name = axis_name
+
+    def to_serial(self) -> eqx.nn.Dropout:
+        """The `eqx.nn.Dropout` with the same `p` and `inference`."""
+        return _rebuilt(self, eqx.nn.Dropout)
+
+    def __call__(
+        self,
+        x: Array,
+        *,
+        key: PRNGKeyArray | None = None,
+        inference: bool | None = None,
+        deterministic: bool | None = None,
+    ) -> Array:
+        """This device's block of `dropout(whole_x, key=key)`.
+
+        **Arguments:** as `eqx.nn.Dropout.__call__`; `x` is this device's block of a
+        sequence, `[seq / n, ...]`.
+
+        **Returns:** `x` with the serial layer's mask for these rows applied.
+        """
+        owner = type(self).__name__
+        if deterministic is not None:
+            inference = deterministic
+        if inference is None:
+            inference = self.inference
+        if isinstance(self.p, int | float) and self.p == 0:
+            inference = True
+        if inference:
+            return x
+        if key is None:
+            raise RuntimeError(f"{owner} requires a key when running in non-deterministic mode.")
+        n = _axis_size(self.axis_name, owner)
+        if x.ndim == 0:
+            raise ValueError(f"{owner}: x must have a sequence axis first; got a scalar.")
+        _check_sequence_layout(owner, "x", x, self.axis_name, True)
+        block = x.shape[0]
+        keep = 1 - lax.stop_gradient(self.p)
+        mask = jax.random.bernoulli(key, keep, (n * block, *x.shape[1:]))
+        mask = lax.dynamic_slice_in_dim(mask, lax.axis_index(self.axis_name) * block, block, 0)
+        return jnp.where(mask, x / keep, 0)
+
+
 _PARALLEL_LAYERS = (
     ColumnParallelLinear,
     RowParallelLinear,
     HeadParallelAttention,
     VocabParallelEmbedding,
     FeatureParallelEmbedding,
+    SequenceParallelDropout,
 )
 
 
