@@ -1,69 +1,65 @@
-"""Sharded checkpoints of Equinox/Optax training state, through orbax-checkpoint.
+"""Sharded checkpoints of Equinox/Optax training state: a thin, checked layer over orbax.
 
 `Checkpointer` saves any pytree that mixes Equinox modules, Optax optimizer states and small
 metadata (step counters, the data position, PRNG keys) as sharded arrays, and restores it
 onto whatever mesh and layout the caller asks for.
 
-**What is written.** Only data goes to disk: the array leaves of the state (`jax.Array`s,
-NumPy arrays, new-style PRNG keys through `jax.random.key_data`) and its Python `bool`, `int`,
-`float` and `complex` leaves. Everything else in the pytree (activation functions, strings,
-the static fields of modules, the tree structure itself) is not written; it comes back from
-the `target` the caller passes to `restore`, which is normally built with the same
-constructor as the saved model, e.g. with `eqx.filter_eval_shape` so that nothing is
-allocated.
+**What orbax does.** Everything that is checkpoint mechanics is orbax-checkpoint's own,
+configured through its documented options: `ocp.CheckpointManager` with
+`ocp.args.StandardSave` / `StandardRestore` writes and reads the arrays (each process writes
+the blocks on its own devices into its own `ocdbt.process_<i>` directory, each device reads
+exactly the block its target sharding asks for, so a checkpoint restores onto any other mesh
+or layout); atomic commit (a step is written into `<step>.orbax-checkpoint-tmp` and renamed
+to `<step>` once complete); `save_decision_policy` (every `save_every` steps, and at a
+preemption notice); `preservation_policy` (keep the newest `keep` steps); `todelete_subdir`
+(an old step is removed by one rename out of the listing, so a kill midway never leaves a
+half-deleted step listed); async writes; and the shapes and dtypes of what a step holds
+(`item_metadata`).
 
-**Format.** A checkpoint is orbax's standard PyTree format: JSON metadata files
-(`_CHECKPOINT_METADATA`, `default/_METADATA`, `default/_sharding`, ...) and the array bytes
-in TensorStore's zarr format inside an OCDBT key-value store (`default/manifest.ocdbt`,
-`default/d/...`, and `default/ocdbt.process_<i>/` written by process `i`). Nothing is
-pickled and loading never executes code from the checkpoint: JSON is parsed, array bytes are
-decoded by TensorStore, and the Python structure is taken from `target`. eqpar adds one JSON
-entry to `_CHECKPOINT_METADATA` (`custom_metadata.eqpar`) listing every saved leaf with its
-`/`-joined path, kind, shape, dtype and a checksum.
+**What eqpar adds, because orbax lacks it:**
 
-**Sharded I/O.** Each process writes the blocks of the arrays that live on its own devices
-into its own `ocdbt.process_<i>` directory, each block once (orbax may split a replicated
-block among the devices holding it); nothing is gathered onto one device or one host. On
-restore each device reads exactly the block its target sharding asks for, so a checkpoint
-saved under one mesh or layout restores under any other (a different mesh shape,
-tensor-parallel size, FSDP axis, or one device), bit for bit.
+- *Data checksums computed without gathering.* TensorStore notices missing and truncated
+  files, not bytes altered in place. Each leaf gets a 32-bit position-weighted sum of its
+  bits, computed under `jax.jit` where the data lives and independent of the sharding.
+- *Fallback to the newest intact step, and quarantine.* orbax restores the step it is asked
+  for or raises. `restore()` without a step tries the newest step, and on damage warns and
+  falls back to older ones; the damaged steps it passed over are renamed aside to
+  `<step>.damaged-<time>` (not a step name orbax lists), so saving goes on past them.
+- *A mismatch report naming every differing leaf*, built from orbax's `item_metadata`
+  (shapes, dtypes) and a small entry in the step's `custom_metadata` (`eqpar`: each leaf's
+  `/`-joined path, kind, PRNG implementation and checksum, and the step number, which
+  `restore` checks so that a step directory renamed or copied over another is refused).
+- *Never overwrite, and one writer.* A step that exists is never written again. The first
+  `save` of a `Checkpointer` takes `<directory>/eqpar-writer.lock` (created with `O_EXCL`,
+  holding the writer's pid and host); a second writer is refused with a message naming the
+  holder. Only the lock holder deletes unfinished `*.orbax-checkpoint-tmp` saves, so a
+  reader (an eval job) never disturbs a save in progress. On object stores (`gs://...`),
+  where exclusive creation is not available, the single-writer rule is yours to keep.
+- *A bounded barrier.* With several processes, `save` and `restore` first meet at a barrier
+  with a timeout, so a call made on only some processes fails with a message, not a hang.
 
-**Atomicity.** orbax writes a step into `<directory>/<step>.orbax-checkpoint-tmp` and, once
-every process has finished writing, the primary process writes `commit_success.txt` into it
-and renames it to `<directory>/<step>` (one `rename(2)` on a POSIX filesystem; on object
-stores such as GCS, where rename is not atomic, the `commit_success.txt` file itself marks
-completion). A save that dies midway leaves at most a `*.orbax-checkpoint-tmp` directory,
-which is never listed as a step and is deleted the next time a `Checkpointer` opens the
-directory; the previous checkpoints are never touched before the new one is complete (old
-steps beyond `keep` are deleted only after the new step is committed).
+Nothing is pickled and loading never executes code from the checkpoint: metadata is JSON,
+array bytes are decoded by TensorStore, and the Python structure is taken from `target`.
 
-**Corruption.** A step directory that is damaged after the fact (a deleted or truncated array
-file, a missing or unreadable metadata file, flipped bytes caught by the checksum) raises
-`CorruptCheckpointError` naming the step and its path when that step is asked for
-explicitly; `restore()` without a step warns and falls back to the newest step that
-restores cleanly.
+**Logging.** eqpar touches no logger and no interpreter hook. orbax logs through `absl`; to
+quiet it, use absl's documented setting in your program:
+`absl.logging.set_verbosity(absl.logging.WARNING)`.
 
-**Logging.** While a `Checkpointer` is open, orbax's log records below ERROR go to the
-`eqpar.checkpoint.orbax` logger at DEBUG level; eqpar reports damage and fallbacks itself.
-
-Tested with orbax-checkpoint 0.12.8. It uses `ocp.CheckpointManager` with
-`ocp.args.StandardSave` / `StandardRestore`, the `save_decision_policy` and
-`preservation_policy` options (present since orbax-checkpoint 0.11.14) and step
-`custom_metadata`.
+Tested with orbax-checkpoint 0.12.8.
 """
 
 import dataclasses
-import gc
 import json
-import logging
 import operator
 import os
+import socket
 import sys
 import threading
-import traceback
+import time
 import warnings
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, SupportsIndex
 
 import jax
@@ -81,12 +77,14 @@ __all__ = [
 ]
 
 _FORMAT_KEY = "eqpar"  # our entry in the step's `custom_metadata`
-_FORMAT_VERSION = 1
+_FORMAT_VERSION = 2  # 2: shapes and dtypes come from orbax's metadata; the step is recorded
 _ITEM_ROOT = "state"  # the saved nested dict is `{"state": {...}}`, so a root leaf has a name
 _STEP_METADATA_FILE = "_CHECKPOINT_METADATA"  # orbax's per-step JSON file
-_ITEM_DIR = "default"  # orbax's directory for the single (unnamed) item
-_ITEM_METADATA_FILE = "_METADATA"  # orbax's PyTree metadata file inside the item directory
 _TMP_SUFFIX = ".orbax-checkpoint-tmp"  # orbax's name for a step directory being written
+_TRASH = "eqpar-deleting"  # orbax's `todelete_subdir`: old steps are renamed here, then purged
+_LOCK = "eqpar-writer.lock"
+_KEEP_HINT = " (or None to keep every step)"
+_MAX_LISTED = 10  # differences listed in a mismatch report
 
 _PYTHON_KINDS: dict[type, tuple[str, np.dtype]] = {
     bool: ("bool", np.dtype(np.bool_)),
@@ -96,14 +94,19 @@ _PYTHON_KINDS: dict[type, tuple[str, np.dtype]] = {
 }
 _ARRAY_KINDS = ("array", "numpy")  # interchangeable: device array <-> host array
 
-_log = logging.getLogger(__name__)
+
+class _StepError(ValueError):
+    def __init__(self, message: str, *, step: int | None = None, path: str | None = None):
+        super().__init__(message)
+        self.step, self.path = step, path
 
 
-class CorruptCheckpointError(ValueError):
+class CorruptCheckpointError(_StepError):
     """A checkpoint step exists but cannot be read back intact.
 
-    Raised by `Checkpointer.restore` for missing or unreadable metadata files, missing or
-    truncated array files and checksum mismatches.
+    Raised by `Checkpointer.restore` for missing, unreadable or malformed metadata files,
+    missing or truncated array files, checksum mismatches and a step directory that holds
+    another step.
 
     **Arguments:**
 
@@ -129,13 +132,8 @@ class CorruptCheckpointError(ValueError):
     ```
     """
 
-    def __init__(self, message: str, *, step: int | None = None, path: str | None = None):
-        super().__init__(message)
-        self.step = step
-        self.path = path
 
-
-class CheckpointMismatchError(ValueError):
+class CheckpointMismatchError(_StepError):
     """A readable checkpoint does not have the structure of the `target` it is restored into.
 
     **Arguments:**
@@ -161,14 +159,9 @@ class CheckpointMismatchError(ValueError):
     ```
     """
 
-    def __init__(self, message: str, *, step: int | None = None, path: str | None = None):
-        super().__init__(message)
-        self.step = step
-        self.path = path
-
 
 # ---------------------------------------------------------------------------------------------
-# orbax, imported lazily (it is an optional dependency and slow to import) and kept quiet
+# orbax, imported lazily (an optional dependency, and slow to import)
 
 
 def _orbax() -> Any:
@@ -176,178 +169,83 @@ def _orbax() -> Any:
         import orbax.checkpoint as ocp
     except ImportError as error:  # pragma: no cover - depends on the environment
         raise ImportError(
-            "eqpar.checkpoint needs orbax-checkpoint; install it with "
-            "`pip install 'eqpar[checkpoint]'` (or `pip install orbax-checkpoint`)."
+            "eqpar.checkpoint needs orbax: `pip install 'eqpar[checkpoint]'`."
         ) from error
     return ocp
 
 
-_orbax_log = logging.getLogger(__name__ + ".orbax")
-
-
-_ORBAX_DIR = f"{os.sep}orbax{os.sep}"
-
-
-def _logged_from_orbax(record: logging.LogRecord) -> bool:
-    if _ORBAX_DIR in record.pathname:
-        return True
-    # absl sometimes names its own file as the caller; the filter runs in the logging call,
-    # so the stack still shows who logged
-    frame = sys._getframe(1)
-    while frame is not None:
-        if _ORBAX_DIR in frame.f_code.co_filename:
-            return True
-        frame = frame.f_back
-    return False
-
-
-class _RouteOrbaxRecords(logging.Filter):
-    """Move orbax's log records below ERROR from the `absl` logger to `eqpar.checkpoint.orbax`
-    at DEBUG level: eqpar reports what matters (a damaged step, a fallback) in its own
-    exceptions and warnings, and orbax's own account is one `logging.getLogger(
-    "eqpar.checkpoint.orbax").setLevel(logging.DEBUG)` away."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno < logging.ERROR and _logged_from_orbax(record):
-            if _orbax_log.isEnabledFor(logging.DEBUG):
-                _orbax_log.debug("[%s] %s", record.levelname, record.getMessage())
-            return False
-        return True
-
-
-_route_filter = _RouteOrbaxRecords()
-_route_lock = threading.Lock()
-_route_users = 0
-
-
-def _route_orbax_logs() -> None:
-    global _route_users
-    with _route_lock:
-        if _route_users == 0:
-            logging.getLogger("absl").addFilter(_route_filter)
-        _route_users += 1
-
-
-def _stop_routing_orbax_logs() -> None:
-    global _route_users
-    with _route_lock:
-        _route_users -= 1
-        if _route_users == 0:
-            logging.getLogger("absl").removeFilter(_route_filter)
-
-
 # ---------------------------------------------------------------------------------------------
-# Checksums: a position-weighted 32-bit sum of each leaf's bits. orbax/TensorStore detect
-# missing and truncated files but not bytes altered in place; this does. It is computed
-# where the data lives (one reduction per array under `jax.jit`, no gather) and does not depend
-# on the sharding, so a checkpoint saved under one layout verifies under any other.
+# Checksums: a position-weighted 32-bit sum of each leaf's bits, computed where the data lives
+# (one reduction per array under `jax.jit`, no gather) and independent of the sharding, so a
+# checkpoint saved under one layout verifies under any other.
 
-_MULTIPLIER = 0x9E3779B1
-_OFFSET = 0x7F4A7C15
+_MULTIPLIER, _OFFSET = 0x9E3779B1, 0x7F4A7C15
 
 
 def _digestible(dtype: Any) -> bool:
-    """Whether leaves of `dtype` get a checksum: every whole-byte type does; sub-byte types
-    (int4, float4, ...) are stored packed and are left unchecked."""
+    """Whole-byte dtypes get a checksum; sub-byte ones (int4, float4, ...) are stored packed."""
     dtype = np.dtype(dtype)
-    if dtype == np.bool_:
-        return True
-    if jnp.issubdtype(dtype, jnp.complexfloating):
-        return dtype.itemsize in (8, 16)
-    if jnp.issubdtype(dtype, jnp.floating):
-        bits = jnp.finfo(dtype).bits
-    elif jnp.issubdtype(dtype, jnp.integer):
-        bits = jnp.iinfo(dtype).bits
-    else:
+    if dtype == np.bool_ or dtype.kind == "c":
+        return dtype == np.bool_ or dtype.itemsize in (8, 16)
+    info = jnp.finfo if jnp.issubdtype(dtype, jnp.floating) else jnp.iinfo
+    try:
+        return dtype.itemsize in (1, 2, 4, 8) and info(dtype).bits == 8 * dtype.itemsize
+    except ValueError:
         return False
-    return dtype.itemsize in (1, 2, 4, 8) and bits == 8 * dtype.itemsize
 
 
-def _device_words(x: jax.Array) -> jax.Array:
-    """The bits of `x` as uint32 words, one per element, same shape (traced)."""
-    if x.dtype == jnp.bool_:
-        return x.astype(jnp.uint32)
-    if jnp.issubdtype(x.dtype, jnp.complexfloating):
-        return _device_words(jnp.real(x)) ^ _device_words(jnp.imag(x))
-    size = x.dtype.itemsize
-    if size == 8:  # two words per element; xor makes the result independent of word order
-        halves = jax.lax.bitcast_convert_type(x, jnp.uint32)
+def _view(x: np.ndarray, dtype: Any) -> np.ndarray:
+    """NumPy's twin of `lax.bitcast_convert_type` for 1-D arrays."""
+    narrower = np.dtype(dtype).itemsize < x.dtype.itemsize
+    return np.ascontiguousarray(x).view(dtype).reshape(x.shape + (-1,) * narrower)
+
+
+def _words(x: Any, xp: Any, bitcast: Callable) -> Any:
+    """The bits of `x` as uint32 words, one per element, same shape."""
+    if x.dtype == np.bool_:
+        return x.astype(xp.uint32)
+    if x.dtype.kind == "c":
+        return _words(xp.real(x), xp, bitcast) ^ _words(xp.imag(x), xp, bitcast)
+    if x.dtype.itemsize == 8:  # two words; xor makes the result independent of word order
+        halves = bitcast(x, np.uint32)
         return halves[..., 0] ^ halves[..., 1]
-    unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[size]
-    return jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32)
+    return bitcast(x, {1: np.uint8, 2: np.uint16, 4: np.uint32}[x.dtype.itemsize]).astype(xp.uint32)
+
+
+def _sum(words: Any, index: Any, xp: Any) -> Any:
+    weights = (index * xp.uint32(_MULTIPLIER) + xp.uint32(_OFFSET)) | xp.uint32(1)
+    return xp.sum(words * weights, dtype=xp.uint32)
 
 
 def _device_digest(x: jax.Array) -> jax.Array:
-    words = _device_words(x)
     # C-order linear index from broadcast iotas: no reshape, so the sharding is kept as is
-    index = jnp.zeros((), jnp.uint32)
-    stride = 1
+    index, stride = jnp.zeros((), jnp.uint32), 1
     for axis in reversed(range(x.ndim)):
         iota = jax.lax.broadcasted_iota(jnp.uint32, x.shape, axis)
-        index = index + iota * jnp.uint32(stride % 2**32)
-        stride *= x.shape[axis]
-    weights = (index * jnp.uint32(_MULTIPLIER) + jnp.uint32(_OFFSET)) | jnp.uint32(1)
-    return jnp.sum(words * weights, dtype=jnp.uint32)
+        index, stride = index + iota * jnp.uint32(stride % 2**32), stride * x.shape[axis]
+    return _sum(_words(x, jnp, jax.lax.bitcast_convert_type), index, jnp)
 
 
-_device_digests = jax.jit(lambda arrays: [_device_digest(a) for a in arrays])
-
-
-def _host_words(x: np.ndarray) -> np.ndarray:
-    x = np.ascontiguousarray(x).reshape(-1)
-    if x.dtype == np.bool_:
-        return x.astype(np.uint32)
-    if x.dtype.kind == "c":
-        return _host_words(np.real(x)) ^ _host_words(np.imag(x))
-    size = x.dtype.itemsize
-    if size == 8:
-        halves = x.view(np.uint32).reshape(-1, 2)
-        return halves[:, 0] ^ halves[:, 1]
-    unsigned = {1: np.uint8, 2: np.uint16, 4: np.uint32}[size]
-    return x.view(unsigned).astype(np.uint32)
-
-
-def _host_digest(x: np.ndarray) -> int:
-    words = _host_words(x)
-    index = (np.arange(words.size, dtype=np.uint64) % 2**32).astype(np.uint32)
-    weights = (index * np.uint32(_MULTIPLIER) + np.uint32(_OFFSET)) | np.uint32(1)
-    return int(np.sum(words * weights, dtype=np.uint32))
-
-
-def _device_order(sharding: Sharding) -> tuple:
-    """Arrays that one jit call may take together: jit refuses arrays committed to different
-    devices, or to the same devices in another order."""
-    devices = (
-        getattr(sharding.mesh, "devices", None) if isinstance(sharding, NamedSharding) else None
-    )
-    if devices is not None:
-        return tuple(device.id for device in np.asarray(devices).flat)
-    if len(sharding.device_set) == 1:
-        return tuple(device.id for device in sharding.device_set)
-    return ("alone", id(sharding))
+_jitted_digest = jax.jit(_device_digest)
 
 
 def _digests(values: Sequence[Any]) -> list[int | None]:
     """Checksums of `values` (jax or NumPy arrays); `None` where the dtype has none."""
-    result: list[int | None] = [None] * len(values)
-    groups: dict[tuple[int, ...], list[int]] = {}
-    for i, value in enumerate(values):
+    result: list[int | None] = []
+    for value in values:
         if not _digestible(value.dtype):
-            continue
-        if isinstance(value, jax.Array):
-            groups.setdefault(_device_order(value.sharding), []).append(i)
+            result.append(None)
+        elif isinstance(value, jax.Array):  # a replicated scalar: each process reads its copy
+            result.append(int(np.asarray(_jitted_digest(value).addressable_data(0))))
         else:
-            result[i] = _host_digest(np.asarray(value))
-    for indices in groups.values():
-        outputs = _device_digests([values[i] for i in indices])
-        for i, output in zip(indices, outputs):
-            # replicated scalar: every process reads its own copy
-            result[i] = int(np.asarray(output.addressable_data(0)))
+            flat = np.asarray(value).reshape(-1)
+            index = (np.arange(flat.size, dtype=np.uint64) % 2**32).astype(np.uint32)
+            result.append(int(_sum(_words(flat, np, _view), index, np)))
     return result
 
 
 # ---------------------------------------------------------------------------------------------
-# Leaves
+# Leaves: what is saved, and what each target leaf becomes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -360,107 +258,88 @@ class _Leaf:
     kind: str  # "array" | "numpy" | "prng_key" | "bool" | "int" | "float" | "complex"
     shape: tuple[int, ...]  # as stored (PRNG keys: the shape of their key data)
     dtype: str  # as stored, `np.dtype(...).name`
-    impl: str | None = None  # PRNG implementation name for "prng_key"
-
-
-def _is_prng_key_dtype(dtype: Any) -> bool:
-    return jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
-
-
-def _describe_kind(kind: str, impl: str | None = None) -> str:
-    return {
-        "array": "a jax array",
-        "numpy": "a NumPy array",
-        "prng_key": f"a PRNG key array (impl {impl})",
-        "bool": "a Python bool",
-        "int": "a Python int",
-        "float": "a Python float",
-        "complex": "a Python complex",
-    }[kind]
+    impl: str | None = None  # PRNG implementation (in a target: its key dtype as text)
+    value: Any = None  # the state's or target's own leaf
 
 
 def _display(path: str) -> str:
     return f"`{path}`" if path else "the root leaf"
 
 
-def _flatten(tree: PyTree) -> tuple[list[tuple[tuple, Any]], Any]:
-    return jax.tree_util.tree_flatten_with_path(tree)
+def _describe(kind: str, impl: str | None = None) -> str:
+    if kind == "prng_key":
+        return f"a PRNG key array (impl {impl})"
+    return {"array": "a jax array", "numpy": "a NumPy array"}.get(kind, f"a Python {kind}")
 
 
-def _check_unique(leaves: Sequence[_Leaf], argument: str) -> None:
-    """Two leaves must not land on the same name, neither as our `/`-joined paths (e.g. the
-    keys `"a/b"` and `"a"` -> `"b"`) nor as orbax's `.`-joined parameter names (`"a.b"`)."""
-    for name_of in (lambda leaf: leaf.path, lambda leaf: ".".join(leaf.names)):
-        seen: dict[str, str] = {}
-        for leaf in leaves:
-            name = name_of(leaf)
-            if name in seen:
-                raise ValueError(
-                    f"`{argument}` has two leaves that would be stored under the same name "
-                    f"{name!r}: {_display(seen[name])} and {_display(leaf.path)} (dict keys that "
-                    "print alike, or keys containing '/' or '.'). Rename one of them."
-                )
-            seen[name] = leaf.path
-
-
-def _save_plan(state: PyTree) -> tuple[list[_Leaf], list[Any]]:
-    """The leaves of `state` that are written, with the values orbax stores for them."""
-    flat, _ = _flatten(state)
+def _leaves(tree: PyTree, argument: str) -> tuple[list[_Leaf], list, Any]:
+    """The data leaves of `tree` (arrays, PRNG keys, Python scalars), all its leaves and its
+    structure. Two leaves must not land on the same name, neither as `/`-joined paths (keys
+    `"a/b"` and `"a"` -> `"b"`) nor as orbax's `.`-joined parameter names (`"a.b"`)."""
+    flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
     leaves: list[_Leaf] = []
-    values: list[Any] = []
+    seen: dict[str, str] = {}
     for index, (path, value) in enumerate(flat):
-        where = path_to_str(path)
-        names = (_ITEM_ROOT, *(key_to_str(k) for k in path))
-        if isinstance(value, jax.ShapeDtypeStruct):
-            raise TypeError(
-                f"`state` leaf {_display(where)} is a jax.ShapeDtypeStruct, which has no data to "
-                "save. Save the real arrays; abstract leaves belong in `restore(target=...)`."
-            )
-        if isinstance(value, jax.Array):
-            if _is_prng_key_dtype(value.dtype):
-                data = jax.random.key_data(value)
-                impl = jax.random.key_impl(value)
-                if not isinstance(impl, str):  # only registered implementations have a name
-                    raise TypeError(
-                        f"`state` leaf {_display(where)} is a PRNG key of the unregistered "
-                        f"implementation {impl}, which a checkpoint cannot name. Register it "
-                        "with jax.random, or save `jax.random.key_data(key)` instead."
-                    )
-                leaf = _Leaf(
-                    index, where, names, "prng_key", data.shape, np.dtype(data.dtype).name, impl
-                )
-                value = data
-            else:
-                leaf = _Leaf(index, where, names, "array", value.shape, np.dtype(value.dtype).name)
+        where, names = path_to_str(path), (_ITEM_ROOT, *(key_to_str(k) for k in path))
+        impl = None
+        if isinstance(value, jax.Array | jax.ShapeDtypeStruct):
+            kind, shape, dtype = "array", tuple(value.shape), value.dtype
+            if jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key):
+                data = jax.eval_shape(jax.random.key_data, value)
+                kind, shape, dtype, impl = "prng_key", data.shape, data.dtype, str(value.dtype)
         elif isinstance(value, np.ndarray | np.generic):
-            value = np.asarray(value)
-            if value.dtype == object:
-                raise TypeError(
-                    f"`state` leaf {_display(where)} is a NumPy array of Python objects, which "
-                    "cannot be saved without pickle. Convert it to a numeric array."
-                )
-            leaf = _Leaf(index, where, names, "numpy", value.shape, value.dtype.name)
+            kind, shape, dtype = "numpy", np.shape(value), np.asarray(value).dtype
         elif type(value) in _PYTHON_KINDS:
-            kind, dtype = _PYTHON_KINDS[type(value)]
-            try:
-                value = np.asarray(value, dtype=dtype)
-            except OverflowError:
-                raise ValueError(
-                    f"`state` leaf {_display(where)} is the Python int {value}, which does not "
-                    "fit in int64. Store it as a string in static metadata or split it."
-                ) from None
-            leaf = _Leaf(index, where, names, kind, (), dtype.name)
+            (kind, dtype), shape = _PYTHON_KINDS[type(value)], ()
         else:
             continue  # structure (functions, strings, ...): comes back from the target
-        leaves.append(leaf)
-        values.append(value)
-    _check_unique(leaves, "state")
-    return leaves, values
+        leaves.append(_Leaf(index, where, names, kind, shape, np.dtype(dtype).name, impl, value))
+        for key in ("/" + where, "." + ".".join(names)):
+            if key in seen:
+                raise ValueError(
+                    f"`{argument}` has two leaves that would be stored under the same name "
+                    f"{key[1:]!r}: {_display(seen[key])} and {_display(where)}. Rename one."
+                )
+            seen[key] = where
+    return leaves, [value for _, value in flat], treedef
+
+
+def _saved_value(leaf: _Leaf) -> Any:
+    """What orbax stores for a leaf of `state`, after checking it can be stored."""
+    value, where = leaf.value, _display(leaf.path)
+    problem = (
+        "a jax.ShapeDtypeStruct, which has no data (abstract leaves go in `restore(target=...)`)"
+        if isinstance(value, jax.ShapeDtypeStruct)
+        else "a NumPy array of Python objects, which cannot be saved without pickle"
+        if leaf.kind == "numpy" and leaf.dtype == "object"
+        else None
+    )
+    if problem:
+        raise TypeError(f"`state` leaf {where} is {problem}.")
+    if isinstance(value, jax.Array) and value.is_deleted():
+        raise ValueError(
+            f"`state` leaf {where} is a deleted jax.Array (donated to a jitted function, or "
+            "`.delete()`d). Save the arrays the step returned instead."
+        )
+    if 0 in leaf.shape:
+        raise ValueError(
+            f"`state` leaf {where} has shape {leaf.shape}, with no elements, which orbax cannot "
+            "save. Leave it out of the state."
+        )
+    if leaf.kind == "prng_key":
+        if not isinstance(jax.random.key_impl(leaf.value), str):
+            raise TypeError(f"`state` leaf {where} is a PRNG key of an unregistered impl.")
+        return jax.random.key_data(leaf.value)
+    if leaf.kind in _ARRAY_KINDS:
+        return value if isinstance(value, jax.Array) else np.asarray(value)
+    try:
+        return np.asarray(value, dtype=leaf.dtype)
+    except OverflowError:
+        raise ValueError(f"`state` leaf {where}: the int {value} does not fit in int64.") from None
 
 
 def _nested(leaves: Sequence[_Leaf], values: Sequence[Any]) -> dict:
-    """The nested dict orbax saves: one level per path entry, under `_ITEM_ROOT`. The names
-    are unique (`_check_unique`) and a pytree leaf has no children, so nothing collides."""
+    """The nested dict orbax saves: one level per path entry, under `_ITEM_ROOT`."""
     root: dict = {}
     for leaf, value in zip(leaves, values):
         node = root
@@ -471,152 +350,76 @@ def _nested(leaves: Sequence[_Leaf], values: Sequence[Any]) -> dict:
 
 
 def _record(leaf: _Leaf, checksum: int | None) -> dict:
-    record: dict[str, Any] = {
-        "path": leaf.path,
-        "kind": leaf.kind,
-        "shape": list(leaf.shape),
-        "dtype": leaf.dtype,
-    }
-    if leaf.impl is not None:
-        record["impl"] = leaf.impl
+    record: dict[str, Any] = {"path": leaf.path, "kind": leaf.kind}
+    if leaf.kind == "prng_key":
+        record["impl"] = jax.random.key_impl(leaf.value)
     if checksum is not None:
         record["checksum"] = checksum
     return record
 
 
-# ---------------------------------------------------------------------------------------------
-# Restore plan: what each target leaf becomes
-
-
-@dataclasses.dataclass(frozen=True)
-class _TargetLeaf:
-    leaf: _Leaf  # for PRNG keys, `impl` holds the target's key dtype as text, e.g. "key<fry>"
-    value: Any  # the target's own leaf: decides the type handed back
-    abstract: Any  # what orbax is asked for: a ShapeDtypeStruct with a sharding, or np.ndarray
-
-
-def _sharding_overrides(shardings: PyTree, array_paths: set[str]) -> dict[str, Sharding]:
-    flat, _ = jax.tree_util.tree_flatten_with_path(
-        shardings, is_leaf=lambda node: node is None or isinstance(node, Sharding)
+def _placement(leaf: _Leaf, shardings: PyTree, overrides: dict[str, Any]) -> Any:
+    """What orbax is asked for: a ShapeDtypeStruct with the target's sharding (key data: the
+    same spec, replicated over its extra dims), or a NumPy array."""
+    if leaf.kind not in ("array", "prng_key"):
+        return np.empty(leaf.shape, leaf.dtype)
+    where, value = _display(leaf.path), leaf.value
+    sharding = overrides.get(leaf.path) or (
+        shardings if isinstance(shardings, Sharding) else getattr(value, "sharding", None)
     )
-    overrides: dict[str, Sharding] = {}
-    for path, value in flat:
-        where = path_to_str(path)
-        if value is None:
-            continue
-        if not isinstance(value, Sharding):
-            raise TypeError(
-                f"`shardings` leaf {_display(where)} is {value!r}; expected a "
-                "jax.sharding.Sharding such as NamedSharding(mesh, spec) (or None to keep the "
-                "target's own)."
-            )
-        if where not in array_paths:
-            raise ValueError(
-                f"`shardings` gives a sharding for {_display(where)}, which is not a "
-                "jax.Array or jax.ShapeDtypeStruct leaf of `target`. Give `shardings` the "
-                "structure of `target` (None where there is nothing to place), or one Sharding "
-                "for every array leaf."
-            )
-        overrides[where] = value
-    return overrides
-
-
-def _key_data_sharding(sharding: Sharding, where: str, extra_dims: int) -> Sharding:
-    """The sharding of `jax.random.key_data(keys)` for keys placed with `sharding`."""
-    if isinstance(sharding, SingleDeviceSharding):
-        return sharding
-    if isinstance(sharding, NamedSharding):
-        spec = PartitionSpec(*sharding.spec, *([None] * extra_dims))
-        return NamedSharding(sharding.mesh, spec)
-    raise TypeError(
-        f"the sharding of PRNG key leaf {_display(where)} is a {type(sharding).__name__}; give "
-        "PRNG key leaves a NamedSharding or a SingleDeviceSharding."
-    )
-
-
-def _target_sharding(
-    value: Any, where: str, overrides: dict[str, Sharding], common: Sharding | None
-) -> Sharding:
-    sharding = overrides.get(where) or common or getattr(value, "sharding", None)
-    if sharding is None:
-        if jax.process_count() > 1:
-            raise ValueError(
-                f"`target` leaf {_display(where)} has no sharding. With several processes every "
-                "array leaf needs one: build the ShapeDtypeStruct with `sharding=...`, or pass "
-                "`shardings=` to `restore`."
-            )
-        sharding = SingleDeviceSharding(jax.devices()[0])
+    if sharding is None and jax.process_count() > 1:
+        raise ValueError(
+            f"`target` leaf {where} has no sharding. With several processes every array leaf "
+            "needs one: build the ShapeDtypeStruct with `sharding=...`, or pass `shardings=`."
+        )
+    sharding = sharding or SingleDeviceSharding(jax.devices()[0])
     try:
         sharding.shard_shape(tuple(value.shape))
     except Exception as error:
         raise ValueError(
-            f"`target` leaf {_display(where)} of shape {tuple(value.shape)} cannot be placed "
-            f"with {sharding}: {error}"
+            f"`target` leaf {where} of shape {tuple(value.shape)} cannot be placed with "
+            f"{sharding}: {error}"
         ) from None
-    return sharding
+    if leaf.kind == "prng_key" and isinstance(sharding, NamedSharding):
+        extra = len(leaf.shape) - len(value.shape)
+        sharding = NamedSharding(sharding.mesh, PartitionSpec(*sharding.spec, *[None] * extra))
+    elif leaf.kind == "prng_key" and not isinstance(sharding, SingleDeviceSharding):
+        raise TypeError(f"PRNG key leaf {where} needs a NamedSharding or a SingleDeviceSharding.")
+    return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
 
 
-def _restore_plan(target: PyTree, shardings: PyTree) -> tuple[list[_TargetLeaf], list, Any]:
-    flat, treedef = _flatten(target)
-    paths = [path_to_str(path) for path, _ in flat]
-    array_paths = {
-        where
-        for where, (_, value) in zip(paths, flat)
-        if isinstance(value, jax.Array | jax.ShapeDtypeStruct)
-    }
-    overrides: dict[str, Sharding] = {}
-    common: Sharding | None = None
-    if isinstance(shardings, Sharding):
-        common = shardings
-    elif shardings is not None:
-        overrides = _sharding_overrides(shardings, array_paths)
-
-    plan: list[_TargetLeaf] = []
-    for index, ((path, value), where) in enumerate(zip(flat, paths)):
-        names = (_ITEM_ROOT, *(key_to_str(k) for k in path))
-        if isinstance(value, jax.Array | jax.ShapeDtypeStruct):
-            sharding = _target_sharding(value, where, overrides, common)
-            shape = tuple(value.shape)
-            if _is_prng_key_dtype(value.dtype):
-                data = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(shape, value.dtype))
-                data_sharding = _key_data_sharding(sharding, where, data.ndim - len(shape))
-                dtype = np.dtype(data.dtype).name
-                leaf = _Leaf(index, where, names, "prng_key", data.shape, dtype, str(value.dtype))
-                abstract = jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=data_sharding)
-            else:
-                leaf = _Leaf(index, where, names, "array", shape, np.dtype(value.dtype).name)
-                abstract = jax.ShapeDtypeStruct(shape, value.dtype, sharding=sharding)
-        elif isinstance(value, np.ndarray | np.generic):
-            array = np.asarray(value)
-            leaf = _Leaf(index, where, names, "numpy", array.shape, array.dtype.name)
-            abstract = np.empty(array.shape, array.dtype)
-        elif type(value) in _PYTHON_KINDS:
-            kind, dtype = _PYTHON_KINDS[type(value)]
-            leaf = _Leaf(index, where, names, kind, (), dtype.name)
-            abstract = np.empty((), dtype)
-        else:
-            continue
-        plan.append(_TargetLeaf(leaf, value, abstract))
-    _check_unique([entry.leaf for entry in plan], "target")
-    return plan, [value for _, value in flat], treedef
+def _overrides(shardings: PyTree, leaves: Sequence[_Leaf]) -> dict[str, Any]:
+    """`restore(shardings=...)` given as a pytree: the sharding of each array leaf path."""
+    if shardings is None or isinstance(shardings, Sharding):
+        return {}
+    arrays = {leaf.path for leaf in leaves if leaf.kind in ("array", "prng_key")}
+    flat, _ = jax.tree_util.tree_flatten_with_path(
+        shardings, is_leaf=lambda node: node is None or isinstance(node, Sharding)
+    )
+    overrides = {path_to_str(path): value for path, value in flat if value is not None}
+    for where, value in overrides.items():
+        if not isinstance(value, Sharding):
+            raise TypeError(
+                f"`shardings` leaf {_display(where)} is {value!r}; expected a "
+                "jax.sharding.Sharding (or None to keep the target's own)."
+            )
+        if where not in arrays:
+            raise ValueError(
+                f"`shardings` gives a sharding for {_display(where)}, which is not an array "
+                "leaf of `target`. Give it the structure of `target`, or one Sharding."
+            )
+    return overrides
 
 
-def _key_dtype(impl: str) -> Any:
-    return jax.eval_shape(lambda: jax.random.key(0, impl=impl)).dtype
-
-
-def _finish(entry: _TargetLeaf, stored: Any, record: dict) -> Any:
+def _finish(leaf: _Leaf, stored: Any, record: dict) -> Any:
     """The restored leaf, of the type the target holds at this position."""
-    kind, value = entry.leaf.kind, entry.value
-    if kind == "prng_key":
+    if leaf.kind == "prng_key":
         return jax.random.wrap_key_data(stored, impl=record["impl"])
-    if kind in _ARRAY_KINDS:
-        if isinstance(value, np.generic):
-            return np.asarray(stored)[()]
-        if isinstance(value, np.ndarray):
-            return np.asarray(stored)
-        return stored
-    return type(value)(np.asarray(stored).item())
+    if isinstance(leaf.value, np.generic):
+        return np.asarray(stored)[()]
+    if isinstance(leaf.value, np.ndarray):
+        return np.asarray(stored)
+    return stored if leaf.kind == "array" else type(leaf.value)(np.asarray(stored).item())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -626,18 +429,23 @@ _KNOWN_KINDS = ("array", "numpy", "prng_key", *(kind for kind, _ in _PYTHON_KIND
 
 
 def _valid_record(record: object) -> bool:
-    if not isinstance(record, dict):
-        return False
-    shape = record.get("shape")
     return (
-        isinstance(record.get("path"), str)
+        isinstance(record, dict)
+        and isinstance(record.get("path"), str)
         and record.get("kind") in _KNOWN_KINDS
-        and isinstance(shape, list)
-        and all(isinstance(n, int) and n >= 0 for n in shape)
-        and isinstance(record.get("dtype"), str)
         and isinstance(record.get("checksum", 0), int)
         and (record.get("kind") != "prng_key" or isinstance(record.get("impl"), str))
     )
+
+
+def _flat_metadata(tree: dict, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """The leaves of orbax's metadata tree (nested dicts) by `/`-joined path."""
+    for key, value in tree.items():
+        path = f"{prefix}/{key}" if prefix else str(key)
+        if isinstance(value, dict):
+            yield from _flat_metadata(value, path)
+        else:
+            yield path, value
 
 
 def _reshapable(record: dict, leaf: _Leaf) -> bool:
@@ -657,85 +465,74 @@ def _reshapable(record: dict, leaf: _Leaf) -> bool:
     )
 
 
-def _read_as_saved(entry: _TargetLeaf, shape: tuple[int, ...]) -> Any:
+def _replicated(abstract: Any, shape: tuple[int, ...]) -> Any:
     """What orbax is asked for to read a leaf that is reshaped afterwards: the saved shape,
     replicated over the devices of the target's sharding (or a NumPy array)."""
-    if not isinstance(entry.abstract, jax.ShapeDtypeStruct):
-        return np.empty(shape, entry.abstract.dtype)
-    sharding = entry.abstract.sharding
-    if isinstance(sharding, NamedSharding):
-        replicated: Sharding = NamedSharding(sharding.mesh, PartitionSpec())
-    else:
-        devices = np.array(sorted(sharding.device_set, key=lambda d: d.id))
-        replicated = NamedSharding(jax.sharding.Mesh(devices, ("devices",)), PartitionSpec())
-    return jax.ShapeDtypeStruct(shape, entry.abstract.dtype, sharding=replicated)
+    if not isinstance(abstract, jax.ShapeDtypeStruct):
+        return np.empty(shape, abstract.dtype)
+    sharding = abstract.sharding
+    mesh = (
+        sharding.mesh
+        if isinstance(sharding, NamedSharding)
+        else jax.sharding.Mesh(np.array(sorted(sharding.device_set, key=lambda d: d.id)), ("d",))
+    )
+    return jax.ShapeDtypeStruct(
+        shape, abstract.dtype, sharding=NamedSharding(mesh, PartitionSpec())
+    )
 
 
-def _reshape_to_target(entry: _TargetLeaf, stored: Any) -> Any:
+def _reshaped(abstract: Any, stored: Any) -> Any:
     """A leaf read in its saved shape, reshaped (row-major) and placed like the target."""
-    if not isinstance(entry.abstract, jax.ShapeDtypeStruct):
-        return np.asarray(stored).reshape(entry.abstract.shape)
-    shape, sharding = entry.abstract.shape, entry.abstract.sharding
-    return jax.jit(lambda a: a.reshape(shape), out_shardings=sharding)(stored)
+    if not isinstance(abstract, jax.ShapeDtypeStruct):
+        return np.asarray(stored).reshape(abstract.shape)
+    return jax.jit(lambda a: a.reshape(abstract.shape), out_shardings=abstract.sharding)(stored)
 
 
-def _mismatches(
-    records: Sequence[dict], plan: Sequence[_TargetLeaf], *, reshape: bool = False
-) -> list[str]:
+def _mismatches(saved: dict[str, dict], plan: Sequence[_Leaf], reshape: bool) -> list[str]:
     """Every difference between the saved leaves and the target's, target order first (with
     `reshape`, an array of another shape but the same size and dtype is no difference)."""
-    saved = {record["path"]: record for record in records}
     problems = []
-    for entry in plan:
-        leaf = entry.leaf
-        where = _display(leaf.path)
-        record = saved.get(leaf.path)
+    for leaf in plan:
+        where, record = _display(leaf.path), saved.get(leaf.path)
         if record is None:
-            problems.append(
-                f"{where} (missing leaf): the target has {_describe_kind(leaf.kind)} "
-                f"there, the checkpoint has nothing"
+            problem = (
+                f"(missing leaf): the target has {_describe(leaf.kind)} there, not the checkpoint"
             )
-            continue
-        kind = record["kind"]
-        same_kind = kind == leaf.kind or (kind in _ARRAY_KINDS and leaf.kind in _ARRAY_KINDS)
-        if not same_kind:
-            problems.append(
-                f"{where} (kind): the checkpoint holds {_describe_kind(kind, record.get('impl'))}, "
-                f"the target {_describe_kind(leaf.kind, leaf.impl)}"
+        elif record["kind"] != leaf.kind and {record["kind"], leaf.kind} - set(_ARRAY_KINDS):
+            problem = (
+                f"(kind): the checkpoint holds {_describe(record['kind'], record.get('impl'))}, "
+                f"the target {_describe(leaf.kind, leaf.impl)}"
             )
-            continue
-        if kind == "prng_key":
-            try:
-                saved_dtype = _key_dtype(record["impl"])
-            except Exception:
-                saved_dtype = None
-            if saved_dtype != entry.value.dtype:
-                problems.append(
-                    f"{where} (PRNG impl): the checkpoint holds {record['impl']} keys, the "
-                    f"target {entry.value.dtype} keys"
-                )
-                continue
-        if reshape and _reshapable(record, leaf):
-            continue
-        if tuple(record["shape"]) != leaf.shape:
-            what = "key data shape" if kind == "prng_key" else "shape"
-            problems.append(
-                f"{where} ({what}): {tuple(record['shape'])} in the checkpoint, {leaf.shape} "
-                "in the target"
+        elif leaf.kind == "prng_key" and _key_dtype(record["impl"]) != leaf.value.dtype:
+            problem = (
+                f"(PRNG impl): the checkpoint holds {record['impl']} keys, the target "
+                f"{leaf.impl} keys"
             )
+        elif reshape and _reshapable(record, leaf):
+            continue
+        elif record["shape"] != leaf.shape:
+            what = "key data shape" if leaf.kind == "prng_key" else "shape"
+            problem = f"({what}): {record['shape']} in the checkpoint, {leaf.shape} in the target"
         elif record["dtype"] != leaf.dtype:
-            problems.append(
-                f"{where} (dtype): {record['dtype']} in the checkpoint, {leaf.dtype} in the target"
-            )
-    in_target = {entry.leaf.path for entry in plan}
-    for record in records:
-        if record["path"] not in in_target:
-            problems.append(
-                f"{_display(record['path'])} (extra leaf): the checkpoint has "
-                f"{_describe_kind(record['kind'], record.get('impl'))} of shape "
-                f"{tuple(record['shape'])} there, the target has no data leaf"
-            )
-    return problems
+            problem = f"(dtype): {record['dtype']} in the checkpoint, {leaf.dtype} in the target"
+        else:
+            continue
+        problems.append(f"{where} {problem}")
+    in_target = {leaf.path for leaf in plan}
+    return problems + [
+        f"{_display(path)} (extra leaf): the checkpoint has "
+        f"{_describe(r['kind'], r.get('impl'))} of shape {r['shape']} there, the target has "
+        "no data leaf"
+        for path, r in saved.items()
+        if path not in in_target
+    ]
+
+
+def _key_dtype(impl: str) -> Any:
+    try:
+        return jax.eval_shape(lambda: jax.random.key(0, impl=impl)).dtype
+    except Exception:
+        return None
 
 
 def _lookup(tree: Any, names: Sequence[str]) -> Any:
@@ -749,92 +546,8 @@ def _first_line(error: BaseException, limit: int = 300) -> str:
     chain stays attached as `__cause__`."""
     while error.__cause__ is not None:
         error = error.__cause__
-    text = " ".join(f"{type(error).__name__}: {error}".split())
-    text = text.split(" [tensorstore_spec")[0]  # the full TensorStore spec is in the cause
+    text = " ".join(f"{type(error).__name__}: {error}".split()).split(" [tensorstore_spec")[0]
     return text if len(text) <= limit else text[:limit] + " [...]"
-
-
-_MAX_LISTED = 10
-
-
-def _is_abandoned_orbax_read(unraisable: Any) -> bool:
-    """An orbax read coroutine finalized unfinished, or TensorStore posting the result of an
-    abandoned read to orbax's event loop after that loop has closed."""
-    code = getattr(unraisable.object, "cr_code", None)
-    if code is not None:
-        return _ORBAX_DIR in code.co_filename
-    frames = traceback.extract_tb(unraisable.exc_traceback)
-    return (
-        unraisable.object is None
-        and isinstance(unraisable.exc_value, RuntimeError)
-        and str(unraisable.exc_value) == "Event loop is closed"
-        and all(frame.filename.endswith(f"asyncio{os.sep}base_events.py") for frame in frames)
-    )
-
-
-class _QuietAbandonedReads:
-    """An unraisable-exception hook that routes orbax's abandoned-read reports to the debug
-    log and hands everything else to the hook it wraps."""
-
-    def __init__(self, wrapped: Callable[[Any], object]):
-        self.wrapped = wrapped
-
-    def __call__(self, unraisable: Any) -> None:
-        if _is_abandoned_orbax_read(unraisable):
-            _orbax_log.debug("abandoned orbax read: %s", unraisable.exc_value)
-            return
-        self.wrapped(unraisable)
-
-
-class _AbandonedOrbaxTasks(logging.Filter):
-    """Route asyncio's "Task exception was never retrieved" records for orbax's abandoned
-    read tasks to the `eqpar.checkpoint.orbax` debug log."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        message = record.getMessage()
-        if "exception was never retrieved" not in message:
-            return True
-        frames = traceback.extract_tb(record.exc_info[2]) if record.exc_info else []
-        if _ORBAX_DIR in message or any(_ORBAX_DIR in frame.filename for frame in frames):
-            _orbax_log.debug("abandoned orbax task: %s", message)
-            return False
-        return True
-
-
-_abandoned_task_filter = _AbandonedOrbaxTasks()
-
-
-def _quiet_abandoned_reads() -> None:
-    """Keep the reports of reads orbax abandons after a failed read out of the output.
-
-    When one array read fails, orbax drops its other pending reads unfinished, and each
-    reports "Exception ignored in: ..." whenever it is finalized, in whichever thread, often
-    after the `CorruptCheckpointError` that already explains the failure; asyncio logs
-    "Task exception was never retrieved" for the failed ones. From the first restore on, a
-    hook wrapping whatever `sys.unraisablehook` is installed and a filter on the `asyncio`
-    logger route exactly those reports (see `_is_abandoned_orbax_read` and
-    `_AbandonedOrbaxTasks`) to the `eqpar.checkpoint.orbax` debug log and let everything
-    else through unchanged.
-    """
-    if not isinstance(sys.unraisablehook, _QuietAbandonedReads):
-        sys.unraisablehook = _QuietAbandonedReads(sys.unraisablehook)
-    asyncio_logger = logging.getLogger("asyncio")
-    if _abandoned_task_filter not in asyncio_logger.filters:
-        asyncio_logger.addFilter(_abandoned_task_filter)
-
-
-def _release_failed_reads(error: BaseException) -> None:
-    """Finalize now the abandoned reads a failed restore's traceback still holds (their frames
-    are cleared; file and line numbers stay)."""
-    cause: BaseException | None = error
-    while cause is not None:
-        traceback.clear_frames(cause.__traceback__)
-        cause = cause.__cause__ or cause.__context__
-    with warnings.catch_warnings():
-        warnings.filterwarnings(
-            "ignore", message="coroutine .* was never awaited", category=RuntimeWarning
-        )
-        gc.collect()
 
 
 _WRAPPER_MODULES = ("jaxtyping", "beartype")
@@ -856,20 +569,74 @@ def _warn_caller(message: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# The public class
+# Arguments, the writer lock
 
 
-def _as_step(step: Any, argument: str = "step") -> int:
+def _as_step(value: Any, argument: str = "step", minimum: int = 0, hint: str = "") -> int:
     try:
-        value = operator.index(step)
+        if isinstance(value, bool):
+            raise TypeError
+        number = operator.index(value)
     except TypeError:
         raise TypeError(
-            f"`{argument}` must be an integer (a Python int or an integer scalar array), got "
-            f"{type(step).__name__}."
+            f"`{argument}` must be an integer (a Python int or an integer scalar array){hint}, "
+            f"got {type(value).__name__} {value!r}."
         ) from None
-    if value < 0:
-        raise ValueError(f"`{argument}` must be >= 0, got {value}.")
-    return value
+    if number < minimum:
+        rule = "a positive int" if minimum else ">= 0"
+        raise ValueError(f"`{argument}` must be {rule}{hint}, got {number}.")
+    return number
+
+
+def _holder(lock: str) -> dict:
+    try:
+        with open(lock) as file:
+            holder = json.load(file)
+    except (OSError, ValueError):
+        holder = None
+    return holder if isinstance(holder, dict) else {}
+
+
+def _alive(pid: object) -> bool:
+    try:
+        os.kill(pid, 0)  # type: ignore[arg-type]
+    except ProcessLookupError:
+        return False
+    except (OSError, TypeError):
+        pass  # another user's process, or no pid recorded: assume alive
+    return True
+
+
+def _take_lock(lock: str) -> None:
+    """Create `lock` exclusively with this process's pid and host, taking over a lock left by
+    a dead process of this host; refuse a live holder."""
+    me = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}
+    for _ in range(2):
+        try:
+            descriptor = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            holder = _holder(lock)
+            if holder.get("host") == me["host"] and not _alive(holder.get("pid")):
+                os.remove(lock)  # stale: its process is gone
+                continue
+            raise RuntimeError(
+                f"Another Checkpointer writes to {os.path.dirname(lock)}: its lock {lock} is "
+                f"held by pid {holder.get('pid')} on host {holder.get('host')}. One directory "
+                "has one writer; readers need no lock. If that process is gone (a stale lock "
+                "from another host), delete the lock file."
+            ) from None
+        with os.fdopen(descriptor, "w") as file:
+            json.dump(me, file)
+        return
+
+
+def _release_lock(lock: str) -> None:
+    if _holder(lock).get("pid") == os.getpid():
+        os.remove(lock)
+
+
+# ---------------------------------------------------------------------------------------------
+# The public class
 
 
 class Checkpointer:
@@ -880,12 +647,13 @@ class Checkpointer:
     leaves (`jax.Array`s, NumPy arrays, PRNG keys made with `jax.random.key`) and Python
     `bool`/`int`/`float`/`complex` leaves. Functions, strings and the static fields of modules
     are structure; `restore` takes them from its `target`. The module docstring of
-    `eqpar.checkpoint` describes the on-disk format (JSON + TensorStore, no pickle), how a save
-    is made atomic, and what counts as a damaged checkpoint.
+    `eqpar.checkpoint` says what orbax does and what eqpar adds (checksums, the fallback to an
+    intact step and quarantine, the mismatch report, never-overwrite and the writer lock).
 
     Every process of a multi-process job must create the `Checkpointer` with the same arguments
     and call `save`, `restore` and `close` together; each writes and reads only the blocks
-    that live on its own devices.
+    that live on its own devices. One `Checkpointer` is used by one thread at a time; a
+    second thread calling in meanwhile gets a `RuntimeError`.
 
     **Arguments:**
 
@@ -894,15 +662,14 @@ class Checkpointer:
       than the latest saved step); `force=True` overrides that, but an existing step is never
       overwritten. On clusters with JAX's preemption service, a step at which a preemption
       notice arrived is saved too.
-    - `keep`: how many of the newest steps to keep; older ones are deleted after each
+    - `keep`: how many of the newest steps to keep; older ones are removed after each
       successful save. `None` keeps every step.
     - `async_save`: write in a background thread after the device-to-host copy, so `save`
-      returns sooner. `wait_until_finished`, `restore` and `close` wait for it; a step is listed
-      by `all_steps` as soon as its save starts.
-    - `checksums`: store a 32-bit position-weighted checksum of every leaf (computed on the
-      devices that hold it, under `jax.jit`) and verify it on restore. It catches bytes altered
-      in place, which TensorStore's own decoding does not notice. Sub-byte dtypes (int4, ...)
-      are not checksummed.
+      returns sooner. `wait_until_finished`, `restore` and `close` wait for it.
+    - `checksums`: store a checksum of every leaf and verify it on restore (see the module
+      docstring). Sub-byte dtypes (int4, ...) are not checksummed.
+    - `timeout`: seconds `save` and `restore` wait at their barrier for the other processes
+      of a multi-process job before failing.
 
     ```python
     import tempfile
@@ -939,78 +706,89 @@ class Checkpointer:
         keep: int | None = None,
         async_save: bool = False,
         checksums: bool = True,
+        timeout: float | int = 300.0,
     ):
-        if isinstance(save_every, bool) or save_every < 1:
-            raise ValueError(f"`save_every` must be a positive int, got {save_every!r}.")
-        if keep is not None and (isinstance(keep, bool) or keep < 1):
-            raise ValueError(
-                f"`keep` must be a positive int (or None to keep every step), got {keep!r}."
-            )
-        # orbax logs from its background threads too (cleanup, async writes): route its
-        # records for as long as this Checkpointer is open (or alive, if never closed)
-        _route_orbax_logs()
-        self._stop_routing = weakref.finalize(self, _stop_routing_orbax_logs)
-        self._closed = True  # until the manager exists
-        try:
-            self._open(directory, save_every, keep, async_save, checksums)
-        except BaseException:
-            self._stop_routing()
-            raise
-        self._closed = False
-
-    def _open(
-        self,
-        directory: str | os.PathLike,
-        save_every: int,
-        keep: int | None,
-        async_save: bool,
-        checksums: bool,
-    ) -> None:
-        ocp = _orbax()
+        self._save_every = _as_step(save_every, "save_every", 1)
+        self._keep = None if keep is None else _as_step(keep, "keep", 1, _KEEP_HINT)
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0:
+            raise ValueError(f"`timeout` must be a positive number of seconds, got {timeout!r}.")
+        self._ocp = _orbax()
         from etils import epath  # orbax's path library: local paths, gs://, ...
 
-        self._ocp = ocp
         text = os.fspath(directory)
         self._directory = epath.Path(text if "://" in text else os.path.abspath(text))
         if self._directory.exists() and not self._directory.is_dir():
             raise ValueError(f"`directory` {str(self._directory)!r} exists and is not a directory.")
-        self._remove_unfinished_saves()
-        self._save_every = save_every
-        self._keep = keep
-        self._async_save = async_save
-        self._checksums = checksums
+        self._async_save, self._checksums, self._timeout = async_save, checksums, timeout
         self._restored_step: int | None = None
-        policies = ocp.checkpoint_managers
+        self._busy = threading.Lock()
+        self._barriers = 0
+        self._unlock: Any = None  # set once this Checkpointer holds the writer lock
+        self._closed = True  # until the manager exists
+        self._manager = self._open_manager()
+        self._closed = False
+
+    def _open_manager(self) -> Any:
+        ocp, policies = self._ocp, self._ocp.checkpoint_managers
+        every = policies.FixedIntervalPolicy(self._save_every)
+        preempted = policies.save_decision_policy.PreemptionCheckpointingPolicy()
         options = ocp.CheckpointManagerOptions(
-            save_decision_policy=policies.AnySavePolicy(
-                [
-                    policies.FixedIntervalPolicy(save_every),
-                    policies.save_decision_policy.PreemptionCheckpointingPolicy(),
-                ]
-            ),
-            preservation_policy=policies.LatestN(keep),
-            enable_async_checkpointing=async_save,
-            # done by `_remove_unfinished_saves`, synchronously (orbax does it in a thread
-            # that may still run after `close`)
-            cleanup_tmp_directories=False,
-            create=True,
+            save_decision_policy=policies.AnySavePolicy([every, preempted]),
+            preservation_policy=policies.LatestN(self._keep),
+            enable_async_checkpointing=self._async_save,
+            todelete_subdir=_TRASH,
+            lightweight_initialize=True,  # a step with damaged metadata must not stop opening
+            cleanup_tmp_directories=False,  # only the lock holder removes unfinished saves
         )
-        self._manager = ocp.CheckpointManager(
-            self._directory, item_handlers=ocp.StandardCheckpointHandler(), options=options
-        )
+        handler = ocp.StandardCheckpointHandler()
+        return ocp.CheckpointManager(self._directory, item_handlers=handler, options=options)
 
-    def _remove_unfinished_saves(self) -> None:
-        """Delete the `<step>.orbax-checkpoint-tmp` directories of saves that died midway.
+    @contextmanager
+    def _exclusive(self) -> Iterator[None]:
+        self._check_open()
+        if not self._busy.acquire(blocking=False):
+            raise RuntimeError(
+                f"{self!r} is in use by another thread. A Checkpointer is used by one thread at "
+                "a time: serialize the calls, or give each thread its own reader."
+            )
+        try:
+            yield
+        finally:
+            self._busy.release()
 
-        They are never listed as steps; this only tidies up (orbax also replaces such a
-        directory when the same step is saved again). The primary process does it, before
-        any save of this Checkpointer can start (orbax's save begins with a barrier).
-        """
-        if jax.process_index() != 0 or not self._directory.exists():
+    def _barrier(self, name: str) -> None:
+        """Meet the other processes, or fail after `timeout` seconds (a no-op alone)."""
+        if jax.process_count() == 1:
+            return
+        self._barriers += 1
+        key = f"eqpar:{self._directory}:{name}:{self._barriers}"
+        try:
+            self._ocp.multihost.get_barrier_sync_fn()(key=key, timeout_ms=int(self._timeout * 1e3))
+        except Exception as error:
+            raise RuntimeError(
+                f"`{name}` waited {self._timeout} s for the other processes and not all of "
+                f"them came (process {jax.process_index()} of {jax.process_count()}). Every "
+                f"process must call `{name}` with the same step, together. ({_first_line(error)})"
+            ) from error
+
+    def _become_writer(self) -> None:
+        """Take the writer lock (primary process), then remove what dead writers left."""
+        if self._unlock is not None or jax.process_index() != 0:
+            return
+        lock = os.fspath(self._directory / _LOCK)
+        if "://" not in lock:
+            _take_lock(lock)
+        self._unlock = weakref.finalize(self, _release_lock, lock)
+        self._purge(unfinished=True)
+
+    def _purge(self, unfinished: bool = False) -> None:
+        """Delete the steps orbax moved to the trash (and unfinished saves): they are no
+        longer listed, so a kill midway leaves nothing half-deleted in the listing."""
+        if self._unlock is None:
             return
         for child in self._directory.iterdir():
-            if _TMP_SUFFIX in child.name and child.is_dir():
-                child.rmtree()
+            if child.name == _TRASH or (unfinished and _TMP_SUFFIX in child.name):
+                child.rmtree(missing_ok=True)
 
     # -- properties -----------------------------------------------------------------------
 
@@ -1034,12 +812,13 @@ class Checkpointer:
     # -- listing --------------------------------------------------------------------------
 
     def all_steps(self) -> list[int]:
-        """The finished (committed) steps in the directory, oldest first.
+        """The committed steps in the directory, oldest first, read from disk.
 
         **Arguments:** none.
 
-        **Returns:** a sorted list of ints. Steps whose save died midway never appear; a
-        committed step damaged afterwards does (restoring it raises `CorruptCheckpointError`).
+        **Returns:** a sorted list of ints. Steps whose save died midway (or is still being
+        written) never appear; a committed step damaged afterwards does until a `restore()`
+        passes over it and moves it aside.
 
         ```python
         import tempfile
@@ -1055,7 +834,7 @@ class Checkpointer:
         ```
         """
         self._check_open()
-        return sorted(int(step) for step in self._manager.all_steps())
+        return sorted(self._ocp.utils.checkpoint_steps(self._directory))
 
     def latest_step(self) -> int | None:
         """The newest committed step, or `None` if there is none.
@@ -1082,14 +861,14 @@ class Checkpointer:
         return steps[-1] if steps else None
 
     def should_save(self, step: SupportsIndex) -> bool:
-        """Whether `save(step, ...)` would write without `force`.
+        """Whether `save(step, ...)` would write without `force` (orbax's save policy).
 
         **Arguments:**
 
         - `step`: the training step.
 
         **Returns:** `True` when `step` is a multiple of `save_every` (or a preemption notice
-        arrived at this step) and is newer than `latest_step()`.
+        arrived at this step) and is newer than the latest step.
 
         ```python
         import tempfile
@@ -1102,8 +881,7 @@ class Checkpointer:
         ```
         """
         self._check_open()
-        step = _as_step(step)
-        return bool(self._manager.should_save(step))
+        return bool(self._manager.should_save(_as_step(step)))
 
     # -- saving ---------------------------------------------------------------------------
 
@@ -1111,9 +889,9 @@ class Checkpointer:
         """Write `state` as step `step`, if `should_save(step)` or `force`.
 
         Each process writes the blocks of the arrays on its own devices; nothing is gathered.
-        The step appears in `all_steps()` only once every process has finished writing (in
-        async mode: once the background write has started), and older steps beyond `keep` are
-        deleted only after that.
+        The step appears in `all_steps()` only once every process has finished writing, and
+        older steps beyond `keep` are removed only after that. The first save takes the
+        directory's writer lock (see the module docstring).
 
         **Arguments:**
 
@@ -1129,9 +907,11 @@ class Checkpointer:
         final `save(last_step, state, force=True)` after a loop that already saved that step
         is harmless).
 
-        Raises `ValueError` if two leaves of `state` would be stored under the same name, and
-        `TypeError` for leaves that cannot be saved without pickle (object arrays) or
-        abstract ones (`jax.ShapeDtypeStruct`).
+        Raises `ValueError` if two leaves of `state` would be stored under the same name, or
+        for a zero-size or deleted (donated) array leaf, naming its path; `TypeError` for
+        leaves that cannot be saved without pickle (object arrays) or abstract ones
+        (`jax.ShapeDtypeStruct`); `RuntimeError` if another writer holds the directory's lock
+        or, with several processes, not every process calls `save` within `timeout`.
 
         ```python
         import tempfile
@@ -1153,33 +933,32 @@ class Checkpointer:
                 assert checkpointer.all_steps() == [7]
         ```
         """
-        self._check_open()
-        step = _as_step(step)
-        if not force and not self.should_save(step):
-            return False
-        if step in self._manager.all_steps():
-            return False  # never overwritten, forced or not
-        leaves, values = _save_plan(state)
-        if not leaves:
-            raise ValueError(
-                "`state` has no leaves to save: no arrays and no Python bool/int/float/complex "
-                "leaves."
+        with self._exclusive():
+            step = _as_step(step)
+            if not force and not self._manager.should_save(step):
+                return False
+            if step in self._manager.all_steps() or (self._directory / str(step)).exists():
+                return False  # never overwritten, forced or not
+            leaves, _, _ = _leaves(state, "state")
+            values = [_saved_value(leaf) for leaf in leaves]
+            if not leaves:
+                raise ValueError("`state` has no leaves to save: no arrays, no Python scalars.")
+            self._become_writer()
+            self._barrier("save")
+            self._manager.wait_until_finished()
+            self._purge()
+            checksums = _digests(values) if self._checksums else [None] * len(values)
+            records = [_record(leaf, checksum) for leaf, checksum in zip(leaves, checksums)]
+            entry = {"version": _FORMAT_VERSION, "step": step, "leaves": records}
+            saved = self._manager.save(
+                step,
+                args=self._ocp.args.StandardSave(_nested(leaves, values)),
+                custom_metadata={_FORMAT_KEY: entry},
+                force=True,
             )
-        checksums = _digests(values) if self._checksums else [None] * len(values)
-        metadata = {
-            _FORMAT_KEY: {
-                "version": _FORMAT_VERSION,
-                "leaves": [_record(leaf, checksum) for leaf, checksum in zip(leaves, checksums)],
-            }
-        }
-        item = _nested(leaves, values)
-        saved = self._manager.save(
-            step,
-            args=self._ocp.args.StandardSave(item),
-            custom_metadata=metadata,
-            force=True,
-        )
-        return bool(saved)
+            if not self._async_save:
+                self._purge()
+            return bool(saved)
 
     def wait_until_finished(self) -> None:
         """Block until a background (`async_save=True`) write has finished and is committed.
@@ -1200,8 +979,8 @@ class Checkpointer:
             checkpointer.close()
         ```
         """
-        self._check_open()
-        self._manager.wait_until_finished()
+        with self._exclusive():
+            self._manager.wait_until_finished()
 
     # -- restoring ------------------------------------------------------------------------
 
@@ -1217,8 +996,11 @@ class Checkpointer:
 
         **Arguments:**
 
-        - `step`: the step to read. `None` reads `latest_step()`, and if that step is damaged
-          warns and falls back to the newest step that restores cleanly.
+        - `step`: the step to read; the data comes from that step or `restore` raises (the
+          step number recorded inside the step is checked). `None` reads `latest_step()`, and
+          if that step is damaged warns and falls back to the newest step that restores
+          cleanly, moving the damaged steps it passed over aside to `<step>.damaged-<time>`
+          (they are kept for inspection; saving goes on past them).
         - `target`: a pytree with the structure of the saved state. Its array leaves say where
           the data goes: `jax.ShapeDtypeStruct(shape, dtype, sharding=...)` (e.g. from
           `eqx.filter_eval_shape`, so nothing is allocated) or real arrays whose sharding is
@@ -1245,8 +1027,11 @@ class Checkpointer:
         Raises `FileNotFoundError` if the step (or any step) does not exist,
         `CheckpointMismatchError` naming the first mismatching leaf path if the checkpoint
         holds another structure (missing or extra leaves, kinds, shapes, dtypes, PRNG
-        implementations), and `CorruptCheckpointError` naming the step and its path if the
-        step is damaged (for `step=None`: if every step is).
+        implementations; shapes and dtypes as orbax's `item_metadata` reports them),
+        `CorruptCheckpointError` naming the step and its path if the step is damaged (for
+        `step=None`: if every step is), and `RuntimeError` if another thread is inside this
+        `Checkpointer` or, with several processes, not every process calls `restore` within
+        `timeout`.
 
         ```python
         import tempfile
@@ -1276,168 +1061,177 @@ class Checkpointer:
         np.testing.assert_array_equal(np.asarray(restored["weight"]), np.asarray(weight))
         ```
         """
-        self._check_open()
-        self.wait_until_finished()
-        plan, target_leaves, treedef = _restore_plan(target, shardings)
-        steps = self.all_steps()
-        if step is not None:
-            step = _as_step(step)
-            if step not in steps:
+        with self._exclusive():
+            self._manager.wait_until_finished()
+            plan, target_leaves, treedef = _leaves(target, "target")
+            overrides = _overrides(shardings, plan)
+            abstracts = [_placement(leaf, shardings, overrides) for leaf in plan]
+            self._barrier("restore")
+            steps = self.all_steps()
+            candidates = steps if step is None else [_as_step(step)]
+            if not candidates or not set(candidates) <= set(steps):
                 raise FileNotFoundError(
-                    f"`step` {step}: there is no committed checkpoint for it in "
-                    f"{self._directory}; committed steps: {steps or 'none'}."
+                    ("" if step is None else f"`step` {candidates[0]}: ")
+                    + f"there is no committed checkpoint in {self._directory} to restore; "
+                    f"committed steps: {steps or 'none'}. (Start from scratch when "
+                    "`latest_step()` is None.)"
                 )
-            try:
-                restored = self._restore_step(step, plan, target_leaves, treedef, reshape)
-            except CorruptCheckpointError as error:
-                error.args = (
-                    f"{error} Restore another step (`all_steps()` lists them) or call "
-                    "`restore()` without `step` to fall back to the newest intact one.",
-                )
-                raise
-            self._restored_step = step
-            return restored
-        if not steps:
-            raise FileNotFoundError(
-                f"There is no committed checkpoint in {self._directory} to restore. Check "
-                "`latest_step()` is not None first (e.g. start from scratch when it is)."
+            failures: list[CorruptCheckpointError] = []
+            for candidate in reversed(candidates):
+                try:
+                    restored = self._restore_step(
+                        candidate, plan, abstracts, target_leaves, treedef, reshape
+                    )
+                except CorruptCheckpointError as error:
+                    if step is not None:
+                        error.args = (
+                            f"{error} Restore another step (`all_steps()` lists them) or call "
+                            "`restore()` without `step` to fall back to the newest intact one.",
+                        )
+                        raise
+                    failures.append(error)
+                    _warn_caller(f"{error} Falling back to an older step.")
+                    continue
+                if failures:
+                    moved = self._quarantine([f.step for f in failures if f.step is not None])
+                    _warn_caller(
+                        f"Restored step {candidate} from {self._directory}, not the newest step "
+                        f"{steps[-1]}: damaged steps were moved aside for inspection ({moved}), "
+                        "so saving goes on past them."
+                    )
+                self._restored_step = candidate
+                return restored
+            details = "\n".join(f"- {failure}" for failure in failures)
+            raise CorruptCheckpointError(
+                f"Every checkpoint in {self._directory} is damaged ({len(failures)} steps), "
+                f"left in place:\n{details}",
+                path=str(self._directory),
             )
-        failures: list[CorruptCheckpointError] = []
-        for candidate in reversed(steps):
-            try:
-                restored = self._restore_step(candidate, plan, target_leaves, treedef, reshape)
-            except CorruptCheckpointError as error:
-                failures.append(error)
-                _warn_caller(f"{error} Falling back to an older step.")
-                continue
-            if failures:
-                _warn_caller(
-                    f"Restored step {candidate} from {self._directory}, not the newest step "
-                    f"{steps[-1]}: steps {[f.step for f in failures]} are damaged and were "
-                    "skipped (they are left on disk for inspection).",
-                )
-            self._restored_step = candidate
-            return restored
-        details = "\n".join(f"- {failure}" for failure in failures)
-        raise CorruptCheckpointError(
-            f"Every checkpoint in {self._directory} is damaged ({len(failures)} steps):\n{details}",
-            step=None,
-            path=str(self._directory),
-        )
+
+    def _quarantine(self, steps: list[int]) -> str:
+        """Rename damaged steps to names orbax does not list, then reopen orbax's manager (it
+        caches the list of steps). Only the primary process renames."""
+        moved = []
+        for step in steps:
+            destination = self._directory / f"{step}.damaged-{time.time_ns()}"
+            if jax.process_index() == 0:
+                (self._directory / str(step)).rename(destination)
+            moved.append(f"{step} -> {destination.name}")
+        self._barrier("quarantine")
+        self._manager.close()
+        self._manager = self._open_manager()
+        return ", ".join(moved)
 
     def _restore_step(
         self,
         step: int,
-        plan: list[_TargetLeaf],
+        plan: list[_Leaf],
+        abstracts: list,
         target_leaves: list,
         treedef: Any,
-        reshape: bool = False,
+        reshape: bool,
     ) -> PyTree:
         step_dir = self._directory / str(step)
 
         def damaged(why: str) -> CorruptCheckpointError:
-            return CorruptCheckpointError(
-                f"Checkpoint step {step} at {step_dir} is damaged: {why}.",
-                step=step,
-                path=str(step_dir),
-            )
+            message = f"Checkpoint step {step} at {step_dir} is damaged: {why}."
+            return CorruptCheckpointError(message, step=step, path=str(step_dir))
 
-        records = self._read_records(step, step_dir, damaged)
-        problems = _mismatches(records, plan, reshape=reshape)
+        saved = self._read_metadata(step, step_dir, damaged)
+        problems = _mismatches(saved, plan, reshape)
         if problems:
             listed = "\n".join(f"- {problem}" for problem in problems[:_MAX_LISTED])
-            more = len(problems) - _MAX_LISTED
-            if more > 0:
-                listed += f"\n- ... and {more} more"
+            if len(problems) > _MAX_LISTED:
+                listed += f"\n- ... and {len(problems) - _MAX_LISTED} more"
             raise CheckpointMismatchError(
-                f"Checkpoint step {step} at {step_dir} does not have the structure of "
-                f"`target`; first mismatching leaf: {problems[0]}.\nAll {len(problems)} "
-                f"differences:\n{listed}\nBuild `target` with the same model constructor, "
-                "optimizer and metadata as the run that saved it (e.g. with "
-                "`eqx.filter_eval_shape`).",
+                f"Checkpoint step {step} at {step_dir} does not have the structure of `target`; "
+                f"first mismatching leaf: {problems[0]}.\nAll {len(problems)} differences:\n"
+                f"{listed}\nBuild `target` like the state that was saved (same constructors).",
                 step=step,
                 path=str(step_dir),
             )
-        saved = {record["path"]: record for record in records}
-        reshaped = {
-            entry.leaf.index
-            for entry in plan
-            if reshape and _reshapable(saved[entry.leaf.path], entry.leaf)
-        }
-        abstracts = [
-            _read_as_saved(entry, tuple(saved[entry.leaf.path]["shape"]))
-            if entry.leaf.index in reshaped
-            else entry.abstract
-            for entry in plan
+        reshaped = [reshape and _reshapable(saved[leaf.path], leaf) for leaf in plan]
+        asked = [
+            _replicated(abstract, saved[leaf.path]["shape"]) if again else abstract
+            for leaf, abstract, again in zip(plan, abstracts, reshaped)
         ]
-        item = _nested([entry.leaf for entry in plan], abstracts)
-        _quiet_abandoned_reads()
         try:
-            restored = self._manager.restore(step, args=self._ocp.args.StandardRestore(item))
-            stored = [_lookup(restored, entry.leaf.names) for entry in plan]
+            restored = self._manager.restore(
+                step, args=self._ocp.args.StandardRestore(_nested(plan, asked))
+            )
+            stored = [_lookup(restored, leaf.names) for leaf in plan]
         except Exception as error:
-            _release_failed_reads(error)
             raise damaged(f"reading its arrays failed ({_first_line(error)})") from error
-        if any("checksum" in record for record in records):
-            for entry, digest in zip(plan, _digests(stored)):
-                expected = saved[entry.leaf.path].get("checksum")
-                if expected is not None and digest is not None and digest != expected:
-                    raise damaged(
-                        f"leaf {_display(entry.leaf.path)} does not match its checksum "
-                        f"(saved {expected}, read {digest}), so its array files were altered "
-                        "after the save"
-                    )
+        wanted = [saved[leaf.path].get("checksum") for leaf in plan]
+        digests = _digests(stored) if any(w is not None for w in wanted) else wanted
+        for leaf, expected, digest in zip(plan, wanted, digests):
+            if None not in (expected, digest) and digest != expected:
+                raise damaged(
+                    f"leaf {_display(leaf.path)} does not match its checksum (saved {expected}, "
+                    f"read {digest}), so its array files were altered after the save"
+                )
         leaves = list(target_leaves)
-        for entry, value in zip(plan, stored):
-            if entry.leaf.index in reshaped:
-                value = _reshape_to_target(entry, value)
-            leaves[entry.leaf.index] = _finish(entry, value, saved[entry.leaf.path])
+        for leaf, abstract, value, again in zip(plan, abstracts, stored, reshaped):
+            value = _reshaped(abstract, value) if again else value
+            leaves[leaf.index] = _finish(leaf, value, saved[leaf.path])
         return jax.tree_util.tree_unflatten(treedef, leaves)
 
-    def _read_records(
+    def _read_metadata(
         self, step: int, step_dir: Any, damaged: Callable[[str], CorruptCheckpointError]
-    ) -> list[dict]:
-        step_file = step_dir / _STEP_METADATA_FILE
-        item_file = step_dir / _ITEM_DIR / _ITEM_METADATA_FILE
-        contents = {}
-        for file in (step_file, item_file):
-            if not file.is_file():
-                raise damaged(f"its metadata file {file} is missing")
-            try:
-                contents[file] = json.loads(file.read_text())
-            except (OSError, ValueError) as error:
-                why = f"its metadata file {file} is unreadable ({_first_line(error)})"
-                raise damaged(why) from error
-        step_metadata = contents[step_file]
-        custom = step_metadata.get("custom_metadata") if isinstance(step_metadata, dict) else None
-        entry = custom.get(_FORMAT_KEY) if isinstance(custom, dict) else None
-        if entry is None:
+    ) -> dict[str, dict]:
+        """Each saved leaf by path: eqpar's record (kind, impl, checksum) with the shape and
+        dtype from orbax's `item_metadata`. Anything malformed is damage."""
+        file = step_dir / _STEP_METADATA_FILE
+        try:
+            metadata = json.loads(file.read_text())
+        except (OSError, ValueError) as error:
+            state = "missing" if isinstance(error, FileNotFoundError) else "unreadable"
+            raise damaged(f"its metadata file {file} is {state} ({_first_line(error)})") from error
+        try:
+            arrays = getattr(self._manager.item_metadata(step), "tree", None)
+        except Exception as error:
+            raise damaged(f"reading its arrays failed ({_first_line(error)})") from error
+        custom = metadata.get("custom_metadata") if isinstance(metadata, dict) else None
+        raw = custom.get(_FORMAT_KEY) if isinstance(custom, dict) else None
+        entry: dict = raw if isinstance(raw, dict) else {}
+        ours = isinstance(arrays, dict) and _ITEM_ROOT in arrays
+        version = entry.get("version")
+        if (raw is None and not ours) or (isinstance(version, int) and version > _FORMAT_VERSION):
+            why = "an eqpar newer than this one" if raw else "another program (no eqpar entry)"
             raise CheckpointMismatchError(
-                f"Checkpoint step {step} at {step_dir} was not written by eqpar.checkpoint (its "
-                f"{step_file.name} has no `custom_metadata.{_FORMAT_KEY}` entry). Read it with "
-                "orbax directly.",
-                step=step,
-                path=str(step_dir),
-            )
-        if not isinstance(entry, dict) or not isinstance(entry.get("version"), int):
-            raise damaged(f"the `custom_metadata.{_FORMAT_KEY}` entry of {step_file} is malformed")
-        if entry["version"] > _FORMAT_VERSION:
-            raise CheckpointMismatchError(
-                f"Checkpoint step {step} at {step_dir} uses eqpar checkpoint format version "
-                f"{entry['version']}; this eqpar reads up to version {_FORMAT_VERSION}. Upgrade "
-                "eqpar.",
+                f"Checkpoint step {step} at {step_dir} was not written by eqpar.checkpoint but "
+                f"by {why}: upgrade eqpar, or read it with orbax directly.",
                 step=step,
                 path=str(step_dir),
             )
         records = entry.get("leaves")
-        if not isinstance(records, list) or not all(_valid_record(r) for r in records):
-            raise damaged(f"the leaf list in {step_file} is malformed")
-        return records
+        if not isinstance(version, int) or not isinstance(records, list):
+            raise damaged(f"its `custom_metadata.{_FORMAT_KEY}` entry in {file} is malformed")
+        if not all(map(_valid_record, records)):
+            raise damaged(f"the leaf list in {file} is malformed")
+        if entry.get("step", step) != step:
+            raise damaged(f"it holds step {entry.get('step')!r}, not {step} (renamed or copied?)")
+        if not ours or not isinstance(arrays, dict):
+            raise damaged(f"its array metadata file {step_dir / 'default/_METADATA'} is missing")
+        tree = arrays[_ITEM_ROOT]
+        shapes = dict(_flat_metadata(tree)) if isinstance(tree, dict) else {"": tree}
+        listed = [record["path"] for record in records]
+        if sorted(listed) != sorted(shapes):
+            differ = sorted(set(listed) ^ set(shapes)) or "a repeated path"
+            raise damaged(f"its leaf list and orbax's array metadata disagree on {differ}")
+        try:
+            return {
+                r["path"]: {**r, "shape": tuple(m.shape), "dtype": np.dtype(m.dtype).name}
+                for r, m in ((r, shapes[r["path"]]) for r in records)
+            }
+        except (AttributeError, TypeError) as error:
+            raise damaged(f"its array metadata is malformed ({_first_line(error)})") from error
 
     # -- closing --------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Wait for a background save to finish, then release orbax's resources. Idempotent.
+        """Wait for a background save to finish, release orbax's resources and the writer lock.
+        Idempotent.
 
         **Arguments:** none. **Returns:** `None`.
 
@@ -1457,12 +1251,15 @@ class Checkpointer:
         """
         if self._closed:
             return
-        try:
-            self._manager.wait_until_finished()
-        finally:
-            self._manager.close()
-            self._closed = True
-            self._stop_routing()
+        with self._exclusive():
+            try:
+                self._manager.wait_until_finished()
+                self._purge()
+            finally:
+                self._manager.close()
+                self._closed = True
+                if self._unlock is not None:
+                    self._unlock()
 
     def __enter__(self) -> "Checkpointer":
         return self

@@ -161,7 +161,7 @@ class LM(eqx.Module):
         num_stages: int = 1,
         num_microbatches: int = 1,
         num_repeats: int = 1,
-        remat: bool = False,
+        remat: str = "none",
         key: PRNGKeyArray,
     ):
         keys = jax.random.split(key, 4)
@@ -218,7 +218,7 @@ def build(
     *,
     num_microbatches: int,
     num_repeats: int = 1,
-    remat: bool = False,
+    remat: str = "none",
     key: PRNGKeyArray,
 ) -> LM:
     """The model for `mesh`: one pipeline stage (or `num_repeats`) per `pipe` device, the

@@ -54,7 +54,7 @@ class RunConfig:
     microbatches: int = 4
     repeats: int = 2
     fsdp: bool = False
-    remat: bool = False
+    remat: str = "none"  # what each layer keeps for the backward pass: none, full, matmuls
     steps: int = 120
     batch_size: int = 16
     lr: float = 3e-3
@@ -390,7 +390,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--microbatches", type=positive_int, default=4)
     parser.add_argument("--repeats", type=int, default=2, help="stages per device (circular)")
     parser.add_argument("--fsdp", action="store_true", help="also shard parameters over data")
-    parser.add_argument("--remat", action="store_true", help="recompute stage activations")
+    parser.add_argument(
+        "--remat",
+        nargs="?",
+        const="full",
+        default="none",
+        choices=["none", "full", "matmuls"],
+        help="recompute each layer's activations in the backward pass: 'full' keeps only its "
+        "input, 'matmuls' also its matmul outputs (default none; --remat alone means full)",
+    )
     parser.add_argument("--steps", type=positive_int, default=120)
     parser.add_argument("--batch-size", type=positive_int, default=16)
     parser.add_argument("--lr", type=float, default=3e-3)

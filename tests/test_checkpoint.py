@@ -1,6 +1,8 @@
 """Sharded checkpoints (`eqpar.checkpoint`): round trips, restoring onto other meshes, keep-K
-and save-every-N, damaged and interrupted checkpoints, structure mismatches, and a save from 2
-real processes restored in one.
+and save-every-N, damaged and interrupted checkpoints, structure mismatches, a save from 2
+real processes restored in one, and the guarantees under faults (quarantine, damaged
+metadata, step identity, one writer, atomic removal of old steps, a save on only some
+processes).
 
 The functions starting with `_child` run in processes started by `multiprocess_util`; they
 configure JAX in their bodies, before it starts a backend. (Importing this module imports
@@ -12,7 +14,10 @@ import json
 import logging
 import os
 import pickle
+import shutil
 import signal
+import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -503,12 +508,15 @@ def test_save_killed_midway_keeps_last_good_checkpoint(tmp_path):
     target = {"w": jax.ShapeDtypeStruct((64, 64), jnp.float32), "step": 0}
     with Checkpointer(tmp_path) as checkpointer:
         assert checkpointer.all_steps() == [1]  # the unfinished step is never listed
-        assert not (tmp_path / leftovers[0]).exists()  # and is deleted on opening
         restored = checkpointer.restore(target=target)
         assert restored["step"] == 1
         np.testing.assert_array_equal(restored["w"], np.ones((64, 64), np.float32))
+        # a reader leaves it alone (it could be a save in progress); the next writer (the
+        # dead one's lock is stale) removes it
+        assert (tmp_path / leftovers[0]).exists()
         # training goes on: step 2 can be saved again
         assert checkpointer.save(2, {"w": jnp.full((64, 64), 2.0), "step": 2})
+        assert not (tmp_path / leftovers[0]).exists()
         assert checkpointer.restore(target=target)["step"] == 2
 
 
@@ -636,14 +644,29 @@ def test_on_disk_format_is_json_and_tensorstore_and_loading_never_unpickles(tmp_
     assert_bitwise_equal(restored["model"], state["model"])
 
 
-def test_orbax_log_records_are_routed_to_debug(tmp_path, caplog):
-    caplog.set_level(logging.DEBUG, logger="eqpar.checkpoint.orbax")
-    caplog.set_level(logging.DEBUG, logger="absl")
+def test_no_interpreter_hook_or_foreign_logger_is_patched(tmp_path):
+    """Neither saving nor a failed (damaged) restore touches `sys.unraisablehook` or the
+    loggers of other libraries; orbax's logs are quieted through absl's own setting."""
+    loggers = [logging.getLogger(name) for name in ("", "absl", "asyncio", "orbax")]
+
+    def snapshot():
+        hooks = [sys.unraisablehook, sys.excepthook]
+        return hooks, [(list(log.filters), list(log.handlers), log.level) for log in loggers]
+
+    def from_eqpar(hook: object) -> bool:
+        return "eqpar" in str(getattr(hook, "__module__", ""))
+
+    before = snapshot()
     with Checkpointer(tmp_path) as checkpointer:
-        checkpointer.save(0, {"w": jnp.ones(2)})
-    routed = [r for r in caplog.records if r.name == "eqpar.checkpoint.orbax"]
-    assert routed and all(r.levelno == logging.DEBUG for r in routed)
-    assert not [r for r in caplog.records if r.name == "absl" and "orbax" in r.pathname]
+        checkpointer.save(1, corruption_state(1))
+        checkpointer.save(2, corruption_state(2))
+        _delete_array_files(tmp_path / "2")
+        with pytest.raises(CorruptCheckpointError):
+            checkpointer.restore(2, target=corruption_target())
+    assert snapshot() == before
+    hooks, states = snapshot()
+    assert not [hook for hook in hooks if from_eqpar(hook)]
+    assert not [f for filters, _, _ in states for f in filters if from_eqpar(f)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -693,6 +716,20 @@ def test_constructor_argument_errors(tmp_path):
         Checkpointer(tmp_path, save_every=0)
     with pytest.raises(ValueError, match=r"`keep` must be a positive int \(or None"):
         Checkpointer(tmp_path, keep=0)
+    # wrong types are refused (under the suite's beartype hook the annotation does it first)
+    for arguments, name in (
+        ({"save_every": "10"}, "save_every"),
+        ({"save_every": 2.5}, "save_every"),
+        ({"keep": 1.5}, "keep"),
+        ({"save_every": True}, "save_every"),
+    ):
+        with pytest.raises(TypeError, match=name):
+            Checkpointer(tmp_path, **arguments)  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match=f"`{name}` must be an integer"):
+            _as_step(arguments[name], name, 1)
+    with pytest.raises(ValueError, match="`timeout` must be a positive number"):
+        Checkpointer(tmp_path, timeout=0)
+    assert not list(tmp_path.glob("eqpar-writer.lock"))
     (tmp_path / "file").write_text("x")
     with pytest.raises(ValueError, match="exists and is not a directory"):
         Checkpointer(tmp_path / "file")
@@ -717,6 +754,14 @@ def test_save_argument_errors(tmp_path):
             checkpointer.save(0, {"name": "x", "fn": jax.nn.relu})
         with pytest.raises(TypeError, match="NumPy array of Python objects"):
             checkpointer.save(0, {"o": np.array([object()])})
+        with pytest.raises(ValueError, match=r"`state` leaf `a/w` has shape \(0, 3\)"):
+            checkpointer.save(0, {"a": {"w": jnp.zeros((0, 3)), "v": jnp.ones(2)}})
+        with pytest.raises(ValueError, match=r"`state` leaf `a/n` has shape \(2, 0\)"):
+            checkpointer.save(0, {"a": {"n": np.zeros((2, 0))}})
+        deleted = jnp.ones(3)
+        deleted.delete()  # as after donating it to a jitted step
+        with pytest.raises(ValueError, match=r"`state` leaf `a/x` is a deleted jax.Array"):
+            checkpointer.save(0, {"a": {"x": deleted}})
         assert checkpointer.all_steps() == []
 
 
@@ -961,3 +1006,214 @@ def test_pipeline_checkpoint_restores_under_another_stage_count_by_reshape(tmp_p
         )
         with pytest.raises(CheckpointMismatchError, match=r"`head/weight` \(shape\): \(2, 4\)"):
             checkpointer.restore(target=wrong, reshape=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Guarantees under faults: quarantine, damaged metadata, step identity, one writer, atomic
+# removal of old steps, a save on only some processes
+
+
+def test_damaged_step_is_quarantined_and_saving_goes_on_past_it(tmp_path):
+    with Checkpointer(tmp_path) as checkpointer:
+        checkpointer.save(10, corruption_state(10))
+        checkpointer.save(20, corruption_state(20))
+    _flip_array_bytes(tmp_path / "20")
+    with Checkpointer(tmp_path) as checkpointer:
+        with pytest.warns(UserWarning) as record:
+            restored = checkpointer.restore(target=corruption_target())
+        assert "moved aside" in str(record[-1].message)
+        assert restored["step"] == 10 and checkpointer.all_steps() == [10]
+        (moved,) = tmp_path.glob("20.damaged-*")  # kept for inspection, no longer a step
+        assert (moved / "_CHECKPOINT_METADATA").is_file()
+        assert checkpointer.should_save(20)
+        assert checkpointer.save(20, corruption_state(20))  # no longer blocked
+        assert checkpointer.all_steps() == [10, 20]
+        assert_bitwise_equal(checkpointer.restore(target=corruption_target()), corruption_state(20))
+
+
+def _replace_json(path: Path, edit) -> None:
+    path.write_text(json.dumps(edit(json.loads(path.read_text()))))
+
+
+def _drop_one_array_entry(metadata: dict) -> dict:
+    tree = metadata["tree_metadata"]
+    del tree[next(iter(tree))]
+    return metadata
+
+
+METADATA_DAMAGE = {
+    "step metadata not a dict": lambda d: (d / "_CHECKPOINT_METADATA").write_text("[]"),
+    "step metadata a string": lambda d: (d / "_CHECKPOINT_METADATA").write_text('"x"'),
+    "custom metadata not a dict": lambda d: _replace_json(
+        d / "_CHECKPOINT_METADATA", lambda m: {**m, "custom_metadata": [1]}
+    ),
+    "eqpar entry missing": lambda d: _replace_json(
+        d / "_CHECKPOINT_METADATA", lambda m: {**m, "custom_metadata": {}}
+    ),
+    "leaf list wrong contents": lambda d: _replace_json(
+        d / "_CHECKPOINT_METADATA",
+        lambda m: {**m, "custom_metadata": {"eqpar": {"version": 2, "leaves": [{"path": 3}]}}},
+    ),
+    "array metadata entry missing": lambda d: _replace_json(
+        d / "default" / "_METADATA", _drop_one_array_entry
+    ),
+    "array metadata not a dict": lambda d: (d / "default" / "_METADATA").write_text("[]"),
+}
+
+
+@pytest.mark.parametrize("damage", list(METADATA_DAMAGE), ids=list(METADATA_DAMAGE))
+def test_damaged_metadata_is_a_damaged_step(tmp_path, damage):
+    with Checkpointer(tmp_path) as checkpointer:
+        checkpointer.save(1, {"w": jnp.full(4, 1.0), "step": 1})
+        checkpointer.save(2, {"w": jnp.full(4, 2.0), "step": 2})
+    METADATA_DAMAGE[damage](tmp_path / "2")
+    target = {"w": jax.ShapeDtypeStruct((4,), jnp.float32), "step": 0}
+    with Checkpointer(tmp_path) as checkpointer:  # the directory still opens
+        assert checkpointer.all_steps() == [1, 2]
+        with pytest.raises(CorruptCheckpointError, match=r"step 2 at .* is damaged"):
+            checkpointer.restore(2, target=target)
+        with pytest.warns(UserWarning) as record:
+            assert checkpointer.restore(target=target)["step"] == 1
+        assert str(record[-1].message).startswith("Restored step 1")
+        assert checkpointer.save(2, {"w": jnp.full(4, 2.0), "step": 2})
+
+
+def test_restore_of_a_step_checks_the_step_it_holds(tmp_path):
+    with Checkpointer(tmp_path) as checkpointer:
+        checkpointer.save(1, {"w": jnp.full(4, 1.0)})
+        checkpointer.save(2, {"w": jnp.full(4, 2.0)})
+    shutil.rmtree(tmp_path / "2")
+    shutil.copytree(tmp_path / "1", tmp_path / "2")  # step 1's files under step 2's name
+    target = {"w": jax.ShapeDtypeStruct((4,), jnp.float32)}
+    with Checkpointer(tmp_path) as checkpointer:
+        with pytest.raises(CorruptCheckpointError, match="it holds step 1, not 2"):
+            checkpointer.restore(2, target=target)
+        with pytest.warns(UserWarning):
+            restored = checkpointer.restore(target=target)
+        assert checkpointer.restored_step == 1
+        np.testing.assert_array_equal(restored["w"], np.full(4, 1.0))
+
+
+def test_one_writer_per_directory_and_readers_never_disturb_a_save(tmp_path):
+    writer = Checkpointer(tmp_path)
+    writer.save(1, {"w": jnp.ones(2)})
+    in_progress = tmp_path / "2.orbax-checkpoint-tmp"  # as if the writer were saving step 2
+    (in_progress / "default").mkdir(parents=True)
+    (in_progress / "default" / "data").write_bytes(b"partial")
+    with Checkpointer(tmp_path) as reader:  # e.g. an eval job
+        assert reader.all_steps() == [1]
+        assert reader.restore(target={"w": jnp.zeros(2)})["w"].tolist() == [1.0, 1.0]
+        with pytest.raises(RuntimeError, match=f"held by pid {os.getpid()} on host") as caught:
+            reader.save(3, {"w": jnp.ones(2)})
+        assert "delete the lock file" in str(caught.value)
+    assert (in_progress / "default" / "data").read_bytes() == b"partial"  # untouched
+    writer.close()  # releases the lock
+    assert not (tmp_path / "eqpar-writer.lock").exists()
+    with Checkpointer(tmp_path) as next_writer:
+        assert next_writer.save(3, {"w": jnp.ones(2)})
+        assert not in_progress.exists()  # the lock holder removes unfinished saves
+        assert next_writer.all_steps() == [1, 3]
+
+
+def test_two_threads_on_one_checkpointer_are_refused(tmp_path, monkeypatch):
+    import eqpar.checkpoint as module
+
+    entered, release = threading.Event(), threading.Event()
+    real_leaves = module._leaves
+
+    def leaves(tree, argument):  # holds the other thread inside `save`
+        if threading.current_thread() is not threading.main_thread():
+            entered.set()
+            release.wait(timeout=60)
+        return real_leaves(tree, argument)
+
+    monkeypatch.setattr(module, "_leaves", leaves)
+    with Checkpointer(tmp_path) as checkpointer:
+        errors = []
+        thread = threading.Thread(
+            target=lambda: errors.append(checkpointer.save(0, {"w": jnp.ones(2)}))
+        )
+        thread.start()
+        assert entered.wait(timeout=60)
+        try:
+            with pytest.raises(RuntimeError, match="in use by another thread"):
+                checkpointer.save(1, {"w": jnp.ones(2)})
+        finally:
+            release.set()
+            thread.join(timeout=60)
+        assert errors == [True] and checkpointer.all_steps() == [0]
+
+
+def _child_dies_while_removing_an_old_step():
+    """keep=1: save step 1, then die by SIGKILL in the middle of removing it (after one of
+    its files is gone) while saving step 2."""
+    import jax
+
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", 2)
+    import jax.numpy as jnp
+
+    real_rmtree = shutil.rmtree
+
+    def rmtree(path, *args, **kwargs):
+        files = sorted(p for p in Path(path).rglob("*") if p.is_file())
+        if files:
+            files[0].unlink()
+            print("killing myself while removing a step", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real_rmtree(path, *args, **kwargs)
+
+    checkpointer = Checkpointer(os.environ[ENV_DIRECTORY], keep=1)
+    checkpointer.save(1, {"w": jnp.full(8, 1.0)})
+    shutil.rmtree = rmtree
+    checkpointer.save(2, {"w": jnp.full(8, 2.0)})
+    print("unreachable", flush=True)
+
+
+@pytest.mark.multiprocess
+def test_removing_old_steps_is_atomic_under_sigkill(tmp_path):
+    (result,) = run_processes(
+        _child_dies_while_removing_an_old_step,
+        num_processes=1,
+        timeout=TIMEOUT,
+        env={ENV_DIRECTORY: str(tmp_path)},
+        check=False,
+    )
+    assert result.returncode == -signal.SIGKILL, result.stderr
+    assert "killing myself" in result.stdout and "unreachable" not in result.stdout
+    target = {"w": jax.ShapeDtypeStruct((8,), jnp.float32)}
+    with Checkpointer(tmp_path, keep=1) as checkpointer:
+        assert checkpointer.all_steps() == [2]  # no half-removed step 1 listed
+        np.testing.assert_array_equal(checkpointer.restore(target=target)["w"], np.full(8, 2.0))
+        assert checkpointer.save(3, {"w": jnp.full(8, 3.0)})  # takes over the stale lock
+        assert checkpointer.all_steps() == [3]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["3"]
+
+
+def _child_saves_on_one_process_only():
+    from multiprocess_util import initialize_cpu_distributed
+
+    process_id, _ = initialize_cpu_distributed(num_cpu_devices=2)
+    import jax.numpy as jnp
+
+    checkpointer = Checkpointer(os.environ[ENV_DIRECTORY], timeout=3)
+    if process_id == 0:
+        try:
+            checkpointer.save(0, {"w": jnp.ones(2)})
+        except RuntimeError as error:
+            print(f"refused: {error}", flush=True)
+    print(f"process {process_id} done", flush=True)
+
+
+@pytest.mark.multiprocess
+def test_save_on_only_some_processes_fails_in_bounded_time(tmp_path):
+    results = run_processes(
+        _child_saves_on_one_process_only,
+        num_processes=2,
+        timeout=60,
+        env={ENV_DIRECTORY: str(tmp_path)},
+        check=False,
+    )
+    assert "refused: `save` waited 3 s for the other processes" in results[0].stdout, results
+    assert "Every process must call `save` with the same step" in results[0].stdout
+    assert all(f"process {r.process_id} done" in r.stdout for r in results)

@@ -49,7 +49,7 @@ def arrays(model):
     [
         ("data=2,pipe=2,model=2", {"schedule": "gpipe", "microbatches": 2}),
         ("data=2,pipe=2,model=2", {"schedule": "circular", "microbatches": 2}),
-        ("data=2,pipe=4", {"schedule": "1f1b", "microbatches": 2, "remat": True}),
+        ("data=2,pipe=4", {"schedule": "1f1b", "microbatches": 2, "remat": "matmuls"}),
         ("data=8", {"fsdp": True, "microbatches": 1}),
         ("data=2,model=4", {"fsdp": True, "microbatches": 2}),
     ],
