@@ -170,6 +170,19 @@ def test_prng_key_arrays_are_placed_like_any_leaf():
     np.testing.assert_array_equal(jax.random.key_data(placed), jax.random.key_data(keys))
 
 
+def test_values_that_do_not_fit_the_dtype_are_an_error_not_a_wrap():
+    assert not jax.config.jax_enable_x64
+    mesh = mesh_2x4()
+    too_big = {"ids": np.arange(8, dtype=np.int64) + 2**40}
+    with pytest.raises(ValueError, match=r"leaf 'ids'.*jax_enable_x64"):
+        host_to_global_device_array(too_big, mesh=mesh)
+    overflow = {"x": np.full(8, 1e300)}
+    with pytest.raises(ValueError, match=r"leaf 'x'"):
+        host_to_global_device_array(overflow, mesh=mesh)
+    fits = host_to_global_device_array({"ids": np.arange(8, dtype=np.int64)}, mesh=mesh)
+    assert fits["ids"].dtype == jnp.int32
+
+
 def test_an_empty_batch_round_trips():
     mesh = mesh_2x4()
     empty = np.zeros((0, 3), np.float32)
