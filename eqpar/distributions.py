@@ -44,6 +44,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array, Bool, PRNGKeyArray
 
 from ._paths import path_to_str
+from ._specs import entry_names, fsdp_dim
 from ._typing import PyTree, Specs
 from .layout import LayoutMap, is_array_like, named_shardings, partition_specs
 from .mesh import DeviceMesh, as_jax_mesh
@@ -575,15 +576,6 @@ class ModelParallel(Distribution):
         return f"ModelParallel({self.layout_map!r}, batch_dim_name={self.batch_dim_name!r})"
 
 
-def _axis_names(entry: object) -> tuple[object, ...]:
-    """The mesh axes one `PartitionSpec` entry names (`None` and `()` name none)."""
-    if entry is None:
-        return ()
-    if isinstance(entry, tuple):
-        return entry
-    return (entry,)
-
-
 def fsdp_spec(
     shape: Sequence[int],
     dtype: Any,
@@ -633,16 +625,13 @@ def fsdp_spec(
             f"{tuple(shape)}; give at most one entry per dimension."
         )
     unchanged = PartitionSpec() if base is None else base
-    if any(axis in _axis_names(entry) for entry in entries):
+    if any(axis in entry_names(entry) for entry in entries):
         return unchanged
     nbytes = math.prod(shape) * np.dtype(dtype).itemsize
-    if nbytes < min_size_bytes or axis_size == 1:
+    dim = fsdp_dim(tuple(shape), nbytes, unchanged, axis_size, min_size_bytes)
+    if dim is None:
         return unchanged
     padded: list[Any] = [*entries, *([None] * (rank - len(entries)))]
-    free = [d for d in range(rank) if not _axis_names(padded[d]) and shape[d] % axis_size == 0]
-    if not free:
-        return unchanged
-    dim = max(free, key=lambda d: shape[d])  # `max` keeps the first of equal sizes
     padded[dim] = axis
     return PartitionSpec(*padded)
 

@@ -114,9 +114,13 @@ def check_sizes(config: lm.LMConfig, run: RunConfig) -> None:
 
 
 def build_model(config: lm.LMConfig, run: RunConfig, mesh: eqpar.DeviceMesh) -> lm.LM:
-    """The example's model for `mesh`, parallelized by `lm.PLAN` (same parameters on any mesh)."""
+    """The example's model for `mesh`, parallelized by `lm.PLAN` (same parameters on any mesh).
+
+    With `--fsdp` the block stack also gathers its parameters over `data` one layer at a time
+    (`eqpar.nn.gather_layers`); the embeddings and the head are split by `eqpar.FSDP` and
+    gathered at the `shard_map` boundary."""
     repeats = run.repeats if run.schedule == "circular" and run.mesh[lm.PIPE] > 1 else 1
-    return lm.build(
+    model = lm.build(
         config,
         mesh,
         num_microbatches=run.microbatches,
@@ -124,6 +128,7 @@ def build_model(config: lm.LMConfig, run: RunConfig, mesh: eqpar.DeviceMesh) -> 
         remat=run.remat,
         key=jax.random.key(run.seed),
     )
+    return eqpar.nn.gather_layers(model, mesh, axis=lm.DATA) if run.fsdp else model
 
 
 def storage_specs(model: lm.LM, mesh: eqpar.DeviceMesh, fsdp: bool) -> Any:

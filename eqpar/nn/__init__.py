@@ -13,6 +13,7 @@ from .parallel_layers import gather_sequence as gather_sequence
 from .parallel_layers import scatter_sequence as scatter_sequence
 from .pipeline import PipelineModule as PipelineModule
 from .pipeline import ScannedLayers as ScannedLayers
+from .pipeline import gather_layers as gather_layers
 from .pipeline import stack_layers as stack_layers
 from .pipeline import unstack_layers as unstack_layers
 from .tensor_parallel import ModelParallelismWrapper as ModelParallelismWrapper
@@ -35,6 +36,7 @@ __all__ = [
     "TPLayerNorm",
     "TPMLPBlock",
     "VocabParallelEmbedding",
+    "gather_layers",
     "gather_sequence",
     "scale_init",
     "scatter_sequence",

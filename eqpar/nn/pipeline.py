@@ -11,18 +11,22 @@ circular schedule of `eqpar.pipeline`; outside, `apply_serially` is its one-devi
 
 import dataclasses
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any, Literal, cast
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec
+from jax import lax
+from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import Mesh, PartitionSpec
 from jaxtyping import Array, PRNGKeyArray, PyTree
 
-from .._declare import prefixed, stacked_partition_specs
+from .._declare import declared_partition_specs, prefixed, stacked_partition_specs
 from .._paths import path_to_str
+from .._specs import entry_names, fsdp_dim
 from .._typing import AxisName
+from ..mesh import DeviceMesh, as_jax_mesh
 from ..pipeline import (
     _axis_size,
     _batch_size,
@@ -92,6 +96,21 @@ def _remat_policy(remat: object, owner: str) -> RematPolicy:
             f"False for 'none'); got {remat!r}."
         )
     return cast(RematPolicy, remat)
+
+
+_GATHERED_PARAMETER = "eqpar_gathered_parameter"
+
+# With parameters gathered per layer, the policy also keeps the gathered copies out of what
+# the backward pass saves (they are gathered again instead).
+_GATHER_POLICIES: dict[str, Callable] = {
+    "none": jax.checkpoint_policies.save_anything_except_these_names(_GATHERED_PARAMETER),
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "matmuls": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+def _is_array_like(leaf: object) -> bool:
+    return eqx.is_array(leaf) or isinstance(leaf, jax.ShapeDtypeStruct)
 
 
 def _rematerialized(fn: Callable, remat: str) -> Callable:
@@ -281,11 +300,27 @@ class ScannedLayers(eqx.Module):
     """
 
     layers: PyTree
-    remat: str = eqx.field(static=True)
+    remat: RematPolicy = eqx.field(static=True)
+    gather_axis: Hashable | None = eqx.field(static=True)
+    gather_dims: tuple[int | None, ...] | None = eqx.field(static=True)
 
-    def __init__(self, layers: PyTree, *, remat: RematPolicy | bool = "none"):
+    def __init__(
+        self,
+        layers: PyTree,
+        *,
+        remat: RematPolicy | bool = "none",
+        gather_axis: Hashable | None = None,
+        gather_dims: Sequence[int | None] | None = None,
+    ):
         self.layers = layers
         self.remat = _remat_policy(remat, "ScannedLayers")
+        if (gather_axis is None) != (gather_dims is None):
+            raise ValueError(
+                "ScannedLayers: gather_axis and gather_dims go together; let "
+                "`eqpar.nn.gather_layers` set them."
+            )
+        self.gather_axis = gather_axis
+        self.gather_dims = None if gather_dims is None else tuple(gather_dims)
 
     @property
     def num_layers(self) -> int:
@@ -299,16 +334,65 @@ class ScannedLayers(eqx.Module):
     def __call__(self, x: PyTree[Array], *args: Any, **kwargs: Any) -> PyTree[Array]:
         """Apply every layer in order: `x -> layers[L-1](... layers[0](x, *args, **kwargs))`."""
         arrays, static = eqx.partition(self.layers, eqx.is_array)
-        call = _rematerialized(_call_stage, self.remat)
+        if self.gather_axis is None:
+            call = _rematerialized(_call_stage, self.remat)
 
-        def apply(h: Any, layer_arrays: Any) -> tuple[Any, None]:
-            return call(eqx.combine(layer_arrays, static), h, *args, **kwargs), None
+            def apply(h: Any, layer_arrays: Any) -> tuple[Any, None]:
+                return call(eqx.combine(layer_arrays, static), h, *args, **kwargs), None
+
+        else:
+            gathered = self._gathered_call(static)
+
+            def apply(h: Any, layer_arrays: Any) -> tuple[Any, None]:
+                return gathered(layer_arrays, h, *args, **kwargs), None
 
         out, _ = _scan(apply, x, arrays)
         return out
 
+    def _gathered_call(self, static: Any) -> Callable:
+        """One layer's call that first all-gathers its parameters over `gather_axis`.
+
+        The gather sits inside a `jax.checkpoint` whose policy never saves the gathered
+        parameters, so the backward pass gathers the layer again and the transpose of the
+        gather reduce-scatters its gradient: at most a layer or two of whole parameters are
+        alive at once, whatever the depth.
+        """
+        axis, dims = self.gather_axis, self.gather_dims
+        assert axis is not None and dims is not None
+
+        def run(layer_arrays: Any, h: Any, *args: Any, **kwargs: Any) -> Any:
+            leaves, treedef = jax.tree.flatten(layer_arrays)
+            if len(leaves) != len(dims):
+                raise ValueError(
+                    f"ScannedLayers: gather_dims has {len(dims)} entries but a layer has "
+                    f"{len(leaves)} arrays; apply `eqpar.nn.gather_layers` to the model as it is."
+                )
+            leaves = [
+                leaf
+                if dim is None
+                else checkpoint_name(
+                    lax.all_gather(leaf, axis, axis=dim, tiled=True), _GATHERED_PARAMETER
+                )
+                for leaf, dim in zip(leaves, dims)
+            ]
+            layer = eqx.combine(jax.tree.unflatten(treedef, leaves), static)
+            return layer(h, *args, **kwargs)
+
+        return eqx.filter_checkpoint(run, policy=_GATHER_POLICIES[self.remat])
+
     def __partition_specs__(self) -> Mapping[str, PartitionSpec]:
-        return prefixed("layers", stacked_partition_specs(self.layers, None))
+        specs = stacked_partition_specs(self.layers, None)
+        if self.gather_axis is None or self.gather_dims is None:
+            return prefixed("layers", specs)
+        paths = [path_to_str(p) for p, leaf in jax.tree_util.tree_flatten_with_path(
+            self.layers)[0] if _is_array_like(leaf)]  # fmt: skip
+        for path, dim in zip(paths, self.gather_dims):
+            if dim is not None:
+                entries = list(specs[path])
+                entries += [None] * (2 + dim - len(entries))
+                entries[1 + dim] = self.gather_axis
+                specs[path] = PartitionSpec(*entries)
+        return prefixed("layers", specs)
 
 
 def _call_stage(stage: Any, x: Any, *args: Any, **kwargs: Any) -> Any:
@@ -319,7 +403,7 @@ class _StageCall(eqx.Module):
     """A stage (or a stack of stages) called directly or under `jax.checkpoint`."""
 
     stage: Any
-    remat: str = eqx.field(static=True)
+    remat: RematPolicy = eqx.field(static=True)
 
     def __call__(self, x: Any, *args: Any, **kwargs: Any) -> Any:
         return _rematerialized(_call_stage, self.remat)(self.stage, x, *args, **kwargs)
@@ -414,7 +498,7 @@ class PipelineModule(eqx.Module):
     num_microbatches: int = eqx.field(static=True)
     axis_name: AxisName = eqx.field(static=True)
     num_repeats: int = eqx.field(static=True)
-    remat: str = eqx.field(static=True)
+    remat: RematPolicy = eqx.field(static=True)
     broadcast_output: bool = eqx.field(static=True)
 
     def __init__(
@@ -774,4 +858,122 @@ class PipelineModule(eqx.Module):
         return loss, grads
 
 
-__all__ = ["PipelineModule", "ScannedLayers", "stack_layers", "unstack_layers"]
+def _with_gathered_layers(
+    stack: ScannedLayers, axis: Hashable, axis_size: int, leading: int, min_size_bytes: int
+) -> ScannedLayers:
+    """`stack` with `gather_dims` chosen leaf by leaf, as FSDP would choose them for one layer
+    (`leading`: the stacked dimensions in front of one layer's shape)."""
+    declared = declared_partition_specs(stack.layers)
+    dims: list[int | None] = []
+    for path, leaf in jax.tree_util.tree_flatten_with_path(stack.layers)[0]:
+        if not _is_array_like(leaf):
+            continue
+        base = declared.get(path_to_str(path), PartitionSpec())
+        shape = tuple(leaf.shape[leading:])
+        nbytes = math.prod(shape) * jnp.dtype(leaf.dtype).itemsize
+        uses_axis = any(axis in entry_names(entry) for entry in base)
+        dims.append(None if uses_axis else fsdp_dim(shape, nbytes, base, axis_size, min_size_bytes))
+    if all(dim is None for dim in dims):
+        return ScannedLayers(stack.layers, remat=stack.remat)
+    return ScannedLayers(stack.layers, remat=stack.remat, gather_axis=axis, gather_dims=dims)
+
+
+def gather_layers(
+    model: PyTree,
+    mesh: DeviceMesh | Mesh,
+    *,
+    axis: Hashable = "data",
+    min_size_bytes: int = 16 * 1024,
+) -> PyTree:
+    """FSDP layer by layer: store every stacked layer's parameters split over `axis`, and
+    gather each layer's parameters only when the layer runs.
+
+    Under `eqpar.FSDP` alone, `jax.jit` (or the `shard_map` boundary) gathers every parameter
+    of the model before the first layer, so a device briefly holds the whole model. After
+    `gather_layers`, each `ScannedLayers` (on its own, or as the stages of a
+    `PipelineModule.from_layers`) declares its layers' parameters split over `axis` too, on
+    the dimension `eqpar.fsdp_spec` would choose for one layer, and inside `eqpar.shard_map`
+    all-gathers one layer's parameters at each step of its scan. The gathered copies are kept
+    out of what the backward pass saves (with `remat="full"` or `"matmuls"` the backward pass
+    gathers each layer again), and the transpose of the gather reduce-scatters the layer's
+    gradient into the same split, where FSDP at the boundary all-reduces the whole gradient.
+    Parameters outside the stacks (embeddings, heads) are left to the distribution:
+    `eqpar.FSDP(...)` splits them and they are gathered at the `shard_map` boundary as before.
+
+    Inside a pipeline the stage's layers are gathered at every microbatch step of the
+    schedule, which multiplies the gather traffic by the number of steps; per-layer FSDP pays
+    off most without a pipeline axis, or with few microbatches.
+
+    **Arguments:**
+
+    - `model`: a model holding `ScannedLayers` or `PipelineModule.from_layers` stacks.
+    - `mesh`: the mesh; `axis` must be one of its axes.
+    - `axis`: the mesh axis to split the parameters over (the data axis).
+    - `min_size_bytes`: parameters of one layer smaller than this stay whole.
+
+    **Returns:** the model with its stacks set to gather per layer (same parameters).
+
+    ```python
+    import equinox as eqx, jax, jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+    import eqpar
+    from eqpar.nn import ScannedLayers, gather_layers
+
+    mesh = eqpar.DeviceMesh((4,), ("data",), devices=jax.devices()[:4])
+    stack = ScannedLayers(eqx.filter_vmap(lambda k: eqx.nn.Linear(16, 16, key=k))(
+        jax.random.split(jax.random.key(0), 3)))
+    gathered = gather_layers(stack, mesh, min_size_bytes=0)
+    specs = eqpar.partition_specs(gathered)
+    assert specs.layers.weight == P(None, "data")  # [L, out, in]: in split over data
+    x = jnp.ones((8, 16))
+    loss = eqpar.shard_map(
+        lambda m, x: jax.lax.pmean(jnp.mean(jax.vmap(m)(x) ** 2), "data"),
+        mesh=mesh, in_specs=(specs, P("data")), out_specs=P(),
+    )
+    serial = lambda m, x: jnp.mean(jax.vmap(m)(x) ** 2)
+    grads = eqx.filter_jit(eqx.filter_grad(loss))(gathered, x)
+    assert jnp.allclose(grads.layers.weight, eqx.filter_grad(serial)(stack, x).layers.weight,
+                        atol=1e-6)
+    ```
+    """
+    jax_mesh = as_jax_mesh(mesh)
+    if axis not in jax_mesh.shape:
+        raise ValueError(
+            f"gather_layers: axis={axis!r} is not an axis of the mesh {tuple(jax_mesh.shape)}."
+        )
+    if isinstance(min_size_bytes, bool) or not isinstance(min_size_bytes, int):
+        raise TypeError(
+            f"gather_layers: min_size_bytes must be an int; got {type(min_size_bytes).__name__}."
+        )
+    if min_size_bytes < 0:
+        raise ValueError(
+            f"gather_layers: min_size_bytes must be an int >= 0; got {min_size_bytes!r}."
+        )
+    size = int(jax_mesh.shape[axis])
+    found = []
+
+    def convert(node: Any) -> Any:
+        if isinstance(node, PipelineModule) and isinstance(node.stages, ScannedLayers):
+            found.append(node)
+            stages = _with_gathered_layers(
+                node.stages, axis, size, node._stacked_dims() + 1, min_size_bytes
+            )
+            return eqx.tree_at(lambda m: m.stages, node, stages)
+        if isinstance(node, ScannedLayers):
+            found.append(node)
+            return _with_gathered_layers(node, axis, size, 1, min_size_bytes)
+        return node
+
+    converted = jax.tree.map(
+        convert, model, is_leaf=lambda n: isinstance(n, PipelineModule | ScannedLayers)
+    )
+    if not found:
+        raise ValueError(
+            "gather_layers: the model holds no ScannedLayers (nor PipelineModule.from_layers "
+            "stages) to gather layer by layer. Stack a list of layers with "
+            "`eqpar.nn.stack_layers` and wrap it in `ScannedLayers`."
+        )
+    return converted
+
+
+__all__ = ["PipelineModule", "ScannedLayers", "gather_layers", "stack_layers", "unstack_layers"]
