@@ -32,6 +32,7 @@ BENCHMARKS: list[tuple[str, str, list[str], list[str]]] = [
     ("tensor_parallel", "Tensor-parallel MLP block", [], []),
     ("sequence_parallel", "Sequence parallelism against tensor parallelism", [], ["--quick"]),
     ("remat", "Rematerialization policies: activation memory against depth", [], ["--quick"]),
+    ("fsdp_layers", "FSDP layer by layer against FSDP at the boundary and DP", [], ["--quick"]),
     (
         "pipeline",
         "Pipeline schedules",
