@@ -49,7 +49,9 @@ Tested with orbax-checkpoint 0.12.8.
 """
 
 import dataclasses
+import functools
 import json
+import math
 import operator
 import os
 import socket
@@ -65,7 +67,8 @@ from typing import Any, SupportsIndex
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
+from jax.sharding import Mesh, NamedSharding, Sharding, SingleDeviceSharding
+from jax.sharding import PartitionSpec as P
 
 from ._paths import key_to_str, path_to_str
 from ._typing import PyTree
@@ -83,7 +86,6 @@ _STEP_METADATA_FILE = "_CHECKPOINT_METADATA"  # orbax's per-step JSON file
 _TMP_SUFFIX = ".orbax-checkpoint-tmp"  # orbax's name for a step directory being written
 _TRASH = "eqpar-deleting"  # orbax's `todelete_subdir`: old steps are renamed here, then purged
 _LOCK = "eqpar-writer.lock"
-_KEEP_HINT = " (or None to keep every step)"
 _MAX_LISTED = 10  # differences listed in a mismatch report
 
 _PYTHON_KINDS: dict[type, tuple[str, np.dtype]] = {
@@ -99,6 +101,11 @@ class _StepError(ValueError):
     def __init__(self, message: str, *, step: int | None = None, path: str | None = None):
         super().__init__(message)
         self.step, self.path = step, path
+
+
+def _damaged(step: int, step_dir: Any, why: str) -> "CorruptCheckpointError":
+    message = f"Checkpoint step {step} at {step_dir} is damaged: {why}."
+    return CorruptCheckpointError(message, step=step, path=str(step_dir))
 
 
 class CorruptCheckpointError(_StepError):
@@ -168,9 +175,7 @@ def _orbax() -> Any:
     try:
         import orbax.checkpoint as ocp
     except ImportError as error:  # pragma: no cover - depends on the environment
-        raise ImportError(
-            "eqpar.checkpoint needs orbax: `pip install 'eqpar[checkpoint]'`."
-        ) from error
+        raise ImportError("eqpar.checkpoint needs orbax: pip install eqpar[checkpoint]") from error
     return ocp
 
 
@@ -185,8 +190,8 @@ _MULTIPLIER, _OFFSET = 0x9E3779B1, 0x7F4A7C15
 def _digestible(dtype: Any) -> bool:
     """Whole-byte dtypes get a checksum; sub-byte ones (int4, float4, ...) are stored packed."""
     dtype = np.dtype(dtype)
-    if dtype == np.bool_ or dtype.kind == "c":
-        return dtype == np.bool_ or dtype.itemsize in (8, 16)
+    if dtype.kind in "bc":  # bool, complex64, complex128
+        return dtype.itemsize in (1, 8, 16)
     info = jnp.finfo if jnp.issubdtype(dtype, jnp.floating) else jnp.iinfo
     try:
         return dtype.itemsize in (1, 2, 4, 8) and info(dtype).bits == 8 * dtype.itemsize
@@ -195,21 +200,19 @@ def _digestible(dtype: Any) -> bool:
 
 
 def _view(x: np.ndarray, dtype: Any) -> np.ndarray:
-    """NumPy's twin of `lax.bitcast_convert_type` for 1-D arrays."""
-    narrower = np.dtype(dtype).itemsize < x.dtype.itemsize
-    return np.ascontiguousarray(x).view(dtype).reshape(x.shape + (-1,) * narrower)
+    """NumPy's twin of `lax.bitcast_convert_type` between dtypes of one size."""
+    return np.ascontiguousarray(x).view(dtype)
 
 
 def _words(x: Any, xp: Any, bitcast: Callable) -> Any:
-    """The bits of `x` as uint32 words, one per element, same shape."""
-    if x.dtype == np.bool_:
-        return x.astype(xp.uint32)
+    """The bits of `x` as uint32 words, one per element, same shape (8-byte elements: the xor
+    of their two halves, which does not depend on the word order)."""
     if x.dtype.kind == "c":
         return _words(xp.real(x), xp, bitcast) ^ _words(xp.imag(x), xp, bitcast)
-    if x.dtype.itemsize == 8:  # two words; xor makes the result independent of word order
-        halves = bitcast(x, np.uint32)
-        return halves[..., 0] ^ halves[..., 1]
-    return bitcast(x, {1: np.uint8, 2: np.uint16, 4: np.uint32}[x.dtype.itemsize]).astype(xp.uint32)
+    if x.dtype == np.bool_:
+        return x.astype(xp.uint32)
+    bits = bitcast(x, np.dtype(f"uint{8 * x.dtype.itemsize}"))
+    return (bits ^ (bits >> 32) if x.dtype.itemsize == 8 else bits).astype(xp.uint32)
 
 
 def _sum(words: Any, index: Any, xp: Any) -> Any:
@@ -217,6 +220,7 @@ def _sum(words: Any, index: Any, xp: Any) -> Any:
     return xp.sum(words * weights, dtype=xp.uint32)
 
 
+@jax.jit
 def _device_digest(x: jax.Array) -> jax.Array:
     # C-order linear index from broadcast iotas: no reshape, so the sharding is kept as is
     index, stride = jnp.zeros((), jnp.uint32), 1
@@ -226,22 +230,19 @@ def _device_digest(x: jax.Array) -> jax.Array:
     return _sum(_words(x, jnp, jax.lax.bitcast_convert_type), index, jnp)
 
 
-_jitted_digest = jax.jit(_device_digest)
+def _digest(value: Any) -> int | None:
+    """The checksum of `value` (a jax or NumPy array); `None` where the dtype has none."""
+    if not _digestible(value.dtype):
+        return None
+    if isinstance(value, jax.Array):  # a replicated scalar: each process reads its copy
+        return int(np.asarray(_device_digest(value).addressable_data(0)))
+    flat = np.asarray(value).reshape(-1)
+    index = np.arange(flat.size, dtype=np.uint64).astype(np.uint32)  # modulo 2**32
+    return int(_sum(_words(flat, np, _view), index, np))
 
 
 def _digests(values: Sequence[Any]) -> list[int | None]:
-    """Checksums of `values` (jax or NumPy arrays); `None` where the dtype has none."""
-    result: list[int | None] = []
-    for value in values:
-        if not _digestible(value.dtype):
-            result.append(None)
-        elif isinstance(value, jax.Array):  # a replicated scalar: each process reads its copy
-            result.append(int(np.asarray(_jitted_digest(value).addressable_data(0))))
-        else:
-            flat = np.asarray(value).reshape(-1)
-            index = (np.arange(flat.size, dtype=np.uint64) % 2**32).astype(np.uint32)
-            result.append(int(_sum(_words(flat, np, _view), index, np)))
-    return result
+    return [_digest(value) for value in values]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -258,8 +259,8 @@ class _Leaf:
     kind: str  # "array" | "numpy" | "prng_key" | "bool" | "int" | "float" | "complex"
     shape: tuple[int, ...]  # as stored (PRNG keys: the shape of their key data)
     dtype: str  # as stored, `np.dtype(...).name`
-    impl: str | None = None  # PRNG implementation (in a target: its key dtype as text)
-    value: Any = None  # the state's or target's own leaf
+    impl: str | None  # PRNG implementation (in a target: its key dtype as text)
+    value: Any  # the state's or target's own leaf
 
 
 def _display(path: str) -> str:
@@ -277,18 +278,15 @@ def _leaves(tree: PyTree, argument: str) -> tuple[list[_Leaf], list, Any]:
     structure. Two leaves must not land on the same name, neither as `/`-joined paths (keys
     `"a/b"` and `"a"` -> `"b"`) nor as orbax's `.`-joined parameter names (`"a.b"`)."""
     flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
-    leaves: list[_Leaf] = []
-    seen: dict[str, str] = {}
+    leaves, seen = [], {}
     for index, (path, value) in enumerate(flat):
         where, names = path_to_str(path), (_ITEM_ROOT, *(key_to_str(k) for k in path))
-        impl = None
-        if isinstance(value, jax.Array | jax.ShapeDtypeStruct):
-            kind, shape, dtype = "array", tuple(value.shape), value.dtype
+        impl, host = None, isinstance(value, np.ndarray | np.generic)
+        if host or isinstance(value, jax.Array | jax.ShapeDtypeStruct):
+            kind, shape, dtype = "numpy" if host else "array", tuple(value.shape), value.dtype
             if jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key):
                 data = jax.eval_shape(jax.random.key_data, value)
                 kind, shape, dtype, impl = "prng_key", data.shape, data.dtype, str(value.dtype)
-        elif isinstance(value, np.ndarray | np.generic):
-            kind, shape, dtype = "numpy", np.shape(value), np.asarray(value).dtype
         elif type(value) in _PYTHON_KINDS:
             (kind, dtype), shape = _PYTHON_KINDS[type(value)], ()
         else:
@@ -307,66 +305,67 @@ def _leaves(tree: PyTree, argument: str) -> tuple[list[_Leaf], list, Any]:
 def _saved_value(leaf: _Leaf) -> Any:
     """What orbax stores for a leaf of `state`, after checking it can be stored."""
     value, where = leaf.value, _display(leaf.path)
-    problem = (
+    wrong_type = (
         "a jax.ShapeDtypeStruct, which has no data (abstract leaves go in `restore(target=...)`)"
         if isinstance(value, jax.ShapeDtypeStruct)
         else "a NumPy array of Python objects, which cannot be saved without pickle"
-        if leaf.kind == "numpy" and leaf.dtype == "object"
+        if leaf.dtype == "object"
+        else "a PRNG key of an unregistered impl"
+        if leaf.kind == "prng_key" and not isinstance(jax.random.key_impl(value), str)
         else None
     )
-    if problem:
-        raise TypeError(f"`state` leaf {where} is {problem}.")
-    if isinstance(value, jax.Array) and value.is_deleted():
-        raise ValueError(
-            f"`state` leaf {where} is a deleted jax.Array (donated to a jitted function, or "
-            "`.delete()`d). Save the arrays the step returned instead."
-        )
-    if 0 in leaf.shape:
-        raise ValueError(
-            f"`state` leaf {where} has shape {leaf.shape}, with no elements, which orbax cannot "
-            "save. Leave it out of the state."
-        )
-    if leaf.kind == "prng_key":
-        if not isinstance(jax.random.key_impl(leaf.value), str):
-            raise TypeError(f"`state` leaf {where} is a PRNG key of an unregistered impl.")
-        return jax.random.key_data(leaf.value)
-    if leaf.kind in _ARRAY_KINDS:
-        return value if isinstance(value, jax.Array) else np.asarray(value)
+    if wrong_type:
+        raise TypeError(f"`state` leaf {where} is {wrong_type}.")
+    wrong_value = (
+        "is a deleted jax.Array (donated to a jitted function, or `.delete()`d). Save the arrays "
+        "the step returned instead"
+        if isinstance(value, jax.Array) and value.is_deleted()
+        else f"has shape {leaf.shape}, with no elements, which orbax cannot save. Leave it out"
+        if 0 in leaf.shape
+        else None
+    )
+    if wrong_value:
+        raise ValueError(f"`state` leaf {where} {wrong_value}.")
+    if leaf.kind in ("array", "prng_key"):
+        return jax.random.key_data(leaf.value) if leaf.kind == "prng_key" else value
     try:
         return np.asarray(value, dtype=leaf.dtype)
     except OverflowError:
         raise ValueError(f"`state` leaf {where}: the int {value} does not fit in int64.") from None
 
 
-def _nested(leaves: Sequence[_Leaf], values: Sequence[Any]) -> dict:
-    """The nested dict orbax saves: one level per path entry, under `_ITEM_ROOT`."""
-    root: dict = {}
-    for leaf, value in zip(leaves, values):
-        node = root
-        for name in leaf.names[:-1]:
-            node = node.setdefault(name, {})
-        node[leaf.names[-1]] = value
-    return root
-
-
 def _record(leaf: _Leaf, checksum: int | None) -> dict:
-    record: dict[str, Any] = {"path": leaf.path, "kind": leaf.kind}
+    record: dict[str, Any] = {"path": leaf.path, "kind": leaf.kind, "checksum": checksum}
     if leaf.kind == "prng_key":
         record["impl"] = jax.random.key_impl(leaf.value)
-    if checksum is not None:
-        record["checksum"] = checksum
-    return record
+    return {key: value for key, value in record.items() if value is not None}
 
 
-def _placement(leaf: _Leaf, shardings: PyTree, overrides: dict[str, Any]) -> Any:
+def _shardings(shardings: PyTree, leaves: Sequence[_Leaf]) -> dict[str, Any]:
+    """`restore(shardings=...)`: the sharding it gives each array leaf path."""
+    arrays = [leaf.path for leaf in leaves if leaf.kind in ("array", "prng_key")]
+    if shardings is None or isinstance(shardings, Sharding):
+        return dict.fromkeys(arrays, shardings)
+    flat, _ = jax.tree_util.tree_flatten_with_path(
+        shardings, is_leaf=lambda node: node is None or isinstance(node, Sharding)
+    )
+    given = {path_to_str(path): value for path, value in flat if value is not None}
+    for where, value in given.items():
+        if not isinstance(value, Sharding) or where not in arrays:
+            raise (ValueError if isinstance(value, Sharding) else TypeError)(
+                f"`shardings` leaf {_display(where)} is {value!r}, but expected a Sharding (or "
+                "None) at an array leaf of `target`: give `shardings` the structure of `target`."
+            )
+    return given
+
+
+def _placement(leaf: _Leaf, given: dict[str, Any]) -> Any:
     """What orbax is asked for: a ShapeDtypeStruct with the target's sharding (key data: the
-    same spec, replicated over its extra dims), or a NumPy array."""
+    same sharding, whose spec leaves the extra dimension whole), or a NumPy array."""
     if leaf.kind not in ("array", "prng_key"):
         return np.empty(leaf.shape, leaf.dtype)
-    where, value = _display(leaf.path), leaf.value
-    sharding = overrides.get(leaf.path) or (
-        shardings if isinstance(shardings, Sharding) else getattr(value, "sharding", None)
-    )
+    where, shape = _display(leaf.path), tuple(leaf.value.shape)
+    sharding = given.get(leaf.path) or getattr(leaf.value, "sharding", None)
     if sharding is None and jax.process_count() > 1:
         raise ValueError(
             f"`target` leaf {where} has no sharding. With several processes every array leaf "
@@ -374,52 +373,23 @@ def _placement(leaf: _Leaf, shardings: PyTree, overrides: dict[str, Any]) -> Any
         )
     sharding = sharding or SingleDeviceSharding(jax.devices()[0])
     try:
-        sharding.shard_shape(tuple(value.shape))
+        sharding.shard_shape(shape)
+        sharding.shard_shape(leaf.shape)
     except Exception as error:
         raise ValueError(
-            f"`target` leaf {where} of shape {tuple(value.shape)} cannot be placed with "
-            f"{sharding}: {error}"
+            f"`target` leaf {where} of shape {shape} cannot be placed with {sharding}: {error}"
         ) from None
-    if leaf.kind == "prng_key" and isinstance(sharding, NamedSharding):
-        extra = len(leaf.shape) - len(value.shape)
-        sharding = NamedSharding(sharding.mesh, PartitionSpec(*sharding.spec, *[None] * extra))
-    elif leaf.kind == "prng_key" and not isinstance(sharding, SingleDeviceSharding):
-        raise TypeError(f"PRNG key leaf {where} needs a NamedSharding or a SingleDeviceSharding.")
     return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
-
-
-def _overrides(shardings: PyTree, leaves: Sequence[_Leaf]) -> dict[str, Any]:
-    """`restore(shardings=...)` given as a pytree: the sharding of each array leaf path."""
-    if shardings is None or isinstance(shardings, Sharding):
-        return {}
-    arrays = {leaf.path for leaf in leaves if leaf.kind in ("array", "prng_key")}
-    flat, _ = jax.tree_util.tree_flatten_with_path(
-        shardings, is_leaf=lambda node: node is None or isinstance(node, Sharding)
-    )
-    overrides = {path_to_str(path): value for path, value in flat if value is not None}
-    for where, value in overrides.items():
-        if not isinstance(value, Sharding):
-            raise TypeError(
-                f"`shardings` leaf {_display(where)} is {value!r}; expected a "
-                "jax.sharding.Sharding (or None to keep the target's own)."
-            )
-        if where not in arrays:
-            raise ValueError(
-                f"`shardings` gives a sharding for {_display(where)}, which is not an array "
-                "leaf of `target`. Give it the structure of `target`, or one Sharding."
-            )
-    return overrides
 
 
 def _finish(leaf: _Leaf, stored: Any, record: dict) -> Any:
     """The restored leaf, of the type the target holds at this position."""
-    if leaf.kind == "prng_key":
-        return jax.random.wrap_key_data(stored, impl=record["impl"])
-    if isinstance(leaf.value, np.generic):
-        return np.asarray(stored)[()]
-    if isinstance(leaf.value, np.ndarray):
-        return np.asarray(stored)
-    return stored if leaf.kind == "array" else type(leaf.value)(np.asarray(stored).item())
+    if leaf.kind in ("array", "prng_key"):
+        impl = record.get("impl")
+        return jax.random.wrap_key_data(stored, impl=impl) if impl else stored
+    if leaf.kind == "numpy":
+        return np.asarray(stored)[()] if isinstance(leaf.value, np.generic) else np.asarray(stored)
+    return type(leaf.value)(np.asarray(stored).item())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -438,29 +408,18 @@ def _valid_record(record: object) -> bool:
     )
 
 
-def _flat_metadata(tree: dict, prefix: str = "") -> Iterator[tuple[str, Any]]:
-    """The leaves of orbax's metadata tree (nested dicts) by `/`-joined path."""
-    for key, value in tree.items():
-        path = f"{prefix}/{key}" if prefix else str(key)
-        if isinstance(value, dict):
-            yield from _flat_metadata(value, path)
-        else:
-            yield path, value
-
-
 def _reshapable(record: dict, leaf: _Leaf) -> bool:
     """A saved array that `restore(..., reshape=True)` reads and reshapes into `leaf`: same
     dtype, number of elements and last dimension, another shape. Stacks cut into pipeline
     stages differ only in their leading dimensions; requiring the same last dimension keeps a
     transposed or otherwise different layer (say `Linear(4, 8)` into `Linear(8, 4)`) a
     mismatch."""
-    saved = tuple(record["shape"])
+    saved = record["shape"]
     return (
-        record["kind"] in _ARRAY_KINDS
-        and leaf.kind in _ARRAY_KINDS
+        {record["kind"], leaf.kind} <= set(_ARRAY_KINDS)
         and record["dtype"] == leaf.dtype
         and saved != leaf.shape
-        and int(np.prod(saved)) == int(np.prod(leaf.shape))
+        and math.prod(saved) == math.prod(leaf.shape)
         and saved[-1:] == leaf.shape[-1:]
     )
 
@@ -471,14 +430,9 @@ def _replicated(abstract: Any, shape: tuple[int, ...]) -> Any:
     if not isinstance(abstract, jax.ShapeDtypeStruct):
         return np.empty(shape, abstract.dtype)
     sharding = abstract.sharding
-    mesh = (
-        sharding.mesh
-        if isinstance(sharding, NamedSharding)
-        else jax.sharding.Mesh(np.array(sorted(sharding.device_set, key=lambda d: d.id)), ("d",))
-    )
-    return jax.ShapeDtypeStruct(
-        shape, abstract.dtype, sharding=NamedSharding(mesh, PartitionSpec())
-    )
+    devices = np.array(sorted(sharding.device_set, key=lambda device: device.id))
+    mesh = sharding.mesh if isinstance(sharding, NamedSharding) else Mesh(devices, ("d",))
+    return jax.ShapeDtypeStruct(shape, abstract.dtype, sharding=NamedSharding(mesh, P()))
 
 
 def _reshaped(abstract: Any, stored: Any) -> Any:
@@ -493,36 +447,28 @@ def _mismatches(saved: dict[str, dict], plan: Sequence[_Leaf], reshape: bool) ->
     `reshape`, an array of another shape but the same size and dtype is no difference)."""
     problems = []
     for leaf in plan:
-        where, record = _display(leaf.path), saved.get(leaf.path)
+        record = saved.get(leaf.path)
         if record is None:
-            problem = (
-                f"(missing leaf): the target has {_describe(leaf.kind)} there, not the checkpoint"
-            )
+            problem = f"(missing leaf): the target has {_describe(leaf.kind)}, the checkpoint none"
         elif record["kind"] != leaf.kind and {record["kind"], leaf.kind} - set(_ARRAY_KINDS):
             problem = (
                 f"(kind): the checkpoint holds {_describe(record['kind'], record.get('impl'))}, "
                 f"the target {_describe(leaf.kind, leaf.impl)}"
             )
         elif leaf.kind == "prng_key" and _key_dtype(record["impl"]) != leaf.value.dtype:
-            problem = (
-                f"(PRNG impl): the checkpoint holds {record['impl']} keys, the target "
-                f"{leaf.impl} keys"
-            )
-        elif reshape and _reshapable(record, leaf):
-            continue
-        elif record["shape"] != leaf.shape:
+            problem = f"(PRNG impl): the checkpoint holds {record['impl']}, the target {leaf.impl}"
+        elif record["shape"] != leaf.shape and not (reshape and _reshapable(record, leaf)):
             what = "key data shape" if leaf.kind == "prng_key" else "shape"
             problem = f"({what}): {record['shape']} in the checkpoint, {leaf.shape} in the target"
         elif record["dtype"] != leaf.dtype:
             problem = f"(dtype): {record['dtype']} in the checkpoint, {leaf.dtype} in the target"
         else:
             continue
-        problems.append(f"{where} {problem}")
+        problems.append(f"{_display(leaf.path)} {problem}")
     in_target = {leaf.path for leaf in plan}
     return problems + [
-        f"{_display(path)} (extra leaf): the checkpoint has "
-        f"{_describe(r['kind'], r.get('impl'))} of shape {r['shape']} there, the target has "
-        "no data leaf"
+        f"{_display(path)} (extra leaf): the checkpoint has {_describe(r['kind'], r.get('impl'))} "
+        f"of shape {r['shape']} there, the target has no data leaf"
         for path, r in saved.items()
         if path not in in_target
     ]
@@ -535,12 +481,6 @@ def _key_dtype(impl: str) -> Any:
         return None
 
 
-def _lookup(tree: Any, names: Sequence[str]) -> Any:
-    for name in names:
-        tree = tree[name]
-    return tree
-
-
 def _first_line(error: BaseException, limit: int = 300) -> str:
     """The innermost cause of `error` (TensorStore's own account), on one line; the whole
     chain stays attached as `__cause__`."""
@@ -550,21 +490,15 @@ def _first_line(error: BaseException, limit: int = 300) -> str:
     return text if len(text) <= limit else text[:limit] + " [...]"
 
 
-_WRAPPER_MODULES = ("jaxtyping", "beartype")
-
-
 def _warn_caller(message: str) -> None:
     """`warnings.warn` attributed to the first frame outside this module and outside the
     runtime type-checking wrappers around it (jaxtyping, beartype)."""
-    level = 1
-    frame = sys._getframe(0)
-    while frame is not None:
-        module = frame.f_globals.get("__name__", "")
-        generated = frame.f_code.co_filename.startswith("<@beartype")
-        if not (module == __name__ or module.startswith(_WRAPPER_MODULES) or generated):
-            break
-        frame = frame.f_back
-        level += 1
+    level, frame = 1, sys._getframe(0)
+    while frame is not None and (
+        frame.f_globals.get("__name__", "").startswith((__name__, "jaxtyping", "beartype"))
+        or frame.f_code.co_filename.startswith("<@beartype")
+    ):
+        frame, level = frame.f_back, level + 1
     warnings.warn(message, UserWarning, stacklevel=level)
 
 
@@ -574,14 +508,14 @@ def _warn_caller(message: str) -> None:
 
 def _as_step(value: Any, argument: str = "step", minimum: int = 0, hint: str = "") -> int:
     try:
-        if isinstance(value, bool):
-            raise TypeError
-        number = operator.index(value)
+        number = operator.index(value) if not isinstance(value, bool) else None
     except TypeError:
+        number = None
+    if number is None:
         raise TypeError(
             f"`{argument}` must be an integer (a Python int or an integer scalar array){hint}, "
             f"got {type(value).__name__} {value!r}."
-        ) from None
+        )
     if number < minimum:
         rule = "a positive int" if minimum else ">= 0"
         raise ValueError(f"`{argument}` must be {rule}{hint}, got {number}.")
@@ -593,7 +527,7 @@ def _holder(lock: str) -> dict:
         with open(lock) as file:
             holder = json.load(file)
     except (OSError, ValueError):
-        holder = None
+        return {}
     return holder if isinstance(holder, dict) else {}
 
 
@@ -611,23 +545,21 @@ def _take_lock(lock: str) -> None:
     """Create `lock` exclusively with this process's pid and host, taking over a lock left by
     a dead process of this host; refuse a live holder."""
     me = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}
-    for _ in range(2):
-        try:
-            descriptor = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
-            holder = _holder(lock)
-            if holder.get("host") == me["host"] and not _alive(holder.get("pid")):
-                os.remove(lock)  # stale: its process is gone
-                continue
-            raise RuntimeError(
-                f"Another Checkpointer writes to {os.path.dirname(lock)}: its lock {lock} is "
-                f"held by pid {holder.get('pid')} on host {holder.get('host')}. One directory "
-                "has one writer; readers need no lock. If that process is gone (a stale lock "
-                "from another host), delete the lock file."
-            ) from None
-        with os.fdopen(descriptor, "w") as file:
-            json.dump(me, file)
-        return
+    holder = _holder(lock)
+    if holder.get("host") == me["host"] and not _alive(holder.get("pid")):
+        os.remove(lock)  # stale: its process is gone
+    try:
+        descriptor = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    except FileExistsError:
+        holder = _holder(lock)
+        raise RuntimeError(
+            f"Another Checkpointer writes to {os.path.dirname(lock)}: its lock {lock} is "
+            f"held by pid {holder.get('pid')} on host {holder.get('host')}. One directory "
+            "has one writer; readers need no lock. If that process is gone (a stale lock "
+            "from another host), delete the lock file."
+        ) from None
+    with os.fdopen(descriptor, "w") as file:
+        json.dump(me, file)
 
 
 def _release_lock(lock: str) -> None:
@@ -709,7 +641,8 @@ class Checkpointer:
         timeout: float | int = 300.0,
     ):
         self._save_every = _as_step(save_every, "save_every", 1)
-        self._keep = None if keep is None else _as_step(keep, "keep", 1, _KEEP_HINT)
+        hint = " (or None to keep every step)"
+        self._keep = None if keep is None else _as_step(keep, "keep", 1, hint)
         if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0:
             raise ValueError(f"`timeout` must be a positive number of seconds, got {timeout!r}.")
         self._ocp = _orbax()
@@ -721,12 +654,9 @@ class Checkpointer:
             raise ValueError(f"`directory` {str(self._directory)!r} exists and is not a directory.")
         self._async_save, self._checksums, self._timeout = async_save, checksums, timeout
         self._restored_step: int | None = None
-        self._busy = threading.Lock()
-        self._barriers = 0
         self._unlock: Any = None  # set once this Checkpointer holds the writer lock
-        self._closed = True  # until the manager exists
+        self._busy, self._barriers, self._closed = threading.Lock(), 0, False
         self._manager = self._open_manager()
-        self._closed = False
 
     def _open_manager(self) -> Any:
         ocp, policies = self._ocp, self._ocp.checkpoint_managers
@@ -857,8 +787,7 @@ class Checkpointer:
                 assert checkpointer.latest_step() == 7
         ```
         """
-        steps = self.all_steps()
-        return steps[-1] if steps else None
+        return max(self.all_steps(), default=None)
 
     def should_save(self, step: SupportsIndex) -> bool:
         """Whether `save(step, ...)` would write without `force` (orbax's save policy).
@@ -935,10 +864,9 @@ class Checkpointer:
         """
         with self._exclusive():
             step = _as_step(step)
-            if not force and not self._manager.should_save(step):
-                return False
-            if step in self._manager.all_steps() or (self._directory / str(step)).exists():
-                return False  # never overwritten, forced or not
+            exists = step in self._manager.all_steps() or (self._directory / str(step)).exists()
+            if exists or not (force or self._manager.should_save(step)):
+                return False  # an existing step is never overwritten, forced or not
             leaves, _, _ = _leaves(state, "state")
             values = [_saved_value(leaf) for leaf in leaves]
             if not leaves:
@@ -949,13 +877,9 @@ class Checkpointer:
             self._purge()
             checksums = _digests(values) if self._checksums else [None] * len(values)
             records = [_record(leaf, checksum) for leaf, checksum in zip(leaves, checksums)]
-            entry = {"version": _FORMAT_VERSION, "step": step, "leaves": records}
-            saved = self._manager.save(
-                step,
-                args=self._ocp.args.StandardSave(_nested(leaves, values)),
-                custom_metadata={_FORMAT_KEY: entry},
-                force=True,
-            )
+            args = self._ocp.args.StandardSave(self._nested(leaves, values))
+            metadata = {_FORMAT_KEY: {"version": _FORMAT_VERSION, "step": step, "leaves": records}}
+            saved = self._manager.save(step, args=args, custom_metadata=metadata, force=True)
             if not self._async_save:
                 self._purge()
             return bool(saved)
@@ -1064,8 +988,8 @@ class Checkpointer:
         with self._exclusive():
             self._manager.wait_until_finished()
             plan, target_leaves, treedef = _leaves(target, "target")
-            overrides = _overrides(shardings, plan)
-            abstracts = [_placement(leaf, shardings, overrides) for leaf in plan]
+            given = _shardings(shardings, plan)
+            abstracts = [_placement(leaf, given) for leaf in plan]
             self._barrier("restore")
             steps = self.all_steps()
             candidates = steps if step is None else [_as_step(step)]
@@ -1079,9 +1003,7 @@ class Checkpointer:
             failures: list[CorruptCheckpointError] = []
             for candidate in reversed(candidates):
                 try:
-                    restored = self._restore_step(
-                        candidate, plan, abstracts, target_leaves, treedef, reshape
-                    )
+                    values = self._restore_step(candidate, plan, abstracts, reshape)
                 except CorruptCheckpointError as error:
                     if step is not None:
                         error.args = (
@@ -1100,7 +1022,8 @@ class Checkpointer:
                         "so saving goes on past them."
                     )
                 self._restored_step = candidate
-                return restored
+                by_index = {leaf.index: value for leaf, value in zip(plan, values)}
+                return treedef.unflatten([by_index.get(i, v) for i, v in enumerate(target_leaves)])
             details = "\n".join(f"- {failure}" for failure in failures)
             raise CorruptCheckpointError(
                 f"Every checkpoint in {self._directory} is damaged ({len(failures)} steps), "
@@ -1122,22 +1045,15 @@ class Checkpointer:
         self._manager = self._open_manager()
         return ", ".join(moved)
 
-    def _restore_step(
-        self,
-        step: int,
-        plan: list[_Leaf],
-        abstracts: list,
-        target_leaves: list,
-        treedef: Any,
-        reshape: bool,
-    ) -> PyTree:
+    def _nested(self, leaves: Sequence[_Leaf], values: Sequence[Any]) -> dict:
+        """The nested dict orbax reads and writes: one level per path entry."""
+        return self._ocp.tree.from_flat_dict({leaf.names: v for leaf, v in zip(leaves, values)})
+
+    def _restore_step(self, step: int, plan: list[_Leaf], abstracts: list, reshape: bool) -> list:
+        """The data leaves of `plan` as read from step `step`, checked and finished."""
         step_dir = self._directory / str(step)
-
-        def damaged(why: str) -> CorruptCheckpointError:
-            message = f"Checkpoint step {step} at {step_dir} is damaged: {why}."
-            return CorruptCheckpointError(message, step=step, path=str(step_dir))
-
-        saved = self._read_metadata(step, step_dir, damaged)
+        damaged = functools.partial(_damaged, step, step_dir)
+        saved = self._read_metadata(step, step_dir)
         problems = _mismatches(saved, plan, reshape)
         if problems:
             listed = "\n".join(f"- {problem}" for problem in problems[:_MAX_LISTED])
@@ -1156,31 +1072,28 @@ class Checkpointer:
             for leaf, abstract, again in zip(plan, abstracts, reshaped)
         ]
         try:
-            restored = self._manager.restore(
-                step, args=self._ocp.args.StandardRestore(_nested(plan, asked))
-            )
-            stored = [_lookup(restored, leaf.names) for leaf in plan]
+            args = self._ocp.args.StandardRestore(self._nested(plan, asked))
+            flat = self._ocp.tree.to_flat_dict(self._manager.restore(step, args=args))
+            stored = [flat[leaf.names] for leaf in plan]
         except Exception as error:
             raise damaged(f"reading its arrays failed ({_first_line(error)})") from error
-        wanted = [saved[leaf.path].get("checksum") for leaf in plan]
-        digests = _digests(stored) if any(w is not None for w in wanted) else wanted
-        for leaf, expected, digest in zip(plan, wanted, digests):
-            if None not in (expected, digest) and digest != expected:
+        leaves = []
+        for leaf, abstract, value, again in zip(plan, abstracts, stored, reshaped):
+            record = saved[leaf.path]
+            expected = record.get("checksum")
+            if expected is not None and (digest := _digest(value)) not in (None, expected):
                 raise damaged(
                     f"leaf {_display(leaf.path)} does not match its checksum (saved {expected}, "
                     f"read {digest}), so its array files were altered after the save"
                 )
-        leaves = list(target_leaves)
-        for leaf, abstract, value, again in zip(plan, abstracts, stored, reshaped):
             value = _reshaped(abstract, value) if again else value
-            leaves[leaf.index] = _finish(leaf, value, saved[leaf.path])
-        return jax.tree_util.tree_unflatten(treedef, leaves)
+            leaves.append(_finish(leaf, value, record))
+        return leaves
 
-    def _read_metadata(
-        self, step: int, step_dir: Any, damaged: Callable[[str], CorruptCheckpointError]
-    ) -> dict[str, dict]:
+    def _read_metadata(self, step: int, step_dir: Any) -> dict[str, dict]:
         """Each saved leaf by path: eqpar's record (kind, impl, checksum) with the shape and
         dtype from orbax's `item_metadata`. Anything malformed is damage."""
+        damaged = functools.partial(_damaged, step, step_dir)
         file = step_dir / _STEP_METADATA_FILE
         try:
             metadata = json.loads(file.read_text())
@@ -1195,7 +1108,7 @@ class Checkpointer:
         raw = custom.get(_FORMAT_KEY) if isinstance(custom, dict) else None
         entry: dict = raw if isinstance(raw, dict) else {}
         ours = isinstance(arrays, dict) and _ITEM_ROOT in arrays
-        version = entry.get("version")
+        version, records = entry.get("version"), entry.get("leaves")
         if (raw is None and not ours) or (isinstance(version, int) and version > _FORMAT_VERSION):
             why = "an eqpar newer than this one" if raw else "another program (no eqpar entry)"
             raise CheckpointMismatchError(
@@ -1204,17 +1117,15 @@ class Checkpointer:
                 step=step,
                 path=str(step_dir),
             )
-        records = entry.get("leaves")
-        if not isinstance(version, int) or not isinstance(records, list):
+        if not (isinstance(version, int) and isinstance(records, list)) or not all(
+            map(_valid_record, records)
+        ):
             raise damaged(f"its `custom_metadata.{_FORMAT_KEY}` entry in {file} is malformed")
-        if not all(map(_valid_record, records)):
-            raise damaged(f"the leaf list in {file} is malformed")
         if entry.get("step", step) != step:
             raise damaged(f"it holds step {entry.get('step')!r}, not {step} (renamed or copied?)")
-        if not ours or not isinstance(arrays, dict):
+        if not ours:
             raise damaged(f"its array metadata file {step_dir / 'default/_METADATA'} is missing")
-        tree = arrays[_ITEM_ROOT]
-        shapes = dict(_flat_metadata(tree)) if isinstance(tree, dict) else {"": tree}
+        shapes = {"/".join(k[1:]): m for k, m in self._ocp.tree.to_flat_dict(arrays).items()}
         listed = [record["path"] for record in records]
         if sorted(listed) != sorted(shapes):
             differ = sorted(set(listed) ^ set(shapes)) or "a repeated path"

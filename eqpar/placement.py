@@ -163,6 +163,16 @@ def _fits(path: str, array: np.ndarray, function: str) -> str | None:
     )
 
 
+def _check_rows(function: str, path: str, leaf: Any, devices: int, scope: str) -> None:
+    """A `FULL` leaf must have a batch axis that splits evenly over `devices`."""
+    if leaf.ndim == 0 or leaf.shape[0] % devices:
+        rows = "is a scalar" if leaf.ndim == 0 else f"has a {scope} batch of {leaf.shape[0]} rows"
+        raise ValueError(
+            f"`{function}`: leaf {path!r} {rows} (shape {leaf.shape}), which does not split over "
+            f"the {devices} {scope} devices of the mesh; use `DataPartitionType.REPLICATED` for it."
+        )
+
+
 def checked_local_leaves(
     local_data: PyTree, mesh: Mesh, function: str, *, same_values: bool = False
 ) -> tuple[list[str], list[Any], Any]:
@@ -301,12 +311,8 @@ def host_to_global_device_array(
     full = partition is DataPartitionType.FULL
     paths, leaves, treedef = checked_local_leaves(host_arrays, mesh, function, same_values=not full)
     for path, leaf in zip(paths, leaves):
-        rows = "is a scalar" if leaf.ndim == 0 else f"has a local batch of {leaf.shape[0]} rows"
-        if full and (leaf.ndim == 0 or leaf.shape[0] % local):
-            raise ValueError(
-                f"`{function}`: leaf {path!r} {rows} (shape {leaf.shape}), which does not divide "
-                f"over this process's {local} devices of the mesh (use REPLICATED for scalars)."
-            )
+        if full:
+            _check_rows(function, path, leaf, local, "local")
     return jax.make_array_from_process_local_data(sharding, treedef.unflatten(leaves))
 
 
@@ -379,12 +385,8 @@ def global_to_host_array(
             raise ValueError(
                 f"`{function}`: leaf {path!r} lives on devices {devices}, not the mesh."
             )
-        rows = "is a scalar" if leaf.ndim == 0 else f"has a global batch of {leaf.shape[0]} rows"
-        if full and (leaf.ndim == 0 or leaf.shape[0] % mesh.size):
-            raise ValueError(
-                f"`{function}`: leaf {path!r} {rows} (shape {leaf.shape}), which the mesh's "
-                f"{mesh.size} devices cannot split; use `DataPartitionType.REPLICATED` for it."
-            )
+        if full:
+            _check_rows(function, path, leaf, mesh.size, "global")
     leaves = jax.device_put([leaf for _, leaf in flat], target)  # reshards what differs
 
     def host(a: jax.Array) -> np.ndarray:  # FULL: every device holds a distinct block of rows
@@ -451,51 +453,44 @@ def with_sharding_constraint(x: PyTree[ArrayLike], shardings: PyTree) -> PyTree[
     """
     function = "with_sharding_constraint"
     is_sharding = lambda node: node is None or isinstance(node, PartitionSpec | Sharding)
-    flat, treedef = tree_flatten_with_path(shardings, is_leaf=is_sharding)
     try:
-        subtrees = treedef.flatten_up_to(x)
+        jax.tree.structure(shardings, is_leaf=is_sharding).flatten_up_to(x)
     except ValueError as error:
         raise ValueError(
             f"`{function}`: `shardings` must be a prefix of the structure of `x` ({error})."
         ) from None
 
     def constrain(prefix: tuple, sharding: Any, path: tuple, leaf: ArrayLike) -> ArrayLike:
-        where = path_to_str(prefix + path) or "<root>"
+        where = path_to_str(prefix + path)
         if not is_sharding(sharding):
             raise TypeError(
-                f"`{function}`: `shardings` at {where!r} must be a `PartitionSpec`, a `Sharding` "
-                f"or None, not {sharding!r}."
+                f"`{function}`: `shardings` at {where or '<root>'!r} must be a `PartitionSpec`, "
+                f"a `Sharding` or None, not {sharding!r}."
             )
-        mesh = _context_mesh() if isinstance(sharding, PartitionSpec) else None
-        if isinstance(sharding, PartitionSpec) and mesh is None:
+        bare = isinstance(sharding, PartitionSpec)
+        mesh = _context_mesh() if bare else getattr(sharding, "mesh", None)
+        if bare and mesh is None:
             raise ValueError(
-                f"`{function}`: the sharding at {where!r} is a bare `PartitionSpec`, which needs "
-                "a mesh: `jax.set_mesh(mesh)`, or pass `NamedSharding(mesh, spec)`."
+                f"`{function}`: the sharding at {where or '<root>'!r} is a bare `PartitionSpec`, "
+                "which needs a mesh: `jax.set_mesh(mesh)`, or pass `NamedSharding(mesh, spec)`."
             )
-        spec_mesh = mesh if mesh is not None else getattr(sharding, "mesh", None)
-        spec = sharding if mesh is not None else getattr(sharding, "spec", None)
-        if isinstance(spec, PartitionSpec) and spec_mesh is not None:
-            # The one spec checker, as for partition_specs and shard_map.
+        spec = sharding if bare else getattr(sharding, "spec", None)
+        if isinstance(spec, PartitionSpec) and mesh is not None:  # the one spec checker
             check_spec(
-                "" if where == "<root>" else where,
-                spec,
-                np.shape(leaf),
-                dict(spec_mesh.shape),
-                source=f"{function}: shardings",
+                where, spec, np.shape(leaf), dict(mesh.shape), source=f"{function}: shardings"
             )
         try:  # what the spec checker does not cover (other kinds of sharding): JAX's checks
-            named: Any = sharding if mesh is None else NamedSharding(mesh, sharding)
+            named: Any = NamedSharding(mesh, sharding) if bare and mesh is not None else sharding
             named.check_compatible_aval(np.shape(leaf))
         except Exception as error:
-            axes = getattr(mesh or getattr(sharding, "mesh", None), "axis_names", None)
             raise ValueError(
-                f"`{function}`: the sharding at {where!r} is {sharding}; the mesh only has the "
-                f"axes {axes}: {error}"
+                f"`{function}`: the sharding at {where or '<root>'!r} is {sharding}; the mesh only "
+                f"has the axes {getattr(mesh, 'axis_names', None)}: {error}"
             ) from None
         return leaf if named.num_devices <= 1 else jax.lax.with_sharding_constraint(leaf, named)
 
-    constrained = []
-    for (prefix, sharding), subtree in zip(flat, subtrees):
+    def constrain_subtree(prefix: tuple, sharding: Any, subtree: PyTree) -> PyTree:
         apply = functools.partial(constrain, prefix, sharding)
-        constrained.append(subtree if sharding is None else tree_map_with_path(apply, subtree))
-    return treedef.unflatten(constrained)
+        return subtree if sharding is None else tree_map_with_path(apply, subtree)
+
+    return tree_map_with_path(constrain_subtree, shardings, x, is_leaf=is_sharding)

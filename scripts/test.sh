@@ -3,4 +3,4 @@
 source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
 ruff check eqpar tests examples benchmarks
 pyright
-python -m pytest -n 2 "$@"
+python -m pytest -n 2 --durations=25 "$@"

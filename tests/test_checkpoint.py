@@ -431,8 +431,14 @@ def test_damaged_checkpoint_errors_and_falls_back(tmp_path, damage):
         # latest: warns and falls back to the previous good step
         with pytest.warns(UserWarning) as record:
             restored = checkpointer.restore(target=corruption_target())
-        messages = [str(w.message) for w in record]
-        assert len(messages) == 2
+        # Only eqpar's own warnings: orbax's abandoned reads may surface here as pytest's
+        # PytestUnraisableExceptionWarning (also a UserWarning) when they are collected.
+        messages = [
+            str(w.message)
+            for w in record
+            if not isinstance(w.message, pytest.PytestUnraisableExceptionWarning)
+        ]
+        assert len(messages) == 2, messages
         assert f"step 2 at {tmp_path / '2'} is damaged" in messages[0]
         assert messages[0].endswith("Falling back to an older step.")
         assert messages[1].startswith(f"Restored step 1 from {tmp_path}, not the newest step 2")
@@ -534,7 +540,8 @@ def mismatch_cases():
         ),
         "missing leaf": (
             {"model": model_target, "step": 0, "ema": jax.ShapeDtypeStruct((3,), jnp.float32)},
-            r"first mismatching leaf: `ema` \(missing leaf\): the target has a jax array there",
+            r"first mismatching leaf: `ema` \(missing leaf\): the target has a jax array, the "
+            r"checkpoint none",
         ),
         "extra leaf": (
             {"model": model_target},
@@ -576,8 +583,8 @@ def test_prng_impl_and_key_kind_mismatches(tmp_path):
         checkpointer.save(0, {"key": jax.random.key(0)})
         with pytest.raises(
             CheckpointMismatchError,
-            match=r"`key` \(PRNG impl\): the checkpoint holds threefry2x32 keys, the target "
-            r"key<rbg> keys",
+            match=r"`key` \(PRNG impl\): the checkpoint holds threefry2x32, the target "
+            r"key<rbg>",
         ):
             checkpointer.restore(target={"key": jax.random.key(0, impl="rbg")})
         with pytest.raises(
@@ -769,10 +776,10 @@ def test_restore_argument_errors(tmp_path):
     with Checkpointer(tmp_path) as checkpointer:
         checkpointer.save(0, {"w": jnp.ones(6)})
         target = {"w": jax.ShapeDtypeStruct((6,), jnp.float32)}
-        with pytest.raises(ValueError, match=r"`shardings` gives a sharding for `v`"):
+        with pytest.raises(ValueError, match=r"`shardings` leaf `v` is .* at an array leaf"):
             checkpointer.restore(target=target, shardings={"v": one_device_layout(None)})
         with pytest.raises(
-            TypeError, match=r"`shardings` leaf `w` is P\(\); expected a jax.sharding.Sharding"
+            TypeError, match=r"`shardings` leaf `w` is P\(\), but expected a Sharding"
         ):
             checkpointer.restore(target=target, shardings={"w": P()})
         with pytest.raises(ValueError, match=r"`target` leaf `w` of shape \(6,\) cannot be placed"):

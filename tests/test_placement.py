@@ -257,7 +257,7 @@ def test_placing_inside_jit_is_refused():
 def test_local_batch_that_does_not_divide_names_the_leaf():
     batch = {"inputs": (np.zeros((8, 3)), np.zeros((6, 3)))}
     message = re.escape("leaf 'inputs/1' has a local batch of 6 rows (shape (6, 3))")
-    with pytest.raises(ValueError, match=message + r".*8 devices of the mesh"):
+    with pytest.raises(ValueError, match=message + r".*8 local devices of the mesh"):
         host_to_global_device_array(batch, mesh=mesh_2x4())
 
 
@@ -298,7 +298,7 @@ def test_global_to_host_rejects_arrays_on_other_devices():
 def test_global_to_host_full_needs_a_batch_that_divides_over_the_mesh():
     mesh = mesh_2x4()
     x = jax.device_put(np.zeros((6, 2), np.float32), NamedSharding(mesh, P()))
-    with pytest.raises(ValueError, match=r"global batch of 6 rows .* mesh's 8 devices"):
+    with pytest.raises(ValueError, match=r"global batch of 6 rows .* 8 global devices of the mesh"):
         global_to_host_array({"x": x}, mesh=mesh)
     with pytest.raises(ValueError, match=re.escape("leaf 's' is a scalar")):
         global_to_host_array({"s": jax.device_put(1.0, NamedSharding(mesh, P()))}, mesh=mesh)
