@@ -29,6 +29,7 @@ if os.environ.get("JAX_PLATFORMS") == "cpu":
 
 import equinox as eqx
 import jax.numpy as jnp
+from _layers import stacked_layers
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
@@ -37,26 +38,6 @@ from eqpar._hlo import collective_bytes, format_bytes, memory_figures
 from eqpar.nn import ScannedLayers, gather_layers
 
 DIM, HEADS, HIDDEN, SEQ, BATCH = 384, 6, 1536, 128, 16
-
-
-class Layer(eqx.Module):
-    attention: eqx.nn.MultiheadAttention
-    norm1: eqx.nn.LayerNorm
-    up: eqx.nn.Linear
-    down: eqx.nn.Linear
-    norm2: eqx.nn.LayerNorm
-
-    def __init__(self, key):
-        k1, k2, k3 = jax.random.split(key, 3)
-        self.attention = eqx.nn.MultiheadAttention(HEADS, DIM, key=k1)
-        self.norm1, self.norm2 = eqx.nn.LayerNorm(DIM), eqx.nn.LayerNorm(DIM)
-        self.up, self.down = eqx.nn.Linear(DIM, HIDDEN, key=k2), eqx.nn.Linear(HIDDEN, DIM, key=k3)
-
-    def __call__(self, x):
-        h = jax.vmap(self.norm1)(x)
-        x = x + self.attention(h, h, h)
-        h = jax.vmap(self.norm2)(x)
-        return x + jax.vmap(lambda t: self.down(jax.nn.gelu(self.up(t))))(h)
 
 
 def figures(model, storage_specs, mesh: eqpar.DeviceMesh) -> tuple[int, int, float]:
@@ -74,8 +55,7 @@ def figures(model, storage_specs, mesh: eqpar.DeviceMesh) -> tuple[int, int, flo
 
 
 def measure(depth: int, mesh: eqpar.DeviceMesh) -> dict:
-    keys = jax.random.split(jax.random.key(0), depth)
-    stack = ScannedLayers(eqx.filter_vmap(Layer)(keys), remat="full")
+    stack = ScannedLayers(stacked_layers(depth, DIM, HEADS, HIDDEN), remat="full")
     fsdp = eqpar.FSDP(mesh, axis="data")
     per_layer = gather_layers(stack, mesh, axis="data")
     return {

@@ -19,6 +19,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+from _layers import stacked_layers
 
 from eqpar._hlo import format_bytes, memory_figures
 from eqpar.nn import ScannedLayers
@@ -27,30 +28,8 @@ DIM, HEADS, HIDDEN, SEQ, BATCH = 256, 8, 1024, 256, 2
 POLICIES = ("none", "full", "matmuls")
 
 
-class Layer(eqx.Module):
-    attention: eqx.nn.MultiheadAttention
-    norm1: eqx.nn.LayerNorm
-    up: eqx.nn.Linear
-    down: eqx.nn.Linear
-    norm2: eqx.nn.LayerNorm
-
-    def __init__(self, key):
-        k1, k2, k3 = jax.random.split(key, 3)
-        self.attention = eqx.nn.MultiheadAttention(HEADS, DIM, key=k1)
-        self.norm1, self.norm2 = eqx.nn.LayerNorm(DIM), eqx.nn.LayerNorm(DIM)
-        self.up, self.down = eqx.nn.Linear(DIM, HIDDEN, key=k2), eqx.nn.Linear(HIDDEN, DIM, key=k3)
-
-    def __call__(self, x):
-        h = jax.vmap(self.norm1)(x)
-        x = x + self.attention(h, h, h)
-        h = jax.vmap(self.norm2)(x)
-        return x + jax.vmap(lambda t: self.down(jax.nn.gelu(self.up(t))))(h)
-
-
 def temp_bytes(depth: int, remat: str) -> int:
-    stack = ScannedLayers(
-        eqx.filter_vmap(Layer)(jax.random.split(jax.random.key(0), depth)), remat=remat
-    )
+    stack = ScannedLayers(stacked_layers(depth, DIM, HEADS, HIDDEN), remat=remat)
     x = jnp.zeros((BATCH, SEQ, DIM))
 
     def loss(model, x):

@@ -29,30 +29,13 @@ if os.environ.get("JAX_PLATFORMS") == "cpu":
 
 import equinox as eqx
 import jax.numpy as jnp
+from _layers import Layer
 from jax.sharding import PartitionSpec as P
 
 import eqpar
 from eqpar._hlo import collective_bytes, format_bytes, memory_figures, paired_median_seconds
 
 DIM, HEADS, HIDDEN, LAYERS, BATCH = 256, 8, 1024, 4, 2
-
-
-class Layer(eqx.Module):
-    attention: eqx.nn.MultiheadAttention
-    norm1: eqx.nn.LayerNorm
-    up: eqx.nn.Linear
-    down: eqx.nn.Linear
-    norm2: eqx.nn.LayerNorm
-
-    def __init__(self, key):
-        k1, k2, k3 = jax.random.split(key, 3)
-        self.attention = eqx.nn.MultiheadAttention(HEADS, DIM, key=k1)
-        self.norm1, self.norm2 = eqx.nn.LayerNorm(DIM), eqx.nn.LayerNorm(DIM)
-        self.up, self.down = eqx.nn.Linear(DIM, HIDDEN, key=k2), eqx.nn.Linear(HIDDEN, DIM, key=k3)
-
-    def __call__(self, x):
-        x = jax.vmap(self.norm1)(x + self.attention(x, x, x))
-        return jax.vmap(self.norm2)(x + jax.vmap(lambda t: self.down(jax.nn.gelu(self.up(t))))(x))
 
 
 class Trunk(eqx.Module):
@@ -76,7 +59,8 @@ def plan(sequence_parallel: bool) -> dict:
 
 
 def step_for(sequence_parallel: bool, mesh: eqpar.DeviceMesh, seq: int):
-    layers = [Layer(k) for k in jax.random.split(jax.random.key(0), LAYERS)]
+    keys = jax.random.split(jax.random.key(0), LAYERS)
+    layers = [Layer(DIM, HEADS, HIDDEN, key=k) for k in keys]
     model = eqpar.parallelize(Trunk(layers, sequence_parallel), plan(sequence_parallel), mesh=mesh)
     loss = eqpar.shard_map(
         lambda m, x: jnp.mean(jax.vmap(m)(x) ** 2),

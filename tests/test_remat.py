@@ -6,28 +6,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from residual_block import Block
 
 from eqpar._hlo import memory_figures
 from eqpar.nn import PipelineModule, ScannedLayers
 
-DIM, HIDDEN, TOKENS = 16, 64, 32
-
-
-class Block(eqx.Module):
-    """A pre-norm residual MLP block applied per token, as Equinox code writes one."""
-
-    norm: eqx.nn.LayerNorm
-    up: eqx.nn.Linear
-    down: eqx.nn.Linear
-
-    def __init__(self, key):
-        k1, k2 = jax.random.split(key)
-        self.norm = eqx.nn.LayerNorm(DIM)
-        self.up = eqx.nn.Linear(DIM, HIDDEN, key=k1)
-        self.down = eqx.nn.Linear(HIDDEN, DIM, key=k2)
-
-    def __call__(self, x):
-        return x + jax.vmap(lambda t: self.down(jax.nn.gelu(self.up(self.norm(t)))))(x)
+DIM, TOKENS = 16, 32  # the block is 16 wide (MLP 64)
 
 
 def layers(depth):
