@@ -29,6 +29,7 @@ from .nn.parallel_layers import (
     RowParallelLinear,
     SequenceParallelDropout,
     VocabParallelEmbedding,
+    _check_column_options,
     to_serial_layer,
 )
 
@@ -110,12 +111,7 @@ class ColumnParallel(Style):
     accepts = (eqx.nn.Linear,)
 
     def __post_init__(self) -> None:
-        if self.gather_output and self.sequence_parallel:
-            raise ValueError(
-                "ColumnParallel: gather_output=True and sequence_parallel=True do not go "
-                "together: under sequence parallelism the block ends in RowParallel("
-                "sequence_parallel=True), which scatters the output back over the sequence."
-            )
+        _check_column_options("ColumnParallel", self.gather_output, self.sequence_parallel)
 
     def convert(self, layer: Any) -> Any:
         return ColumnParallelLinear(

@@ -496,17 +496,18 @@ def _child_dies_while_committing():
     print("unreachable", flush=True)
 
 
-@pytest.mark.multiprocess
-def test_save_killed_midway_keeps_last_good_checkpoint(tmp_path):
+def _run_child_until_it_kills_itself(child, directory) -> None:
+    """Run `child` in its own process on `directory`; it must end by SIGKILL midway."""
     (result,) = run_processes(
-        _child_dies_while_committing,
-        num_processes=1,
-        timeout=TIMEOUT,
-        env={ENV_DIRECTORY: str(tmp_path)},
-        check=False,
+        child, num_processes=1, timeout=TIMEOUT, env={ENV_DIRECTORY: str(directory)}, check=False
     )
     assert result.returncode == -signal.SIGKILL, result.stderr
     assert "killing myself" in result.stdout and "unreachable" not in result.stdout
+
+
+@pytest.mark.multiprocess
+def test_save_killed_midway_keeps_last_good_checkpoint(tmp_path):
+    _run_child_until_it_kills_itself(_child_dies_while_committing, tmp_path)
     leftovers = [p.name for p in tmp_path.iterdir() if "orbax-checkpoint-tmp" in p.name]
     assert leftovers == ["2.orbax-checkpoint-tmp"]
     assert any(p.is_file() for p in (tmp_path / leftovers[0]).rglob("*"))  # data was written
@@ -1179,15 +1180,7 @@ def _child_dies_while_removing_an_old_step():
 
 @pytest.mark.multiprocess
 def test_removing_old_steps_is_atomic_under_sigkill(tmp_path):
-    (result,) = run_processes(
-        _child_dies_while_removing_an_old_step,
-        num_processes=1,
-        timeout=TIMEOUT,
-        env={ENV_DIRECTORY: str(tmp_path)},
-        check=False,
-    )
-    assert result.returncode == -signal.SIGKILL, result.stderr
-    assert "killing myself" in result.stdout and "unreachable" not in result.stdout
+    _run_child_until_it_kills_itself(_child_dies_while_removing_an_old_step, tmp_path)
     target = {"w": jax.ShapeDtypeStruct((8,), jnp.float32)}
     with Checkpointer(tmp_path, keep=1) as checkpointer:
         assert checkpointer.all_steps() == [2]  # no half-removed step 1 listed

@@ -141,6 +141,27 @@ def _gather_replicated(x: Array, axis_name: Hashable, axis: int) -> Array:
     return lax.all_gather(x, axis_name, axis=axis, tiled=True)
 
 
+def _adopt(target: eqx.Module, source: Any, cls: type, axis_name: Hashable) -> None:
+    """Make `target` (a twin of `cls` under construction) hold `source`'s fields and the axis."""
+    if not isinstance(source, cls):
+        raise TypeError(
+            f"{type(target).__name__}: expected an eqx.nn.{cls.__name__}; got "
+            f"{type(source).__name__}."
+        )
+    _copy_fields(source, target, cls)
+    object.__setattr__(target, "axis_name", axis_name)
+
+
+def _check_column_options(owner: str, gather_output: bool, sequence_parallel: bool) -> None:
+    """Shared by `ColumnParallelLinear` and the `ColumnParallel` style."""
+    if gather_output and sequence_parallel:
+        raise ValueError(
+            f"{owner}: gather_output=True and sequence_parallel=True do not go together: under "
+            f"sequence parallelism the block ends in a RowParallelLinear (sequence_parallel="
+            f"True), which scatters the output back over the sequence."
+        )
+
+
 def _check_linear(linear: Any, owner: str) -> None:
     if not isinstance(linear, eqx.nn.Linear):
         raise TypeError(f"{owner}: expected an eqx.nn.Linear; got {type(linear).__name__}.")
@@ -207,14 +228,8 @@ class ColumnParallelLinear(eqx.nn.Linear):
         sequence_parallel: bool = False,
     ):
         _check_linear(linear, type(self).__name__)
-        if gather_output and sequence_parallel:
-            raise ValueError(
-                "ColumnParallelLinear: gather_output=True and sequence_parallel=True do not go "
-                "together: under sequence parallelism the block ends in a RowParallelLinear "
-                "(sequence_parallel=True), which scatters the output back over the sequence."
-            )
-        _copy_fields(linear, self, eqx.nn.Linear)
-        self.axis_name = axis_name
+        _check_column_options(type(self).__name__, gather_output, sequence_parallel)
+        _adopt(self, linear, eqx.nn.Linear, axis_name)
         self.gather_output = bool(gather_output)
         self.sequence_parallel = bool(sequence_parallel)
 
@@ -309,8 +324,7 @@ class RowParallelLinear(eqx.nn.Linear):
         sequence_parallel: bool = False,
     ):
         _check_linear(linear, type(self).__name__)
-        _copy_fields(linear, self, eqx.nn.Linear)
-        self.axis_name = axis_name
+        _adopt(self, linear, eqx.nn.Linear, axis_name)
         self.sequence_parallel = bool(sequence_parallel)
 
     def __partition_specs__(self) -> Mapping[str, P]:
@@ -432,13 +446,7 @@ class HeadParallelAttention(eqx.nn.MultiheadAttention):
         axis_name: Hashable = "model",
         sequence_parallel: bool = False,
     ):
-        if not isinstance(attention, eqx.nn.MultiheadAttention):
-            raise TypeError(
-                f"HeadParallelAttention: expected an eqx.nn.MultiheadAttention; got "
-                f"{type(attention).__name__}."
-            )
-        _copy_fields(attention, self, eqx.nn.MultiheadAttention)
-        self.axis_name = axis_name
+        _adopt(self, attention, eqx.nn.MultiheadAttention, axis_name)
         self.sequence_parallel = bool(sequence_parallel)
 
     def __partition_specs__(self) -> Mapping[str, P]:
@@ -700,13 +708,7 @@ class _SplitEmbedding(eqx.nn.Embedding):
     axis_name: Hashable = eqx.field(static=True)
 
     def __init__(self, embedding: eqx.nn.Embedding, *, axis_name: Hashable = "model"):
-        if not isinstance(embedding, eqx.nn.Embedding):
-            raise TypeError(
-                f"{type(self).__name__}: expected an eqx.nn.Embedding; got "
-                f"{type(embedding).__name__}."
-            )
-        _copy_fields(embedding, self, eqx.nn.Embedding)
-        self.axis_name = axis_name
+        _adopt(self, embedding, eqx.nn.Embedding, axis_name)
 
     def to_serial(self) -> eqx.nn.Embedding:
         """The `eqx.nn.Embedding` with the same table."""
@@ -863,13 +865,7 @@ class SequenceParallelDropout(eqx.nn.Dropout):
     axis_name: Hashable = eqx.field(static=True)
 
     def __init__(self, dropout: eqx.nn.Dropout, *, axis_name: Hashable = "model"):
-        if not isinstance(dropout, eqx.nn.Dropout):
-            raise TypeError(
-                f"SequenceParallelDropout: expected an eqx.nn.Dropout; got "
-                f"{type(dropout).__name__}."
-            )
-        _copy_fields(dropout, self, eqx.nn.Dropout)
-        self.axis_name = axis_name
+        _adopt(self, dropout, eqx.nn.Dropout, axis_name)
 
     def to_serial(self) -> eqx.nn.Dropout:
         """The `eqx.nn.Dropout` with the same `p` and `inference`."""
