@@ -30,11 +30,12 @@ half-deleted step listed); async writes; and the shapes and dtypes of what a ste
   `/`-joined path, kind, PRNG implementation and checksum, and the step number, which
   `restore` checks so that a step directory renamed or copied over another is refused).
 - *Never overwrite, and one writer.* A step that exists is never written again. The first
-  `save` of a `Checkpointer` takes `<directory>/eqpar-writer.lock` (created with `O_EXCL`,
-  holding the writer's pid and host); a second writer is refused with a message naming the
-  holder. Only the lock holder deletes unfinished `*.orbax-checkpoint-tmp` saves, so a
-  reader (an eval job) never disturbs a save in progress. On object stores (`gs://...`),
-  where exclusive creation is not available, the single-writer rule is yours to keep.
+  `save` of a `Checkpointer` takes an exclusive `flock` on `<directory>/eqpar-writer.lock`
+  (which records the writer's pid and host); a second writer is refused with a message naming
+  the holder. The kernel releases the lock when the writer's process ends, even by SIGKILL,
+  so a crashed writer never blocks the next one. Only the lock holder deletes unfinished
+  `*.orbax-checkpoint-tmp` saves, so a reader (an eval job) never disturbs a save in progress.
+  On object stores (`gs://...`), which have no locks, the single-writer rule is yours to keep.
 - *A bounded barrier.* With several processes, `save` and `restore` first meet at a barrier
   with a timeout, so a call made on only some processes fails with a message, not a hang.
 
@@ -190,18 +191,8 @@ _MULTIPLIER, _OFFSET = 0x9E3779B1, 0x7F4A7C15
 def _digestible(dtype: Any) -> bool:
     """Whole-byte dtypes get a checksum; sub-byte ones (int4, float4, ...) are stored packed."""
     dtype = np.dtype(dtype)
-    if dtype.kind in "bc":  # bool, complex64, complex128
-        return dtype.itemsize in (1, 8, 16)
-    info = jnp.finfo if jnp.issubdtype(dtype, jnp.floating) else jnp.iinfo
-    try:
-        return dtype.itemsize in (1, 2, 4, 8) and info(dtype).bits == 8 * dtype.itemsize
-    except ValueError:
-        return False
-
-
-def _view(x: np.ndarray, dtype: Any) -> np.ndarray:
-    """NumPy's twin of `lax.bitcast_convert_type` between dtypes of one size."""
-    return np.ascontiguousarray(x).view(dtype)
+    bits = jax.dtypes.itemsize_bits(dtype)
+    return bits == 8 * dtype.itemsize and (bits <= 64 or dtype.kind == "c")
 
 
 def _words(x: Any, xp: Any, bitcast: Callable) -> Any:
@@ -215,34 +206,27 @@ def _words(x: Any, xp: Any, bitcast: Callable) -> Any:
     return (bits ^ (bits >> 32) if x.dtype.itemsize == 8 else bits).astype(xp.uint32)
 
 
-def _sum(words: Any, index: Any, xp: Any) -> Any:
-    weights = (index * xp.uint32(_MULTIPLIER) + xp.uint32(_OFFSET)) | xp.uint32(1)
-    return xp.sum(words * weights, dtype=xp.uint32)
-
-
 @jax.jit
 def _device_digest(x: jax.Array) -> jax.Array:
-    # C-order linear index from broadcast iotas: no reshape, so the sharding is kept as is
+    """The position-weighted sum of `x`'s words. The C-order linear index comes from
+    broadcast iotas, not a reshape, so the sharding is kept as is (nothing is gathered)."""
     index, stride = jnp.zeros((), jnp.uint32), 1
     for axis in reversed(range(x.ndim)):
         iota = jax.lax.broadcasted_iota(jnp.uint32, x.shape, axis)
         index, stride = index + iota * jnp.uint32(stride % 2**32), stride * x.shape[axis]
-    return _sum(_words(x, jnp, jax.lax.bitcast_convert_type), index, jnp)
+    weights = (index * jnp.uint32(_MULTIPLIER) + jnp.uint32(_OFFSET)) | jnp.uint32(1)
+    return jnp.sum(_words(x, jnp, jax.lax.bitcast_convert_type) * weights, dtype=jnp.uint32)
 
 
 def _digest(value: Any) -> int | None:
-    """The checksum of `value` (a jax or NumPy array); `None` where the dtype has none."""
+    """The checksum of `value` (a jax or NumPy array); `None` where the dtype has none. Host
+    values are turned into their uint32 words by NumPy first, so 64-bit values need no x64."""
     if not _digestible(value.dtype):
         return None
-    if isinstance(value, jax.Array):  # a replicated scalar: each process reads its copy
-        return int(np.asarray(_device_digest(value).addressable_data(0)))
-    flat = np.asarray(value).reshape(-1)
-    index = np.arange(flat.size, dtype=np.uint64).astype(np.uint32)  # modulo 2**32
-    return int(_sum(_words(flat, np, _view), index, np))
-
-
-def _digests(values: Sequence[Any]) -> list[int | None]:
-    return [_digest(value) for value in values]
+    if not isinstance(value, jax.Array):
+        view = lambda x, dtype: np.ascontiguousarray(x).view(dtype)
+        value = jnp.asarray(_words(np.asarray(value), np, view))
+    return int(np.asarray(_device_digest(value).addressable_data(0)))  # replicated scalar
 
 
 # ---------------------------------------------------------------------------------------------
@@ -522,49 +506,28 @@ def _as_step(value: Any, argument: str = "step", minimum: int = 0, hint: str = "
     return number
 
 
-def _holder(lock: str) -> dict:
+def _take_lock(lock: str) -> Any:
+    """Hold `lock` with an exclusive `flock` and record this process's pid and host in it.
+    The kernel releases the lock when its holder exits, however it exits, so a dead writer
+    leaves no stale lock; a live holder is refused. Returns the open file: closing it releases
+    the lock (the file itself stays, so no second writer can lock a file about to vanish)."""
+    import fcntl  # POSIX only, like the multi-process runs it guards
+
+    file = open(lock, "a+")  # held open for as long as this writer lives
     try:
-        with open(lock) as file:
-            holder = json.load(file)
-    except (OSError, ValueError):
-        return {}
-    return holder if isinstance(holder, dict) else {}
-
-
-def _alive(pid: object) -> bool:
-    try:
-        os.kill(pid, 0)  # type: ignore[arg-type]
-    except ProcessLookupError:
-        return False
-    except (OSError, TypeError):
-        pass  # another user's process, or no pid recorded: assume alive
-    return True
-
-
-def _take_lock(lock: str) -> None:
-    """Create `lock` exclusively with this process's pid and host, taking over a lock left by
-    a dead process of this host; refuse a live holder."""
-    me = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}
-    holder = _holder(lock)
-    if holder.get("host") == me["host"] and not _alive(holder.get("pid")):
-        os.remove(lock)  # stale: its process is gone
-    try:
-        descriptor = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-    except FileExistsError:
-        holder = _holder(lock)
+        fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        file.seek(0)
+        holder = file.read().strip() or "a process that has not yet written its name"
+        file.close()
         raise RuntimeError(
-            f"Another Checkpointer writes to {os.path.dirname(lock)}: its lock {lock} is "
-            f"held by pid {holder.get('pid')} on host {holder.get('host')}. One directory "
-            "has one writer; readers need no lock. If that process is gone (a stale lock "
-            "from another host), delete the lock file."
+            f"Another Checkpointer writes to {os.path.dirname(lock)}: its lock {lock} is held "
+            f"by {holder}. One directory has one writer; readers need no lock."
         ) from None
-    with os.fdopen(descriptor, "w") as file:
-        json.dump(me, file)
-
-
-def _release_lock(lock: str) -> None:
-    if _holder(lock).get("pid") == os.getpid():
-        os.remove(lock)
+    file.truncate(0)
+    file.write(f"pid {os.getpid()} on host {socket.gethostname()}")
+    file.flush()
+    return file
 
 
 # ---------------------------------------------------------------------------------------------
@@ -706,9 +669,8 @@ class Checkpointer:
         if self._unlock is not None or jax.process_index() != 0:
             return
         lock = os.fspath(self._directory / _LOCK)
-        if "://" not in lock:
-            _take_lock(lock)
-        self._unlock = weakref.finalize(self, _release_lock, lock)
+        file = _take_lock(lock) if "://" not in lock else None
+        self._unlock = weakref.finalize(self, file.close if file else lambda: None)
         self._purge(unfinished=True)
 
     def _purge(self, unfinished: bool = False) -> None:
@@ -875,7 +837,7 @@ class Checkpointer:
             self._barrier("save")
             self._manager.wait_until_finished()
             self._purge()
-            checksums = _digests(values) if self._checksums else [None] * len(values)
+            checksums = [_digest(v) if self._checksums else None for v in values]
             records = [_record(leaf, checksum) for leaf, checksum in zip(leaves, checksums)]
             args = self._ocp.args.StandardSave(self._nested(leaves, values))
             metadata = {_FORMAT_KEY: {"version": _FORMAT_VERSION, "step": step, "leaves": records}}

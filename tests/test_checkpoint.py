@@ -37,7 +37,7 @@ from eqpar.checkpoint import (
     CheckpointMismatchError,
     CorruptCheckpointError,
     _as_step,
-    _digests,
+    _digest,
 )
 
 TIMEOUT = 120.0
@@ -692,7 +692,7 @@ def test_checksum_is_the_same_on_device_on_host_and_under_any_sharding(dtype):
     fsdp = jax.device_put(values, fsdp8_layout(on_one_device))
     reversed_devices = Mesh(np.array(jax.devices()[:4])[::-1], ("model",))
     reordered = jax.device_put(values, NamedSharding(reversed_devices, P("model")))
-    digests = _digests([values, on_one_device, sharded, fsdp, reordered])
+    digests = [_digest(v) for v in (values, on_one_device, sharded, fsdp, reordered)]
     assert digests[0] is not None and len(set(digests)) == 1
     flat = values.reshape(-1)
     i = next(i for i in range(flat.size - 1) if flat[i] != flat[i + 1])
@@ -700,9 +700,7 @@ def test_checksum_is_the_same_on_device_on_host_and_under_any_sharding(dtype):
     changed[i] = flat[i + 1]  # one element differs
     swapped = flat.copy()
     swapped[[i, i + 1]] = flat[[i + 1, i]]  # two elements trade places
-    changed_digest, swapped_digest = _digests(
-        [changed.reshape(values.shape), swapped.reshape(values.shape)]
-    )
+    changed_digest, swapped_digest = (_digest(v.reshape(values.shape)) for v in (changed, swapped))
     assert changed_digest != digests[0] and swapped_digest != digests[0]
 
 
@@ -1113,10 +1111,9 @@ def test_one_writer_per_directory_and_readers_never_disturb_a_save(tmp_path):
         assert reader.restore(target={"w": jnp.zeros(2)})["w"].tolist() == [1.0, 1.0]
         with pytest.raises(RuntimeError, match=f"held by pid {os.getpid()} on host") as caught:
             reader.save(3, {"w": jnp.ones(2)})
-        assert "delete the lock file" in str(caught.value)
+        assert "One directory has one writer" in str(caught.value)
     assert (in_progress / "default" / "data").read_bytes() == b"partial"  # untouched
-    writer.close()  # releases the lock
-    assert not (tmp_path / "eqpar-writer.lock").exists()
+    writer.close()  # releases the lock (the file stays; the kernel's lock is what counts)
     with Checkpointer(tmp_path) as next_writer:
         assert next_writer.save(3, {"w": jnp.ones(2)})
         assert not in_progress.exists()  # the lock holder removes unfinished saves
