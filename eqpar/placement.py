@@ -461,8 +461,8 @@ def with_sharding_constraint(x: PyTree[ArrayLike], shardings: PyTree) -> PyTree[
         ) from None
 
     def constrain(prefix: tuple, sharding: Any, path: tuple, leaf: ArrayLike) -> ArrayLike:
-        where = path_to_str(prefix + path)
-        if not is_sharding(sharding):
+        where, shape = path_to_str(prefix + path), np.shape(leaf)
+        if not isinstance(sharding, PartitionSpec | Sharding):
             raise TypeError(
                 f"`{function}`: `shardings` at {where or '<root>'!r} must be a `PartitionSpec`, "
                 f"a `Sharding` or None, not {sharding!r}."
@@ -474,20 +474,13 @@ def with_sharding_constraint(x: PyTree[ArrayLike], shardings: PyTree) -> PyTree[
                 f"`{function}`: the sharding at {where or '<root>'!r} is a bare `PartitionSpec`, "
                 "which needs a mesh: `jax.set_mesh(mesh)`, or pass `NamedSharding(mesh, spec)`."
             )
-        spec = sharding if bare else getattr(sharding, "spec", None)
-        if isinstance(spec, PartitionSpec) and mesh is not None:  # the one spec checker
-            check_spec(
-                where, spec, np.shape(leaf), dict(mesh.shape), source=f"{function}: shardings"
-            )
-        try:  # what the spec checker does not cover (other kinds of sharding): JAX's checks
-            named: Any = NamedSharding(mesh, sharding) if bare and mesh is not None else sharding
-            named.check_compatible_aval(np.shape(leaf))
-        except Exception as error:
-            raise ValueError(
-                f"`{function}`: the sharding at {where or '<root>'!r} is {sharding}; the mesh only "
-                f"has the axes {getattr(mesh, 'axis_names', None)}: {error}"
-            ) from None
-        return leaf if named.num_devices <= 1 else jax.lax.with_sharding_constraint(leaf, named)
+        if isinstance(spec := getattr(sharding, "spec", sharding), PartitionSpec):
+            check_spec(where, spec, shape, dict(mesh.shape), source=f"{function}: shardings")
+            sharding = NamedSharding(mesh, spec)
+        else:  # other kinds of sharding: JAX's own check
+            sharding.check_compatible_aval(shape)
+        many = sharding.num_devices > 1  # on one device: a checked no-op
+        return jax.lax.with_sharding_constraint(leaf, sharding) if many else leaf
 
     def constrain_subtree(prefix: tuple, sharding: Any, subtree: PyTree) -> PyTree:
         apply = functools.partial(constrain, prefix, sharding)
