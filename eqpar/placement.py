@@ -468,7 +468,7 @@ def with_sharding_constraint(x: PyTree[ArrayLike], shardings: PyTree) -> PyTree[
                 f"a `Sharding` or None, not {sharding!r}."
             )
         bare = isinstance(sharding, PartitionSpec)
-        mesh = _context_mesh() if bare else getattr(sharding, "mesh", None)
+        mesh: Any = _context_mesh() if bare else getattr(sharding, "mesh", None)
         if bare and mesh is None:
             raise ValueError(
                 f"`{function}`: the sharding at {where or '<root>'!r} is a bare `PartitionSpec`, "
@@ -476,11 +476,12 @@ def with_sharding_constraint(x: PyTree[ArrayLike], shardings: PyTree) -> PyTree[
             )
         if isinstance(spec := getattr(sharding, "spec", sharding), PartitionSpec):
             check_spec(where, spec, shape, dict(mesh.shape), source=f"{function}: shardings")
-            sharding = NamedSharding(mesh, spec)
+            named: Any = NamedSharding(mesh, spec)
         else:  # other kinds of sharding: JAX's own check
-            sharding.check_compatible_aval(shape)
-        many = sharding.num_devices > 1  # on one device: a checked no-op
-        return jax.lax.with_sharding_constraint(leaf, sharding) if many else leaf
+            named = sharding
+            named.check_compatible_aval(shape)
+        many = named.num_devices > 1  # on one device: a checked no-op
+        return jax.lax.with_sharding_constraint(leaf, named) if many else leaf
 
     def constrain_subtree(prefix: tuple, sharding: Any, subtree: PyTree) -> PyTree:
         apply = functools.partial(constrain, prefix, sharding)
