@@ -2,7 +2,8 @@
 
 For a pipeline axis of S = 4 devices and M microbatches this measures, for one training step
 (loss and gradients of every stage) of GPipe (autodiff through the forward scan), GPipe with
-each stage rematerialised, the circular schedule with 2 stages per device, and 1F1B:
+each stage rematerialised, the circular schedule with 2 stages per device, and 1F1B (storing
+each stage's residuals, and recomputing the forward instead):
 
 - the bubble fraction of the schedule;
 - compile time (lower + compile) and the size of the compiled program text, which must stay
@@ -68,7 +69,7 @@ def build(schedule: str, num_microbatches: int, args: argparse.Namespace) -> Pip
         num_stages=NUM_STAGES,
         num_microbatches=num_microbatches,
         num_repeats=2 if schedule == "circular" else 1,
-        remat=schedule == "gpipe+remat",
+        remat=schedule in ("gpipe+remat", "1f1b+recompute"),
     )
 
 
@@ -87,7 +88,7 @@ def training_step(schedule: str, module: PipelineModule, mesh: Mesh) -> tuple[Ca
 
     def step(arrays, x, t):
         model = eqx.combine(arrays, static)
-        if schedule == "1f1b":
+        if schedule.startswith("1f1b"):
             loss, grads = model.value_and_grad_1f1b(mse, x, t)
             return loss, eqx.filter(grads, eqx.is_array)
 
@@ -141,7 +142,7 @@ def measure(schedule: str, num_microbatches: int, args: argparse.Namespace, mesh
         + memory.temp_size_in_bytes
         - memory.alias_size_in_bytes
     )
-    kind = "1f1b" if schedule == "1f1b" else "forward"
+    kind = "1f1b" if schedule.startswith("1f1b") else "forward"
     bubble = module.schedule(kind).bubble_fraction
     step_seconds = time_call(compiled, arrays, x, t, repeats=args.repeats)
     serial, serial_arrays = serial_step(module)
@@ -157,6 +158,7 @@ def measure(schedule: str, num_microbatches: int, args: argparse.Namespace, mesh
         "total_mib": total / MIB,
         "model_mib": (total - x.nbytes - t.nbytes) / MIB,
         "time_ratio": step_seconds / serial_seconds,
+        "step_s": step_seconds,
     }
 
 
@@ -199,6 +201,12 @@ def as_markdown(results: list[dict], args: argparse.Namespace) -> str:
                 f"total without the batch {ratio['model_mib']:.2f}x{target}, "
                 f"total {ratio['total_mib']:.2f}x"
             )
+    for schedule in ("1f1b", "1f1b+recompute"):
+        pairs = [(m, by_key.get((schedule, m)), by_key.get(("gpipe", m))) for m in sizes]
+        ratios = [f"M={m}: {a['step_s'] / b['step_s']:.2f}x" for m, a, b in pairs if a and b]
+        if ratios:
+            target = " (target <= 1.05 at M >= 16)" if schedule == "1f1b" else ""
+            checks.append(f"{schedule} step / gpipe step: {', '.join(ratios)}{target}")
     return "\n".join([*lines, "", *[f"- {c}" for c in checks]])
 
 
@@ -208,8 +216,8 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument(
         "--schedules",
         nargs="+",
-        default=["gpipe", "gpipe+remat", "circular", "1f1b"],
-        choices=["gpipe", "gpipe+remat", "circular", "1f1b"],
+        default=["gpipe", "gpipe+remat", "circular", "1f1b", "1f1b+recompute"],
+        choices=["gpipe", "gpipe+remat", "circular", "1f1b", "1f1b+recompute"],
     )
     parser.add_argument("--layers", type=int, default=8, help="divisible by 8")
     parser.add_argument("--features", type=int, default=64)

@@ -683,6 +683,7 @@ def execute_1f1b(
     num_microbatches: int,
     model_axis_name: AxisName,
     return_all_grads: bool = False,
+    recompute: bool = False,
     **kwargs: Any,
 ) -> tuple[Float[Scalar, ""], Any]:
     """A pipelined training step in the one-forward-one-backward (1F1B) order (inside
@@ -690,9 +691,14 @@ def execute_1f1b(
 
     Each device runs its stage's forward for a microbatch, then, as soon as the cotangent of
     the oldest microbatch comes back from the next device, that microbatch's backward; so it
-    never holds more than `S` microbatch inputs (`S` the axis size), where autodiff through
-    `execute_pipeline` holds all `M`. The backward recomputes the stage from its stored input
-    (`jax.vjp` per step). The loss is computed on the last device inside its backward step.
+    never holds the activations of more than `S` microbatches (`S` the axis size), where
+    autodiff through `execute_pipeline` holds all `M`. By default a stage's forward keeps
+    what its backward needs (the residuals of `jax.vjp`, in a ring of `S` slots, without the
+    copies of the parameters and the stage input that are stored anyway), so no stage runs
+    its forward twice; `recompute=True` keeps only the stage input and recomputes the forward
+    in the backward step (less memory, one more forward per microbatch). Wrap the stage in
+    `jax.checkpoint` with a policy for anything in between. The loss is computed on the last
+    device inside its backward step (its forward is never run separately).
     Steps follow `eqpar.schedule.OneFOneBSchedule`: `2 * (M + S - 1)` of them, each device
     running only the branch (forward, backward or nothing) its schedule names.
 
@@ -712,6 +718,8 @@ def execute_1f1b(
     - `num_microbatches`: `M`; must divide the batch size.
     - `model_axis_name`: the pipeline axis.
     - `return_all_grads`: also return the gradients of `loss_fn`'s array leaves and of `x`.
+    - `recompute`: recompute each stage's forward in its backward step instead of storing
+      its residuals.
 
     **Returns:** `(loss, grads)`, with `loss = mean over microbatches of loss_fn` on every
     device and `grads` the gradient of `loss` with respect to this device's `module` (same
@@ -836,34 +844,54 @@ def execute_1f1b(
     target_microbatches = _cast_tree(target_microbatches, pipe)
     cotangent_scale = jnp.asarray(1.0 / num_microbatches, loss_shape.dtype)
 
-    def idle(state: _BranchState) -> tuple:
-        return (
+    def stage_vjp(p: Any, h: Any, microbatch: Any) -> tuple:
+        """`jax.vjp` of the stage in its inexact leaves: `(pullback, output)`. Only the
+        inexact leaves of the activations carry cotangents; integer or boolean leaves (masks,
+        positions) ride along unchanged."""
+        h_diff, h_rest = eqx.partition(h, eqx.is_inexact_array)
+
+        def stage_part(p: Any, hd: Any) -> Any:
+            out = run_stage(p, eqx.combine(hd, h_rest), arguments_at(microbatch))
+            return eqx.filter(out, eqx.is_inexact_array), out
+
+        _, pullback, out = jax.vjp(stage_part, p, h_diff, has_aux=True)
+        return pullback, out
+
+    layout = None if recompute else _Residuals(stage_vjp, params, _take(microbatches, 0))
+    no_residuals = layout.zeros() if layout else ()
+
+    def idle(state: _BranchState) -> _BranchOut:
+        return _BranchOut(
             _zeros_like(state.h),
             _zeros_like(state.cot),
             state.grads,
             state.loss_grads,
             state.loss,
+            no_residuals,
         )
 
-    def forward(state: _BranchState) -> tuple:
-        sent = run_stage(params, state.h, arguments_at(state.microbatch))
-        return sent, _zeros_like(state.cot), state.grads, state.loss_grads, state.loss
+    def forward(state: _BranchState) -> _BranchOut:
+        if layout is None:
+            sent, residuals = run_stage(params, state.h, arguments_at(state.microbatch)), ()
+        else:
+            pullback, sent = stage_vjp(params, state.h, state.microbatch)
+            residuals = layout.split(pullback, params, state.h)
+        zero_cot = _zeros_like(state.cot)
+        return _BranchOut(sent, zero_cot, state.grads, state.loss_grads, state.loss, residuals)
 
-    # Only the inexact leaves of the activations carry cotangents; integer or boolean leaves
-    # (masks, positions) ride along unchanged.
-    def backward(state: _BranchState) -> tuple:
-        h_diff, h_rest = eqx.partition(state.h, eqx.is_inexact_array)
-
-        def stage_part(p: Any, hd: Any) -> Any:
-            out = run_stage(p, eqx.combine(hd, h_rest), arguments_at(state.microbatch))
-            return eqx.filter(out, eqx.is_inexact_array)
-
-        out, pullback = jax.vjp(stage_part, params, h_diff)
-        d_params, d_h = pullback(_cast_tree(state.cot, _axes_tree(out)))
+    def backward(state: _BranchState) -> _BranchOut:
+        if layout is None:
+            pullback, out = stage_vjp(params, state.h, state.microbatch)
+            output_axes = _axes_tree(eqx.filter(out, eqx.is_inexact_array))
+        else:
+            pullback = layout.join(state.residuals, params, state.h)
+            output_axes = layout.output_axes
+        d_params, d_h = pullback(_cast_tree(state.cot, output_axes))
         grads = _add(state.grads, d_params)
-        return _zeros_like(state.h), d_h, grads, state.loss_grads, state.loss
+        zero_h = _zeros_like(state.h)
+        return _BranchOut(zero_h, d_h, grads, state.loss_grads, state.loss, no_residuals)
 
-    def backward_last(state: _BranchState) -> tuple:
+    def backward_last(state: _BranchState) -> _BranchOut:
         h_diff, h_rest = eqx.partition(state.h, eqx.is_inexact_array)
 
         def last_part(p: Any, hd: Any, lp: Any) -> Any:
@@ -874,18 +902,19 @@ def execute_1f1b(
         value, pullback = jax.vjp(last_part, params, h_diff, loss_params)
         scale = _cast_varying(cotangent_scale, _varying_axes(value))
         d_params, d_h, d_loss_params = pullback(scale)
-        return (
+        return _BranchOut(
             _zeros_like(state.h),
             d_h,
             _add(state.grads, d_params),
             _add(state.loss_grads, d_loss_params),
             state.loss + value * cotangent_scale,
+            no_residuals,
         )
 
     branches = [idle, forward, backward, backward_last]
 
     def step(carry: tuple, t: Array) -> tuple[tuple, None]:
-        received, cotangent, stash, grads, loss_grads, loss, x_grads = carry
+        received, cotangent, stash, residuals, grads, loss_grads, loss, x_grads = carry
         fwd, bwd = _one_f_one_b_slot(
             t, device, num_stages=num_stages, num_microbatches=num_microbatches, xp=jnp
         )
@@ -904,15 +933,19 @@ def execute_1f1b(
         branch = jnp.where(
             bwd >= 0, jnp.where(is_last, 3, 2), jnp.where((fwd >= 0) & ~is_last, 1, 0)
         )
-        state = _BranchState(h, cotangent, target, current, grads, loss_grads, loss)
-        sent_forward, sent_back, grads, loss_grads, loss = _switch(branch, branches, state)
+        stored = _take(residuals, current % num_stages)
+        state = _BranchState(h, cotangent, target, current, grads, loss_grads, loss, stored)
+        out = _switch(branch, branches, state)
+        sent_forward, sent_back, grads, loss_grads, loss = out[:5]
+        # The residuals of this forward wait in slot m % S, like the inputs, until its backward.
+        residuals = _put(residuals, fwd % num_stages, out.residuals, branch == 1)
         if x_grads is not None:
             x_grads = _put(
                 x_grads, jnp.clip(bwd, 0, num_microbatches - 1), sent_back, (bwd >= 0) & is_first
             )
         received = _ring_shift(sent_forward, model_axis_name, num_stages, +1)
         cotangent = _ring_shift(sent_back, model_axis_name, num_stages, -1)
-        return (received, cotangent, stash, grads, loss_grads, loss, x_grads), None
+        return (received, cotangent, stash, residuals, grads, loss_grads, loss, x_grads), None
 
     zeros = _cast_tree(_zeros_like(first), pipe)
     stash = jax.tree.map(lambda z: jnp.zeros((num_stages, *z.shape), z.dtype), zeros)
@@ -923,13 +956,14 @@ def execute_1f1b(
         zeros,
         eqx.filter(zeros, eqx.is_inexact_array),
         stash,
+        jax.tree.map(lambda z: jnp.zeros((num_stages, *z.shape), z.dtype), no_residuals),
         _cast_tree(_zeros_like(params), _axes_tree(params)),
         _cast_tree(_zeros_like(loss_params), _axes_tree(loss_params)),
         _cast_varying(jnp.zeros((), loss_shape.dtype), pipe),
         x_grads,
     )
     carry, _ = _scan(step, init, _steps(2 * (num_microbatches + num_stages - 1)))
-    _, _, _, grads, loss_grads, loss, x_grads = carry
+    _, _, _, _, grads, loss_grads, loss, x_grads = carry
     # Parameters replicated over the batch's axes were cast to varying before the loop: sum
     # their gradients over those axes once, as autodiff through the replication would.
     grads = _sum_over_cast_axes(grads, replicated_axes[0], x, model_axis_name)
@@ -956,6 +990,84 @@ class _BranchState(NamedTuple):
     grads: Any  # running gradient of the stage parameters
     loss_grads: Any  # running gradient of loss_fn's parameters
     loss: Any  # running loss
+    residuals: Any  # the stored residuals of this microbatch's forward (for its backward)
+
+
+class _BranchOut(NamedTuple):
+    """What a 1F1B branch returns: what to send each way and the updated running sums."""
+
+    sent_forward: Any  # the stage output, for the next device
+    sent_back: Any  # the input cotangent, for the previous device
+    grads: Any
+    loss_grads: Any
+    loss: Any
+    residuals: Any  # what a forward stores for its backward (zeros from the other branches)
+
+
+class _Residuals:
+    """The residuals a 1F1B forward stores for its backward.
+
+    `jax.vjp`'s pullback is a pytree whose leaves are its residuals. The forward step stores
+    those that are not the parameters or the stage input themselves (a linear layer's weight
+    and input are kept anyway, so they are not copied into every slot); the backward step
+    rebuilds the pullback from the stored ones and the inputs. The backward uses the tree
+    structure and the leaf sources that the forward branch recorded when it was traced with
+    the same operand types (shapes, dtypes, replication types; the branches of one step share
+    their operands), so the two always agree even where JAX caches a trace; an abstract probe
+    beforehand gives only the shapes the other branches return as zeros."""
+
+    def __init__(self, stage_vjp: Callable, params: Any, h: Any):
+        def probe(params: Any, h: Any) -> Any:
+            pullback, out = stage_vjp(params, h, jnp.zeros((), jnp.int32))
+            self.output_axes = _axes_tree(eqx.filter(out, eqx.is_inexact_array))
+            return self._stored(pullback, _sources(pullback, params, h))
+
+        self.shapes = jax.eval_shape(probe, params, h)
+        self.recorded: dict = {}  # operand types -> (treedef, sources) of the forward
+
+    @staticmethod
+    def _stored(pullback: Any, sources: tuple) -> tuple:
+        return tuple(r for r, s in zip(jax.tree.leaves(pullback), sources) if s is None)
+
+    def zeros(self) -> tuple:
+        return tuple(_zeros_like(self.shapes))
+
+    def split(self, pullback: Any, params: Any, h: Any) -> tuple:
+        """The residuals of `pullback` to store (recording where the others come from)."""
+        sources = _sources(pullback, params, h)
+        self.recorded[_types(params, h)] = (jax.tree.structure(pullback), sources)
+        stored = self._stored(pullback, sources)
+        if [(r.shape, r.dtype) for r in stored] != [(r.shape, r.dtype) for r in self.shapes]:
+            raise RuntimeError(
+                "execute_1f1b: the stage's residuals differ between two traces of the same "
+                "stage, so they cannot be stored for the backward step; pass recompute=True."
+            )
+        return stored
+
+    def join(self, stored: Any, params: Any, h: Any) -> Any:
+        """The pullback rebuilt from the stored residuals and the inputs."""
+        treedef, sources = self.recorded[_types(params, h)]  # the forward is traced first
+        inputs = _inputs(params, h)
+        rest = iter(stored)
+        return jax.tree.unflatten(
+            treedef, [next(rest) if s is None else inputs[s] for s in sources]
+        )
+
+
+def _types(*trees: Any) -> tuple:
+    return tuple((x.shape, x.dtype, _varying_axes(x)) for x in jax.tree.leaves(trees))
+
+
+def _inputs(params: Any, h: Any) -> list:
+    return jax.tree.leaves((params, eqx.filter(h, eqx.is_inexact_array)))
+
+
+def _sources(pullback: Any, params: Any, h: Any) -> tuple:
+    """For each residual of `pullback`: the index of the input leaf it is, or None."""
+    inputs = _inputs(params, h)
+    return tuple(
+        next((i for i, a in enumerate(inputs) if a is r), None) for r in jax.tree.leaves(pullback)
+    )
 
 
 def _add(a: Any, b: Any) -> Any:

@@ -1142,3 +1142,86 @@ def test_pipeline_inside_a_user_model_trains_like_the_serial_model(schedule):
 
 def logits_shape(tokens):
     return (*tokens.shape, VOCAB)
+
+
+# --------------------------------------------------------------------------------------
+# 1F1B keeps each stage's residuals instead of recomputing its forward.
+
+
+class TanhMLP(eqx.Module):
+    """A stage as Equinox's docs write one: layers in a list, a per-example vmap."""
+
+    layers: list
+
+    def __init__(self, key, width=FEATURES):
+        keys = jax.random.split(key, 2)
+        self.layers = [eqx.nn.Linear(width, width, key=k) for k in keys]
+
+    def __call__(self, h):
+        def one(row):
+            for layer in self.layers:
+                row = jnp.tanh(layer(row))
+            return row
+
+        return jax.vmap(one)(h)
+
+
+def test_1f1b_stores_residuals_or_recomputes_with_the_same_gradients():
+    width = 8
+    keys = jax.random.split(jax.random.key(3), 4)
+    stages = eqx.filter_vmap(lambda k: TanhMLP(k, width))(keys)
+    params, static = eqx.partition(stages, eqx.is_array)
+    x = jax.random.normal(jax.random.key(1), (8, width))
+    t = jax.random.normal(jax.random.key(2), (8, width))
+
+    def serial(params):
+        h = x
+        for stage in range(4):
+            h = eqx.combine(jax.tree.map(lambda a, i=stage: a[i], params), static)(h)
+        return mse(h, t)
+
+    loss_ref, grads_ref = jax.value_and_grad(serial)(params)
+
+    def step(recompute):
+        def run(params, x, t):
+            stage = eqx.combine(jax.tree.map(lambda a: a[0], params), static)
+            loss, grads = execute_1f1b(
+                stage, mse, x, t, num_microbatches=8, model_axis_name="pipe", recompute=recompute
+            )
+            return loss, jax.tree.map(lambda g: g[None], grads)
+
+        specs = dict(in_specs=(P("pipe"), P(), P()), out_specs=(P(), P("pipe")))
+        return jax.jit(jax.shard_map(run, mesh=pipe_mesh(4), **specs))
+
+    matmuls = {}
+    for recompute in (False, True):
+        fn = step(recompute)
+        loss, grads = fn(params, x, t)
+        assert_tree_close(loss, loss_ref)
+        assert_tree_close(grads, grads_ref)
+        matmuls[recompute] = fn.lower(params, x, t).compile().as_text().count(" dot(")
+    # the stored residuals save the forward (two matmuls) that recomputing runs a second time
+    assert matmuls[True] - matmuls[False] == 2
+
+
+def test_1f1b_does_not_store_what_it_keeps_anyway():
+    """A linear stage's residuals are its weight and its input: nothing more is stored."""
+    from eqpar.pipeline import _Residuals
+
+    linear = eqx.nn.Linear(FEATURES, FEATURES, key=jax.random.key(0))
+    params, static = eqx.partition(linear, eqx.is_inexact_array)
+
+    def stage_vjp(p, h, microbatch):
+        out, pullback = jax.vjp(lambda p, h: jax.vmap(eqx.combine(p, static))(h), p, h)
+        return pullback, out
+
+    assert _Residuals(stage_vjp, params, jnp.ones((2, FEATURES))).shapes == ()
+    mlp = TanhMLP(jax.random.key(1))
+    mlp_params, mlp_static = eqx.partition(mlp, eqx.is_inexact_array)
+
+    def mlp_vjp(p, h, microbatch):
+        out, pullback = jax.vjp(lambda p, h: eqx.combine(p, mlp_static)(h), p, h)
+        return pullback, out
+
+    stored = _Residuals(mlp_vjp, mlp_params, jnp.ones((2, FEATURES))).shapes
+    assert stored and all(r.shape != linear.weight.shape for r in stored)  # activations only

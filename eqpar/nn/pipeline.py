@@ -459,8 +459,9 @@ class PipelineModule(eqx.Module):
       `jax.checkpoint` with that policy around every stage call of `__call__`. For
       `from_layers` the policy applies to each layer inside the stage instead
       (`ScannedLayers.remat`), so a stage of many layers keeps one layer's worth at a time.
-      `value_and_grad_1f1b` ignores the stage-level policy: its backward step already
-      recomputes the stage from the stored input, one microbatch at a time.
+      `value_and_grad_1f1b` applies it per stage and microbatch: `"none"` stores each
+      stage's residuals until its backward step, `"full"` keeps only the stage input and
+      recomputes the forward there, `"matmuls"` stores the matmul outputs.
     - `broadcast_output`: return the pipeline's result on every device of the axis instead
       of only on the last (zeros elsewhere); costs one `psum` of the output.
 
@@ -804,9 +805,9 @@ class PipelineModule(eqx.Module):
         """Loss and gradients of a training step in the 1F1B order (inside `shard_map`).
 
         Equivalent to differentiating `mean over microbatches of loss_fn(self(x_m), t_m)`
-        but each device holds at most `num_stages` microbatch inputs (see
-        `eqpar.pipeline.execute_1f1b`). Needs `num_repeats == 1`. The loss is the same on
-        every device of the pipeline axis.
+        but each device holds the activations of at most `num_stages` microbatches (see
+        `eqpar.pipeline.execute_1f1b`; the model's `remat` policy says how much of them).
+        Needs `num_repeats == 1`. The loss is the same on every device of the pipeline axis.
 
         Over a data-parallel axis the loss is each shard's own, while the gradients of
         parameters replicated over that axis arrive summed over it (as `jax.grad` inside
@@ -838,9 +839,11 @@ class PipelineModule(eqx.Module):
                 f"num_repeats={self.num_repeats}. Use num_repeats=1, or train the circular "
                 f"schedule by differentiating `module(x)`."
             )
-        stage = self._local_stages(caller)
+        # "full" keeps only each stage's input, which is what `recompute` does by itself
+        recompute = self.remat == "full"
+        local = _StageCall(self._local_stages(caller), "none" if recompute else self.remat)
         loss, result = execute_1f1b(
-            stage,
+            local,
             loss_fn,
             x,
             targets,
@@ -848,9 +851,10 @@ class PipelineModule(eqx.Module):
             num_microbatches=self.num_microbatches,
             model_axis_name=self.axis_name,
             return_all_grads=return_all_grads,
+            recompute=recompute,
             **kwargs,
         )
-        stage_grads = result[0] if return_all_grads else result
+        stage_grads = (result[0] if return_all_grads else result).stage
         stacked = jax.tree.map(lambda g: jnp.expand_dims(g, 0), stage_grads)
         grads = eqx.tree_at(lambda m: m.stages, self, stacked, is_leaf=lambda n: n is None)
         if return_all_grads:
