@@ -875,7 +875,7 @@ def execute_1f1b(
             sent, residuals = run_stage(params, state.h, arguments_at(state.microbatch)), ()
         else:
             pullback, sent = stage_vjp(params, state.h, state.microbatch)
-            residuals = layout.split(pullback, params, state.h)
+            residuals = layout.split(pullback, sent, params, state.h)
         zero_cot = _zeros_like(state.cot)
         return _BranchOut(sent, zero_cot, state.grads, state.loss_grads, state.loss, residuals)
 
@@ -884,8 +884,7 @@ def execute_1f1b(
             pullback, out = stage_vjp(params, state.h, state.microbatch)
             output_axes = _axes_tree(eqx.filter(out, eqx.is_inexact_array))
         else:
-            pullback = layout.join(state.residuals, params, state.h)
-            output_axes = layout.output_axes
+            pullback, output_axes = layout.join(state.residuals, params, state.h)
         d_params, d_h = pullback(_cast_tree(state.cot, output_axes))
         grads = _add(state.grads, d_params)
         zero_h = _zeros_like(state.h)
@@ -1018,12 +1017,11 @@ class _Residuals:
 
     def __init__(self, stage_vjp: Callable, params: Any, h: Any):
         def probe(params: Any, h: Any) -> Any:
-            pullback, out = stage_vjp(params, h, jnp.zeros((), jnp.int32))
-            self.output_axes = _axes_tree(eqx.filter(out, eqx.is_inexact_array))
+            pullback, _ = stage_vjp(params, h, jnp.zeros((), jnp.int32))
             return self._stored(pullback, _sources(pullback, params, h))
 
         self.shapes = jax.eval_shape(probe, params, h)
-        self.recorded: dict = {}  # operand types -> (treedef, sources) of the forward
+        self.recorded: dict = {}  # operand types -> the forward's treedef, sources, out axes
 
     @staticmethod
     def _stored(pullback: Any, sources: tuple) -> tuple:
@@ -1032,10 +1030,12 @@ class _Residuals:
     def zeros(self) -> tuple:
         return tuple(_zeros_like(self.shapes))
 
-    def split(self, pullback: Any, params: Any, h: Any) -> tuple:
-        """The residuals of `pullback` to store (recording where the others come from)."""
+    def split(self, pullback: Any, out: Any, params: Any, h: Any) -> tuple:
+        """The residuals of `pullback` to store (recording where the others come from, and
+        the replication types of the output `out`, which its cotangent must have)."""
         sources = _sources(pullback, params, h)
-        self.recorded[_types(params, h)] = (jax.tree.structure(pullback), sources)
+        out_axes = _axes_tree(eqx.filter(out, eqx.is_inexact_array))
+        self.recorded[_types(params, h)] = (jax.tree.structure(pullback), sources, out_axes)
         stored = self._stored(pullback, sources)
         if [(r.shape, r.dtype) for r in stored] != [(r.shape, r.dtype) for r in self.shapes]:
             raise RuntimeError(
@@ -1044,14 +1044,13 @@ class _Residuals:
             )
         return stored
 
-    def join(self, stored: Any, params: Any, h: Any) -> Any:
-        """The pullback rebuilt from the stored residuals and the inputs."""
-        treedef, sources = self.recorded[_types(params, h)]  # the forward is traced first
-        inputs = _inputs(params, h)
-        rest = iter(stored)
-        return jax.tree.unflatten(
-            treedef, [next(rest) if s is None else inputs[s] for s in sources]
-        )
+    def join(self, stored: Any, params: Any, h: Any) -> tuple[Any, Any]:
+        """The pullback rebuilt from the stored residuals and the inputs, and the replication
+        types its cotangent must have."""
+        treedef, sources, out_axes = self.recorded[_types(params, h)]  # forward traced first
+        inputs, rest = _inputs(params, h), iter(stored)
+        leaves = [next(rest) if s is None else inputs[s] for s in sources]
+        return jax.tree.unflatten(treedef, leaves), out_axes
 
 
 def _types(*trees: Any) -> tuple:
