@@ -7,7 +7,8 @@
 
 On CPU, 8 devices are simulated; on accelerators the device count comes from JAX. Any mesh
 whose product is the device count works, 1 device included. Outputs (loss curve, pipeline
-schedule) go to `--out` (default `outputs/`).
+schedule) go to `--out`. On a terminal a progress bar shows the loss and tokens/s; in a log
+(stdout not a terminal) a line is printed every `--log-every` steps instead.
 """
 
 import argparse
@@ -51,7 +52,7 @@ from eqpar.nn import PipelineModule
 class RunConfig:
     mesh: dict[str, int]
     schedule: str = "gpipe"
-    microbatches: int = 4
+    microbatches: int = 4  # per step on a pipe axis; without one a step is not cut up
     repeats: int = 2
     fsdp: bool = False
     remat: str = "none"  # what each layer keeps for the backward pass: none, full, matmuls
@@ -82,6 +83,43 @@ def parse_mesh(text: str, device_count: int) -> dict[str, int]:
     return sizes
 
 
+def format_mesh(sizes: dict[str, int]) -> str:
+    """`{"data": 2, "pipe": 2, "model": 2}` -> `data=2,pipe=2,model=2` (the `--mesh` syntax)."""
+    return ",".join(f"{name}={size}" for name, size in sizes.items())
+
+
+def describe(run: RunConfig) -> str:
+    """`run` in words for logs and picture titles, e.g. `mesh data=2,pipe=2,model=2 | gpipe
+    schedule, 4 microbatches`; the schedule is named only where a pipe axis runs one."""
+    parts = [f"mesh {format_mesh(run.mesh)}"]
+    if run.mesh[lm.PIPE] > 1:
+        repeats = f" x {run.repeats} repeats" if run.schedule == "circular" else ""
+        parts.append(f"{run.schedule}{repeats} schedule, {run.microbatches} microbatches")
+    if run.fsdp:
+        parts.append("FSDP")
+    if run.remat != "none":
+        parts.append(f"remat {run.remat}")
+    return " | ".join(parts)
+
+
+def pipeline_microbatches(run: RunConfig) -> int:
+    """The microbatches a step is cut into: `run.microbatches` with a pipe axis, else 1.
+
+    Microbatches exist to fill the pipeline; without a pipe axis every device holds every
+    layer, and cutting the batch would only make each matmul smaller."""
+    return run.microbatches if run.mesh[lm.PIPE] > 1 else 1
+
+
+def pipeline_repeats(run: RunConfig) -> int:
+    """Stages per device: `run.repeats` for the circular schedule on a pipe axis, else 1."""
+    return run.repeats if run.schedule == "circular" and run.mesh[lm.PIPE] > 1 else 1
+
+
+def _divisors(n: int) -> str:
+    values = [str(d) for d in range(1, n + 1) if n % d == 0]
+    return ", ".join(values[:-1]) + " or " + values[-1] if len(values) > 1 else values[0]
+
+
 def make_mesh(sizes: dict[str, int], devices: Sequence[Any] | None = None) -> eqpar.DeviceMesh:
     shape = (sizes[lm.DATA], sizes[lm.PIPE], sizes[lm.MODEL])
     chosen = list(jax.devices() if devices is None else devices)[: int(np.prod(shape))]
@@ -89,28 +127,43 @@ def make_mesh(sizes: dict[str, int], devices: Sequence[Any] | None = None) -> eq
 
 
 def check_sizes(config: lm.LMConfig, run: RunConfig) -> None:
+    """Refuse sizes the mesh cannot split, each problem with the flag that fixes it."""
     pipe, model, data = run.mesh[lm.PIPE], run.mesh[lm.MODEL], run.mesh[lm.DATA]
-    repeats = run.repeats if run.schedule == "circular" else 1
+    repeats, microbatches = pipeline_repeats(run), pipeline_microbatches(run)
     problems = []
     if config.num_layers % (pipe * repeats):
+        if repeats > 1:
+            what = "pipe x repeats"
+            fix = "a smaller pipe in --mesh or fewer --repeats, so that pipe x repeats divides"
+        else:
+            what, fix = "pipe", "a pipe size in --mesh that divides"
         problems.append(
-            f"num_layers={config.num_layers} must divide by pipe x repeats = {pipe * repeats}"
+            f"num_layers={config.num_layers} must divide by {what} = {pipe * repeats}: choose "
+            f"{fix} {config.num_layers}"
         )
-    split_over_model = (
-        ("num_heads", config.num_heads),
-        ("d_hidden", config.d_hidden),
-        ("vocab_size", config.vocab_size),
-    )
-    for name, size in split_over_model:
-        if size % model:
-            problems.append(f"{name}={size} must divide by model={model}")
-    if run.batch_size % (data * run.microbatches):
+    split_over_model = {
+        "num_heads": config.num_heads,
+        "d_hidden": config.d_hidden,
+        "vocab_size": config.vocab_size,
+    }
+    uneven = [f"{name}={size}" for name, size in split_over_model.items() if size % model]
+    if uneven:
+        common = np.gcd.reduce(list(split_over_model.values()))
         problems.append(
-            f"batch_size={run.batch_size} must divide by data x microbatches = "
-            f"{data * run.microbatches}"
+            f"{' and '.join(uneven)} must divide by model={model}: choose model="
+            f"{_divisors(int(common))} in --mesh"
+        )
+    rows = data * microbatches
+    if run.batch_size % rows:
+        what = "data x microbatches" if pipe > 1 else "data"
+        fewer = " or fewer --microbatches" if microbatches > 1 else ""
+        multiple = -(-run.batch_size // rows) * rows
+        problems.append(
+            f"batch_size={run.batch_size} must divide by {what} = {rows}: use a --batch-size "
+            f"that is a multiple of {rows} (e.g. {multiple}){fewer}"
         )
     if problems:
-        raise SystemExit("invalid sizes: " + "; ".join(problems))
+        raise SystemExit("invalid sizes: " + "; ".join(problems) + ".")
 
 
 def build_model(config: lm.LMConfig, run: RunConfig, mesh: eqpar.DeviceMesh) -> lm.LM:
@@ -119,12 +172,11 @@ def build_model(config: lm.LMConfig, run: RunConfig, mesh: eqpar.DeviceMesh) -> 
     With `--fsdp` the block stack also gathers its parameters over `data` one layer at a time
     (`eqpar.nn.gather_layers`); the embeddings and the head are split by `eqpar.FSDP` and
     gathered at the `shard_map` boundary."""
-    repeats = run.repeats if run.schedule == "circular" and run.mesh[lm.PIPE] > 1 else 1
     model = lm.build(
         config,
         mesh,
-        num_microbatches=run.microbatches,
-        num_repeats=repeats,
+        num_microbatches=pipeline_microbatches(run),
+        num_repeats=pipeline_repeats(run),
         remat=run.remat,
         key=jax.random.key(run.seed),
     )
@@ -208,16 +260,26 @@ def place(model: lm.LM, optimizer: Any, mesh: eqpar.DeviceMesh, fsdp: bool) -> t
     return model, eqx.filter_shard(opt_state, eqpar.named_shardings(opt_specs, mesh))
 
 
+# How close `--check` requires the parallel run to be to the one-device run, with plain SGD:
+# float32 rounding gives about 4e-7 for both after 120 steps of the default model.
+CHECK_TOLERANCE = 1e-5
+SGD_LR_SCALE = 30  # plain SGD's learning rate is this multiple of --lr (Adam's)
+
+
 def make_optimizer(run: RunConfig) -> Any:
-    """Adam by default; SGD with momentum (`--optimizer sgd`) for the tests' comparisons: Adam
-    divides by the gradient's running magnitude, which hides a gradient that is `n` times too
-    large and turns rounding noise in a gradient that is zero in exact arithmetic into a
-    full-size update."""
-    warmup = optax.linear_schedule(0.0, run.lr, transition_steps=10)
+    """Adam (with warmup and clipping) by default; plain SGD with momentum (`--optimizer sgd`)
+    for `--check` and the tests' comparisons.
+
+    An update of plain SGD is a fixed linear function of the gradients, so a parallel run
+    stays within float32 rounding of the one-device run and a gradient `n` times too large
+    shows. Adam divides by the gradient's running magnitude and clipping rescales it: both
+    hide such a gradient, and Adam turns rounding noise in a gradient that is zero in exact
+    arithmetic into a full-size update."""
     if run.optimizer == "adam":
+        warmup = optax.linear_schedule(0.0, run.lr, transition_steps=10)
         return optax.chain(optax.clip_by_global_norm(1.0), optax.adam(warmup))
     if run.optimizer == "sgd":
-        return optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(30 * run.lr, momentum=0.9))
+        return optax.sgd(SGD_LR_SCALE * run.lr, momentum=0.9)
     raise SystemExit(f"--optimizer must be adam or sgd; got {run.optimizer!r}")
 
 
@@ -236,25 +298,105 @@ class CheckpointOptions:
     resume: bool = False
 
 
-def train(
+# Beside the numbered steps in the checkpoint directory: the loss of every step so far, so
+# that the loss curve of a resumed run goes on from the earlier one.
+LOSS_HISTORY = "losses.json"
+
+
+def read_loss_history(directory: pathlib.Path, upto: int) -> dict[int, float]:
+    """The losses of steps `1 ... upto` saved in `directory` by `write_loss_history`.
+
+    **Arguments:**
+
+    - `directory`: the checkpoint directory.
+    - `upto`: the restored step; losses of later steps (written before a save that did not
+      complete, or of steps past an older checkpoint restored instead) are left out.
+
+    **Returns:** `{step: loss}`, empty (with a note) when there is no readable history.
+    """
+    path = pathlib.Path(directory) / LOSS_HISTORY
+    try:
+        saved = json.loads(path.read_text())
+        pairs = zip(saved["steps"], saved["losses"], strict=True)
+        return {int(step): float(loss) for step, loss in pairs if int(step) <= upto}
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        note = f"no loss history in {path} ({type(error).__name__})"
+        print(f"{note}: the loss curve starts after step {upto}")
+        return {}
+
+
+def write_loss_history(directory: pathlib.Path, history: dict[int, float]) -> None:
+    """Write `{step: loss}` to `directory`; through a rename, so a kill midway leaves the
+    previous file whole.
+
+    **Arguments:**
+
+    - `directory`: the checkpoint directory (created if missing).
+    - `history`: the loss of each step so far.
+
+    **Returns:** `None`.
+    """
+    path = pathlib.Path(directory) / LOSS_HISTORY
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(LOSS_HISTORY + ".partial")
+    partial.write_text(json.dumps({"steps": list(history), "losses": list(history.values())}))
+    os.replace(partial, path)
+
+
+@dataclasses.dataclass(frozen=True)
+class Training:
+    """What `run_training` gives back.
+
+    - `losses`: the loss of each step run by this call, steps `start + 1 ... run.steps`.
+    - `model`: the final model as trained (`lm.model_order` gives its serial form).
+    - `start`: the step this call started from: 0, or the step of the checkpoint it resumed.
+    - `curve`: `(steps, losses)` of the whole run so far: the history saved with that
+      checkpoint, then this call's steps.
+    - `first_step_seconds`: wall time of this call's first step, compilation included.
+    - `tokens_per_second`: throughput of the steps after the first (`None` with fewer than 2).
+    """
+
+    losses: list[float]
+    model: lm.LM
+    start: int
+    curve: tuple[list[int], list[float]]
+    first_step_seconds: float | None
+    tokens_per_second: float | None
+
+
+def run_training(
     run: RunConfig,
     *,
     config: lm.LMConfig | None = None,
     devices: Sequence[Any] | None = None,
     progress: bool = True,
+    log_every: int = 10,
     show_layout: bool = True,
     place_batch: Callable[[lm.Batches, int, eqpar.DeviceMesh], jax.Array] = place_global_batch,
     checkpoint: CheckpointOptions | None = None,
-) -> tuple[list[float], lm.LM]:
-    """Train until step `run.steps`; returns the losses of the steps run here and the final
-    model as trained (`lm.model_order` gives its serial form, the same for every layout).
+) -> Training:
+    """Train until step `run.steps`, from step 0 or from the latest checkpoint.
 
-    `place_batch(batches, position, mesh)` gives the global token array of a step; with
-    several processes each one feeds its own rows (see `multihost.py`). With `checkpoint`,
-    the model, optimizer state and data position are saved every `save_every` steps and at
-    the end, and `resume` starts from the latest good checkpoint. Stacked layers are stored
-    in model order under every layout, so a checkpoint restores under any other mesh or
-    schedule (`restore(..., reshape=True)` reshapes the stage stacks).
+    **Arguments:**
+
+    - `run`: the mesh, schedule, sizes and optimizer.
+    - `config`: the model's sizes (default `lm.LMConfig()`).
+    - `devices`: the devices of the mesh (default all of JAX's).
+    - `progress`: say when it compiles, then show a progress bar when stdout is a terminal
+      and otherwise print a line every `log_every` steps (a bar's carriage returns would
+      fill a log file with partial lines).
+    - `show_layout`: print the layout table of the placed model first.
+    - `place_batch`: `place_batch(batches, position, mesh)` gives the global token array of
+      a step; with several processes each one feeds its own rows (see `multihost.py`).
+    - `checkpoint`: save the model, optimizer state and data position every `save_every`
+      steps and at the end, with the losses so far beside them (`LOSS_HISTORY`); `resume`
+      starts from the latest good checkpoint. Stacked layers are stored in model order
+      under every layout, so a checkpoint restores under any other mesh or schedule
+      (`restore(..., reshape=True)` reshapes the stage stacks).
+
+    **Returns:** a `Training`: this call's losses, the final model, the whole loss curve, and
+    the first step's time (compilation included) and tokens per second after it (checkpoint
+    writes not counted).
     """
     config = lm.LMConfig() if config is None else config
     check_sizes(config, run)
@@ -263,6 +405,7 @@ def train(
     optimizer = make_optimizer(run)
     model, opt_state = place(model, optimizer, mesh, run.fsdp)
     start = 0
+    history: dict[int, float] = {}
     checkpointer = None
     if checkpoint is not None:
         from eqpar.checkpoint import Checkpointer
@@ -275,59 +418,178 @@ def train(
             state = checkpointer.restore(target=target, reshape=True)
             model, opt_state, start = state["model"], state["opt_state"], int(state["position"])
             print(f"resumed from step {checkpointer.restored_step} ({checkpoint.directory})")
+            history = read_loss_history(checkpoint.directory, start)
     if show_layout:
         print_layout_table(model, mesh=mesh)
     step = build_step(model, mesh, run, optimizer)
     corpus = lm.encode(lm.make_corpus(200_000, seed=run.seed), config.vocab_size)
     batches = lm.Batches(corpus, batch_size=run.batch_size, seq_len=config.seq_len, seed=run.seed)
     losses: list[float] = []
-    bar = _progress(run.steps, progress, initial=start)
+    reporter = _Reporter(run.steps, enabled=progress, every=log_every)
     tokens_per_step = run.batch_size * config.seq_len
-    started = time.perf_counter()
+    first_step_seconds: float | None = None
+    tokens_per_second: float | None = None
+    timed_from = 0.0  # the end of the first step: what comes after runs compiled code only
+    saving = 0.0  # seconds spent writing checkpoints since then, which tokens/s leaves out
+
+    def so_far(position: int) -> dict[int, float]:
+        return {**history, **dict(zip(range(start + 1, position + 1), losses))}
 
     def save(position: int, *, force: bool) -> None:
-        if checkpointer is not None and (force or checkpointer.should_save(position)):
+        if checkpointer is None or checkpoint is None:
+            return
+        if force or checkpointer.should_save(position):
+            if jax.process_index() == 0:
+                # Before the checkpoint, so that a step on disk always has its losses there.
+                write_loss_history(checkpoint.directory, so_far(position))
             state = {"model": model, "opt_state": opt_state, "position": position}
             checkpointer.save(position, state, force=force)
 
     try:
         for position in range(start, run.steps):
+            if position == start and progress:
+                print("compiling the training step (the first step includes it)...", flush=True)
+            began = time.perf_counter()
             tokens = place_batch(batches, position, mesh)
             model, opt_state, loss = step(tokens, model, opt_state)
-            losses.append(float(loss))
-            elapsed = time.perf_counter() - started
-            bar.set_postfix(
-                loss=f"{losses[-1]:.3f}", tok_s=f"{tokens_per_step * len(losses) / elapsed:.0f}"
-            )
-            bar.update(1)
+            losses.append(float(loss))  # waits for the step to finish
+            now = time.perf_counter()
+            if first_step_seconds is None:
+                first_step_seconds, timed_from = now - began, now
+                reporter.first_step(position + 1, first_step_seconds)
+            else:
+                training_seconds = now - timed_from - saving
+                tokens_per_second = tokens_per_step * (position - start) / training_seconds
+            reporter.update(position + 1, losses[-1], tokens_per_second)
             save(position + 1, force=position + 1 == run.steps)
+            saving += time.perf_counter() - now
     finally:
-        bar.close()
+        reporter.close()
         if checkpointer is not None:
             checkpointer.close()
-    return losses, model
-
-
-def _progress(total: int, enabled: bool, *, initial: int = 0) -> Any:
-    from tqdm import tqdm
-
-    return tqdm(
-        total=total, initial=initial, desc="training", disable=not enabled, dynamic_ncols=True
+    curve = so_far(run.steps)
+    return Training(
+        losses=losses,
+        model=model,
+        start=start,
+        curve=(list(curve), list(curve.values())),
+        first_step_seconds=first_step_seconds,
+        tokens_per_second=tokens_per_second,
     )
 
 
-def write_pictures(losses: list[float], run: RunConfig, out: pathlib.Path) -> list[pathlib.Path]:
+def train(
+    run: RunConfig,
+    *,
+    config: lm.LMConfig | None = None,
+    devices: Sequence[Any] | None = None,
+    progress: bool = True,
+    show_layout: bool = True,
+    place_batch: Callable[[lm.Batches, int, eqpar.DeviceMesh], jax.Array] = place_global_batch,
+    checkpoint: CheckpointOptions | None = None,
+) -> tuple[list[float], lm.LM]:
+    """`run_training` for callers that need only the losses and the model.
+
+    **Arguments:** as `run_training` (its progress lines every 10 steps).
+
+    **Returns:** `(losses, model)`: the losses of the steps run here and the final model as
+    trained (`lm.model_order` gives its serial form, the same for every layout).
+    """
+    training = run_training(
+        run,
+        config=config,
+        devices=devices,
+        progress=progress,
+        show_layout=show_layout,
+        place_batch=place_batch,
+        checkpoint=checkpoint,
+    )
+    return training.losses, training.model
+
+
+class _Reporter:
+    """The progress of the training loop on stdout: a tqdm bar on a terminal, otherwise a
+    plain line every `every` steps (a bar redraws itself with carriage returns, which fill a
+    log file with partial lines)."""
+
+    def __init__(self, total: int, *, enabled: bool, every: int):
+        self.total, self.enabled, self.every = total, enabled, every
+        self.stream = sys.stdout
+        self.bar: Any = None
+
+    def first_step(self, step: int, seconds: float) -> None:
+        if not self.enabled:
+            return
+        print(
+            f"step {step} took {seconds:.1f} s with the compilation; tokens/s count from the next",
+            file=self.stream,
+            flush=True,
+        )
+        if self.stream.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(
+                total=self.total,
+                initial=step - 1,
+                desc="training",
+                file=self.stream,
+                dynamic_ncols=True,
+            )
+
+    def update(self, step: int, loss: float, tokens_per_second: float | None) -> None:
+        if not self.enabled:
+            return
+        rate = "-" if tokens_per_second is None else f"{tokens_per_second:.0f}"
+        if self.bar is not None:
+            self.bar.set_postfix(loss=f"{loss:.3f}", tok_s=rate, refresh=False)
+            self.bar.update(1)
+        elif step % self.every == 0 or step == self.total:
+            print(
+                f"step {step}/{self.total}  loss {loss:.4f}  tokens/s {rate}",
+                file=self.stream,
+                flush=True,
+            )
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def write_pictures(
+    losses: Sequence[float],
+    run: RunConfig,
+    out: pathlib.Path,
+    *,
+    steps: Sequence[int] | None = None,
+    resumed_at: int = 0,
+) -> list[pathlib.Path]:
+    """Draw the loss curve and, with a pipe axis, the schedule's picture into `out`.
+
+    **Arguments:**
+
+    - `losses`: the losses to draw.
+    - `run`: what ran them (the title says it in words, see `describe`).
+    - `out`: the directory for `loss_curve.png` and `schedule_<name>.png`.
+    - `steps`: the step of each loss (default 1, 2, ...).
+    - `resumed_at`: where a resumed run took over (a dotted line), 0 for none.
+
+    **Returns:** the paths written.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    steps = range(1, len(losses) + 1) if steps is None else steps
     out.mkdir(parents=True, exist_ok=True)
     figure, axes = plt.subplots(figsize=(6, 3.5))
-    axes.plot(range(1, len(losses) + 1), losses)
+    axes.plot(list(steps), list(losses))
+    if resumed_at:
+        axes.axvline(resumed_at, color="gray", linestyle=":", label=f"resumed at {resumed_at}")
+        axes.legend()
     axes.set_xlabel("step")
     axes.set_ylabel("training loss")
-    axes.set_title(f"mesh {run.mesh}, schedule {run.schedule}")
+    axes.set_title(describe(run), fontsize="medium")
     figure.tight_layout()
     curve = out / "loss_curve.png"
     figure.savefig(curve, dpi=120)
@@ -385,15 +647,51 @@ def positive_int(text: str) -> int:
     return value
 
 
+def positive_float(text: str) -> float:
+    """An argparse `type` for a learning rate: a number above 0 (argparse names the flag)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0 or not np.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a number above 0, got {text!r}")
+    return value
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The module docstring as written, and each flag's default after its help; flags that
+    are off or unset by default say what that means in their help instead."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command line of `main`."""
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=_HelpFormatter)
+    parser.add_argument(
+        "--mesh",
+        default=None,
+        help="axis sizes whose product is the device count, e.g. data=2,pipe=2,model=2; "
+        "missing axes are 1 (default: data=2,pipe=2,model=2 on 8 devices, else data=<count>)",
     )
-    parser.add_argument("--mesh", default=None, help="axis sizes, e.g. data=2,pipe=2,model=2")
-    parser.add_argument("--schedule", choices=lm.SCHEDULES, default="gpipe")
-    parser.add_argument("--microbatches", type=positive_int, default=4)
-    parser.add_argument("--repeats", type=int, default=2, help="stages per device (circular)")
+    parser.add_argument(
+        "--schedule",
+        choices=lm.SCHEDULES,
+        default="gpipe",
+        help="pipeline schedule on the pipe axis",
+    )
+    parser.add_argument(
+        "--microbatches",
+        type=positive_int,
+        default=4,
+        help="microbatches per step on the pipe axis; without one a step is not cut up",
+    )
+    parser.add_argument(
+        "--repeats", type=positive_int, default=2, help="stages per device (circular schedule)"
+    )
     parser.add_argument("--fsdp", action="store_true", help="also shard parameters over data")
     parser.add_argument(
         "--remat",
@@ -402,30 +700,106 @@ def build_parser() -> argparse.ArgumentParser:
         default="none",
         choices=["none", "full", "matmuls"],
         help="recompute each layer's activations in the backward pass: 'full' keeps only its "
-        "input, 'matmuls' also its matmul outputs (default none; --remat alone means full)",
+        "input, 'matmuls' also its matmul outputs; --remat alone means full",
     )
-    parser.add_argument("--steps", type=positive_int, default=120)
-    parser.add_argument("--batch-size", type=positive_int, default=16)
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--check", action="store_true", help="also run on one device and compare")
-    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("outputs"))
-    parser.add_argument("--no-progress", action="store_true")
-    parser.add_argument("--json", type=pathlib.Path, help="write the losses and figures here")
+    parser.add_argument("--steps", type=positive_int, default=120, help="training steps")
+    parser.add_argument(
+        "--batch-size", type=positive_int, default=16, help="sequences per step (global)"
+    )
+    parser.add_argument(
+        "--lr",
+        type=positive_float,
+        default=3e-3,
+        help=f"Adam's learning rate; plain SGD uses {SGD_LR_SCALE} times it",
+    )
+    parser.add_argument(
+        "--optimizer",
+        choices=("adam", "sgd"),
+        default=None,
+        help="adam (with warmup and clipping), or plain SGD with momentum (default: adam; "
+        "sgd with --check)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="initialization and data order")
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="train the same steps again on one device with plain SGD and print PASS or FAIL: "
+        f"losses (relative) and parameters within {CHECK_TOLERANCE:.0e}; exit status 1 on FAIL",
+    )
+    parser.add_argument(
+        "--out",
+        type=pathlib.Path,
+        default=pathlib.Path("outputs"),
+        help="where the loss curve and schedule pictures go",
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar or log lines")
+    parser.add_argument(
+        "--log-every",
+        type=positive_int,
+        default=10,
+        help="when stdout is not a terminal (a log file, CI): a line every N steps instead of "
+        "a progress bar",
+    )
+    parser.add_argument("--json", type=pathlib.Path, help="write a summary (losses, timings) here")
     parser.add_argument("--size", choices=sorted(SIZES), default="small", help="model size")
     parser.add_argument("--ckpt-dir", type=pathlib.Path, help="checkpoint directory")
-    parser.add_argument("--save-every", type=int, default=20, help="checkpoint every N steps")
-    parser.add_argument("--keep", type=int, default=3, help="checkpoints to keep")
-    parser.add_argument("--resume", action="store_true", help="continue from the latest")
+    parser.add_argument(
+        "--save-every", type=positive_int, default=20, help="checkpoint every N steps"
+    )
+    parser.add_argument("--keep", type=positive_int, default=3, help="checkpoints to keep")
+    parser.add_argument(
+        "--resume", action="store_true", help="continue from the latest checkpoint in --ckpt-dir"
+    )
     return parser
 
 
+def check_against_one_device(
+    run: RunConfig, config: lm.LMConfig, training: Training
+) -> dict[str, Any]:
+    """Train `run` again on one device and compare with `training`, as `--check` does.
+
+    **Arguments:**
+
+    - `run`, `config`: what `training` ran.
+    - `training`: its result; after a resume only its own steps' losses are compared.
+
+    **Returns:** the largest relative loss difference, the largest parameter difference,
+    the tolerance and whether both are within it (`passed`).
+    """
+    print(f"check: the same {run.steps} steps on one device (compiling...)", flush=True)
+    serial_run = dataclasses.replace(run, mesh={lm.DATA: 1, lm.PIPE: 1, lm.MODEL: 1}, fsdp=False)
+    serial = run_training(
+        serial_run, config=config, devices=jax.devices()[:1], progress=False, show_layout=False
+    )
+    serial_losses = serial.losses[training.start :]  # the steps this process ran
+    loss_diff = max(abs(a - b) / abs(b) for a, b in zip(training.losses, serial_losses))
+    param_diff = largest_differences(training.model, serial.model)
+    passed = loss_diff <= CHECK_TOLERANCE and param_diff <= CHECK_TOLERANCE
+    print(
+        f"check against one device ({run.optimizer}, tolerance {CHECK_TOLERANCE:.0e}): "
+        f"largest relative loss difference {loss_diff:.2e}, largest parameter difference "
+        f"{param_diff:.2e}: {'PASS' if passed else 'FAIL'}"
+    )
+    return {
+        "loss_difference": loss_diff,
+        "parameter_difference": param_diff,
+        "tolerance": CHECK_TOLERANCE,
+        "passed": passed,
+    }
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """Run the command line `argv`; returns the summary that `--json` writes."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.resume and args.ckpt_dir is None:
-        parser.error("--resume needs --ckpt-dir")
+        parser.error("--resume needs --ckpt-dir DIR (the directory to resume from)")
+    if args.check and args.optimizer == "adam":
+        parser.error(
+            f"--check compares with one device within {CHECK_TOLERANCE:.0e}, which holds for "
+            "plain SGD only: Adam turns float32 rounding differences into full-size updates. "
+            "Leave out --optimizer adam (--check then trains with sgd)."
+        )
     checkpoint = (
         None
         if args.ckpt_dir is None
@@ -444,46 +818,56 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         steps=args.steps,
         batch_size=args.batch_size,
         lr=args.lr,
-        optimizer=args.optimizer,
+        optimizer=args.optimizer or ("sgd" if args.check else "adam"),
         seed=args.seed,
     )
-    print(f"{count} {jax.devices()[0].platform} devices; mesh {run.mesh}; schedule {run.schedule}")
-    started = time.perf_counter()
     config = SIZES[args.size]
-    losses, model = train(run, config=config, progress=not args.no_progress, checkpoint=checkpoint)
+    check_sizes(config, run)  # before any output: a usage error comes first
+    platform = jax.devices()[0].platform
+    print(f"{count} {platform} devices; {describe(run)}; optimizer {run.optimizer}")
+    started = time.perf_counter()
+    training = run_training(
+        run,
+        config=config,
+        progress=not args.no_progress,
+        log_every=args.log_every,
+        checkpoint=checkpoint,
+    )
+    losses, model = training.losses, training.model
     seconds = time.perf_counter() - started
+    steps, curve = training.curve
     summary: dict[str, Any] = {
         "losses": losses,
         "seconds": seconds,
+        "first_step_seconds": training.first_step_seconds,
+        "tokens_per_second": training.tokens_per_second,
         "mesh": run.mesh,
+        "curve": {"steps": steps, "losses": curve},
         "parameter_digest": parameter_digest(model),
     }
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
     if not losses:
         print(f"nothing to do: already at step {run.steps}")
         if args.json:
             args.json.write_text(json.dumps(summary))
         return summary
-    print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} in {len(losses)} steps ({seconds:.1f} s)")
-    for path in write_pictures(losses, run, args.out):
+    rate = training.tokens_per_second
+    after = "" if rate is None else f"; {rate:.0f} tokens/s after the first step"
+    print(
+        f"loss {losses[0]:.4f} -> {losses[-1]:.4f} in {len(losses)} step"
+        f"{'' if len(losses) == 1 else 's'} ({seconds:.1f} s, "
+        f"first step {training.first_step_seconds:.1f} s with the compilation{after})"
+    )
+    for path in write_pictures(curve, run, args.out, steps=steps, resumed_at=training.start):
         print(f"wrote {path}")
     if args.check:
-        serial_run = dataclasses.replace(
-            run, mesh={lm.DATA: 1, lm.PIPE: 1, lm.MODEL: 1}, fsdp=False
-        )
-        serial_losses, serial_model = train(
-            serial_run, config=config, devices=jax.devices()[:1], progress=False, show_layout=False
-        )
-        loss_diff = max(abs(a - b) for a, b in zip(losses, serial_losses))
-        param_diff = largest_differences(model, serial_model)
-        print(
-            f"check against one device: largest loss difference {loss_diff:.2e}, "
-            f"largest parameter difference {param_diff:.2e}"
-        )
-        summary.update(loss_difference=loss_diff, parameter_difference=param_diff)
+        summary["check"] = check_against_one_device(run, config, training)
     if args.json:
         args.json.write_text(json.dumps(summary))
     return summary
 
 
 if __name__ == "__main__":
-    main()
+    # A failed --check is a failed command, so that scripts and CI notice.
+    sys.exit(0 if main().get("check", {}).get("passed", True) else 1)

@@ -1,3 +1,9 @@
+import ast
+import pathlib
+import re
+import sys
+import tomllib
+
 import jax
 import jaxtyping
 import pytest
@@ -13,3 +19,76 @@ def test_public_functions_are_runtime_type_checked():
 
     with pytest.raises(jaxtyping.TypeCheckError):
         leaf_paths([1.0], arrays_only="yes")  # type: ignore[arg-type]
+
+
+# --- packaging -------------------------------------------------------------------------------
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+# Where an import name and its distribution's name differ.
+DISTRIBUTION_OF = {"orbax": "orbax-checkpoint", "etils": "orbax-checkpoint"}
+
+
+def pyproject() -> dict:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def requirement_names(requirements: list[str]) -> set[str]:
+    """`["jax>=0.7.1", "eqpar[checkpoint,plot]"]` -> `{"jax", "eqpar"}`."""
+    return {re.match(r"[A-Za-z0-9_.-]+", r).group(0).lower() for r in requirements}
+
+
+def third_party_imports(files: list[pathlib.Path], local: set[str]) -> set[str]:
+    """Distribution names of everything `files` import, at any depth (lazy imports too), less
+    the standard library and the names in `local`."""
+    names = set()
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names |= {alias.name.split(".")[0] for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names.add(node.module.split(".")[0])
+    names -= set(sys.stdlib_module_names) | local
+    return {DISTRIBUTION_OF.get(name, name) for name in names}
+
+
+def test_core_dependencies_are_what_the_package_imports():
+    project = pyproject()["project"]
+    extras = project["optional-dependencies"]
+    imported = third_party_imports(sorted((ROOT / "eqpar").rglob("*.py")), {"eqpar"})
+    optional = requirement_names(extras["checkpoint"] + extras["plot"])
+    assert requirement_names(project["dependencies"]) == imported - optional
+    assert optional <= imported  # each optional extra is there for an import
+
+
+def test_examples_need_only_the_examples_extra():
+    project = pyproject()["project"]
+    examples = sorted((ROOT / "examples").glob("*.py"))
+    imported = third_party_imports(examples, {"eqpar", *(path.stem for path in examples)})
+    extras = project["optional-dependencies"]
+    available = requirement_names(
+        project["dependencies"] + extras["examples"] + extras["checkpoint"] + extras["plot"]
+    )
+    assert imported <= available
+
+
+def test_version_is_the_same_everywhere():
+    import eqpar
+
+    version = pyproject()["project"]["version"]
+    assert eqpar.__version__ == version
+    assert re.search(
+        rf"^copyright: eqpar {re.escape(version)} ", (ROOT / "mkdocs.yml").read_text(), re.M
+    )
+    assert f"This site documents eqpar {version}." in (ROOT / "docs" / "index.md").read_text()
+    assert f"\n## {version}\n" in (ROOT / "CHANGELOG.md").read_text()
+    assert "Apache License" in (ROOT / "LICENSE").read_text()
+    assert pyproject()["project"]["license"] == {"text": "Apache-2.0"}
+
+
+def test_readme_and_docs_give_the_same_install_line():
+    def install_lines(path: pathlib.Path) -> list[str]:
+        return re.findall(r"^pip install .*$", path.read_text(), re.M)
+
+    readme = install_lines(ROOT / "README.md")
+    assert len(readme) == 1
+    assert install_lines(ROOT / "docs" / "index.md") == readme

@@ -50,16 +50,17 @@ def arrays(model):
         ("data=2,pipe=2,model=2", {"schedule": "gpipe", "microbatches": 2}),
         ("data=2,pipe=2,model=2", {"schedule": "circular", "microbatches": 2}),
         ("data=2,pipe=4", {"schedule": "1f1b", "microbatches": 2, "remat": "matmuls"}),
-        ("data=8", {"fsdp": True, "microbatches": 1}),
+        ("data=8", {"fsdp": True, "microbatches": 4}),  # no pipe: a step is not cut up
         ("data=2,model=4", {"fsdp": True, "microbatches": 2}),
     ],
     ids=["dp-pp-tp-gpipe", "dp-pp-tp-circular", "dp-pp-1f1b-remat", "fsdp8", "fsdp-tp"],
 )
 def test_parallel_training_equals_one_device(serial, mesh, options):
     serial_losses, serial_model = serial
-    losses, model = train_lm.train(
-        run_config(mesh, **options), config=TINY, progress=False, show_layout=False
-    )
+    run = run_config(mesh, **options)
+    losses, model = train_lm.train(run, config=TINY, progress=False, show_layout=False)
+    pipe = run.mesh["pipe"] > 1
+    assert model.body.num_microbatches == (options["microbatches"] if pipe else 1)
     np.testing.assert_allclose(losses, serial_losses, rtol=1e-5)
     assert losses[-1] < losses[0]
     for got, want in zip(arrays(model), arrays(serial_model), strict=True):
@@ -82,7 +83,7 @@ def test_parameters_live_where_their_layout_says():
     assert query.sharding.spec == P("pipe", None, "model", "data")
     assert placed.embed.weight.sharding.spec == P("model", None)  # the vocabulary split
     # the optimizer's momentum mirrors the parameters' layout
-    momentum = opt_state[1][0].trace.body.stages.layers.attention.query_proj.weight
+    momentum = opt_state[0].trace.body.stages.layers.attention.query_proj.weight
     assert momentum.sharding.spec == query.sharding.spec
 
 
@@ -111,10 +112,49 @@ def test_cli_errors_name_the_problem(capsys):
     with pytest.raises(SystemExit, match="got 'tensor=2'"):
         train_lm.parse_mesh("tensor=2", 2)
     run = dataclasses.replace(run_config("pipe=8"), schedule="circular", repeats=2)
-    with pytest.raises(SystemExit, match="num_layers=4 must divide by pipe x repeats = 16"):
+    with pytest.raises(SystemExit, match="num_layers=4 must divide by pipe x repeats = 16: "
+                       "choose a smaller pipe in --mesh or fewer --repeats"):  # fmt: skip
         train_lm.check_sizes(TINY, run)
-    with pytest.raises(SystemExit, match="batch_size=8 must divide by data x microbatches = 16"):
-        train_lm.check_sizes(TINY, run_config("data=8", microbatches=2))
+    with pytest.raises(SystemExit, match=r"batch_size=8 must divide by data x microbatches = 16: "
+                       r"use a --batch-size that is a multiple of 16 \(e.g. 16\) or fewer "
+                       r"--microbatches"):  # fmt: skip
+        train_lm.check_sizes(TINY, run_config("data=4,pipe=2", microbatches=4))
+    with pytest.raises(SystemExit, match=r"batch_size=4 must divide by data = 8: use a "
+                       r"--batch-size that is a multiple of 8 \(e.g. 8\)\.$"):  # fmt: skip
+        train_lm.check_sizes(TINY, dataclasses.replace(run_config("data=8"), batch_size=4))
+    with pytest.raises(SystemExit) as exit_info:
+        train_lm.main(["--check", "--optimizer", "adam"])
+    assert exit_info.value.code == 2
+    assert "holds for plain SGD only" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        train_lm.main(["--lr", "0"])
+    assert "argument --lr: must be a number above 0, got '0'" in capsys.readouterr().err
+
+
+def test_microbatches_only_cut_a_pipeline():
+    # `--mesh data=8 --fsdp` with the default 4 microbatches: no pipe axis, so a step is not
+    # cut into microbatches and 8 rows split over 8 devices are enough (the fsdp8 run above
+    # trains that way).
+    run = run_config("data=8", microbatches=4, fsdp=True)
+    train_lm.check_sizes(TINY, run)
+    assert train_lm.pipeline_microbatches(run) == 1
+    assert train_lm.pipeline_microbatches(run_config("data=2,pipe=4", microbatches=4)) == 4
+
+
+def test_help_shows_the_defaults():
+    text = " ".join(train_lm.build_parser().format_help().split())
+    for default in ("(default: 120)", "(default: 16)", "(default: gpipe)", "(default: 10)"):
+        assert default in text
+    assert "(default: None)" not in text and "(default: False)" not in text
+    assert "default: data=2,pipe=2,model=2 on 8 devices" in text
+
+
+def test_run_described_in_words():
+    run = run_config("data=2,pipe=2,model=2", schedule="circular", microbatches=2, fsdp=True)
+    assert train_lm.describe(run) == (
+        "mesh data=2,pipe=2,model=2 | circular x 2 repeats schedule, 2 microbatches | FSDP"
+    )
+    assert train_lm.describe(run_config("data=8")) == "mesh data=8,pipe=1,model=1"
 
 
 @pytest.mark.parametrize("flag", ["--microbatches", "--batch-size", "--steps"])
@@ -128,17 +168,31 @@ def test_counts_below_one_are_refused_naming_the_flag(flag, value, capsys):
     assert train_lm.build_parser().parse_args([flag, "3"]).__dict__[flag[2:].replace("-", "_")] == 3
 
 
-def test_main_writes_pictures_and_checks(tmp_path):
+def test_main_writes_pictures_and_checks(tmp_path, capsys):
     summary = train_lm.main(
         [
-            "--steps", "2", "--microbatches", "2", "--no-progress", "--check",
-            "--optimizer", "sgd", "--out", str(tmp_path), "--batch-size", "8",
+            "--steps", "3", "--microbatches", "2", "--check", "--log-every", "2",
+            "--out", str(tmp_path), "--batch-size", "8", "--size", "tiny",
         ]
     )  # fmt: skip
     assert (tmp_path / "loss_curve.png").stat().st_size > 1000
     assert (tmp_path / "schedule_gpipe.png").stat().st_size > 1000
-    assert summary["loss_difference"] < 1e-5
-    assert summary["parameter_difference"] < 1e-5
+    out = capsys.readouterr().out
+    # stdout is not a terminal here: whole log lines, no progress bar redrawn with "\r"
+    assert "\r" not in out
+    lines = out.splitlines()
+    assert "optimizer sgd" in lines[0]  # --check trains with plain SGD
+    compiling = lines.index("compiling the training step (the first step includes it)...")
+    assert lines[compiling + 1].startswith("step 1 took ")
+    assert [line.split("  ")[0] for line in lines if line.startswith("step ")][1:] == [
+        "step 2/3", "step 3/3",
+    ]  # fmt: skip
+    assert summary["first_step_seconds"] > 0 and summary["tokens_per_second"] > 0
+    assert summary["curve"] == {"steps": [1, 2, 3], "losses": summary["losses"]}
+    check = summary["check"]
+    assert check["passed"] and check["tolerance"] == 1e-5
+    assert check["loss_difference"] < 1e-5 and check["parameter_difference"] < 1e-5
+    assert "(sgd, tolerance 1e-05)" in lines[-1] and lines[-1].endswith(": PASS")
 
 
 @pytest.mark.parametrize("target_mesh", ["pipe=4,model=2", "data=2,model=4", "data=1"])

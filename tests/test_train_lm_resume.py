@@ -13,7 +13,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "examples" / "train_lm.py"
 STEPS = 8
-ARGS = ["--size", "tiny", "--steps", str(STEPS), "--no-progress", "--batch-size", "8",
+ARGS = ["--size", "tiny", "--steps", str(STEPS), "--batch-size", "8",
         "--microbatches", "2", "--schedule", "circular"]  # fmt: skip
 TIMEOUT = 240
 
@@ -46,13 +46,14 @@ def saved_steps(directory: pathlib.Path) -> list[int]:
 def test_sigkill_then_resume_matches_uninterrupted_run(tmp_path):
     reference_json = tmp_path / "reference.json"
     reference = subprocess.Popen(
-        command("--json", str(reference_json), "--out", str(tmp_path / "ref")),
+        command("--json", str(reference_json), "--out", str(tmp_path / "ref"), "--no-progress"),
         cwd=tmp_path, env=environment(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
     )  # fmt: skip
 
     ckpt = tmp_path / "ckpt"
     victim = subprocess.Popen(
-        command("--ckpt-dir", str(ckpt), "--save-every", "1", "--out", str(tmp_path / "a")),
+        command("--ckpt-dir", str(ckpt), "--save-every", "1", "--out", str(tmp_path / "a"),
+                "--no-progress"),
         cwd=tmp_path, env=environment(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
     )  # fmt: skip
     try:
@@ -72,7 +73,7 @@ def test_sigkill_then_resume_matches_uninterrupted_run(tmp_path):
     resumed_json = tmp_path / "resumed.json"
     result = run(
         command("--ckpt-dir", str(ckpt), "--save-every", "1", "--resume",
-                "--json", str(resumed_json), "--out", str(tmp_path / "b")),
+                "--json", str(resumed_json), "--out", str(tmp_path / "b"), "--log-every", "4"),
         tmp_path,
     )  # fmt: skip
     try:
@@ -90,3 +91,11 @@ def test_sigkill_then_resume_matches_uninterrupted_run(tmp_path):
     assert start >= killed_at
     assert resumed["losses"] == expected["losses"][start:]  # bitwise: same floats
     assert resumed["parameter_digest"] == expected["parameter_digest"]
+    # The loss curve goes on from the restored step, with the killed run's losses before it.
+    assert resumed["curve"] == {"steps": list(range(1, STEPS + 1)), "losses": expected["losses"]}
+    assert (tmp_path / "b" / "loss_curve.png").stat().st_size > 1000
+    # Through a pipe, progress is whole lines (no bar redrawn with "\r"), after a note on
+    # compiling; tokens/s are measured from the second step on.
+    assert "\r" not in result.stdout
+    assert "compiling the training step" in result.stdout
+    assert f"step {STEPS}/{STEPS}  loss {resumed['losses'][-1]:.4f}  tokens/s " in result.stdout
