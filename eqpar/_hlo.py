@@ -16,7 +16,9 @@ The compiled text of an SPMD program is the program of one device, so every shap
 per-device shape. Bytes per device follow ring algorithms over a replica group of size `g`:
 all-gather receives `(g-1)/g` of its result, reduce-scatter `(g-1)/g` of its operand
 (`g` x the result), all-to-all `(g-1)/g` of its result, all-reduce twice that of its result
-(reduce-scatter then all-gather), and collective-permute its whole block.
+(reduce-scatter then all-gather), and collective-permute its whole block on the devices that
+receive one: `pairs / num_partitions` of it on average, from its `source_target_pairs` (a
+pipeline's shift that leaves out the wrap-around moves `(S-1)/S` of a full ring's bytes).
 
 ```python
 import jax, jax.numpy as jnp
@@ -155,6 +157,17 @@ def _group_size(line: str, num_partitions: int) -> int:
     return num_partitions
 
 
+_PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
+
+
+def _permute_share(line: str, num_partitions: int) -> float:
+    """The mean share of devices that receive a block of a collective-permute."""
+    pairs = _PAIRS.search(line)
+    if not pairs or num_partitions < 1:
+        return 1.0
+    return min(1.0, pairs.group(1).count("{") / num_partitions)
+
+
 def _received(kind: str, result: int, group: int) -> float:
     share = (group - 1) / group if group > 0 else 0.0
     if kind == "collective-permute":
@@ -199,11 +212,10 @@ def _parse(text: str):
             else:
                 result = sum(sizes)
             group = 2 if base == "collective-permute" else _group_size(line, num_partitions)
-            ops.append(
-                CollectiveOp(
-                    base, instruction["name"], result, group, _received(base, result, group)
-                )
-            )
+            received = _received(base, result, group)
+            if base == "collective-permute":
+                received *= _permute_share(line, num_partitions)
+            ops.append(CollectiveOp(base, instruction["name"], result, group, received))
         multiplier = 1
         if opcode == "while":
             trip = _TRIP_COUNT.search(line)

@@ -1,20 +1,27 @@
-"""Looking at layouts: one row per parameter with its spec and its bytes on each device."""
+"""Looking at layouts: one row per parameter with its spec and its bytes on each device, as a
+table (`layout_table`) or a picture of which device holds which block (`plot_layout`)."""
 
-__all__ = ["LayoutRow", "LayoutTable", "layout_table", "print_layout_table"]
+__all__ = ["LayoutRow", "LayoutTable", "layout_table", "plot_layout", "print_layout_table"]
 
 import dataclasses
 import math
 import sys
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from ._matching import compile_key, unused_key_hints
 from ._paths import path_to_str
 from ._typing import PyTree, Specs
 from .layout import expand_specs, is_array_like
 from .mesh import DeviceMesh, as_jax_mesh
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure as _Figure
+else:  # matplotlib is optional: imported only when a picture is drawn
+    _Figure = Any
 
 
 @runtime_checkable
@@ -152,7 +159,7 @@ def _mesh_text(shape: dict[str, int]) -> str:
 def _shard_shape(shape: tuple[int, ...], spec: PartitionSpec, sizes: dict) -> tuple[int, ...]:
     out = list(shape)
     for dim, entry in enumerate(tuple(spec)):
-        names = () if entry is None else entry if isinstance(entry, tuple) else (entry,)
+        names = _axis_names(entry)
         split = math.prod(sizes[name] for name in names)
         out[dim] = -(-shape[dim] // split)
     return tuple(out)
@@ -185,10 +192,18 @@ def layout_table(
     print(table)
     ```
     """
+    return _layout(model, distribution_or_specs, mesh, "layout_table")[0]
+
+
+def _layout(
+    model: PyTree, distribution_or_specs: Any, mesh: DeviceMesh | Mesh | None, caller: str
+) -> tuple[LayoutTable, Mesh]:
+    """The `LayoutTable` of `model` and the `jax.sharding.Mesh` its specs refer to; errors
+    name `caller`."""
     flat, _ = jax.tree_util.tree_flatten_with_path(model)
     arrays = [(path_to_str(path), leaf) for path, leaf in flat if is_array_like(leaf)]
     if distribution_or_specs is None:
-        specs_list, jax_mesh = _specs_from_arrays(arrays)
+        specs_list, jax_mesh = _specs_from_arrays(arrays, caller)
     else:
         if hasattr(distribution_or_specs, "partition_specs") and hasattr(
             distribution_or_specs, "device_mesh"
@@ -197,23 +212,23 @@ def layout_table(
             jax_mesh = as_jax_mesh(distribution_or_specs.device_mesh)
         elif mesh is None:
             raise ValueError(
-                "layout_table: a specs pytree needs mesh=...; or pass a distribution, or None "
+                f"{caller}: a specs pytree needs mesh=...; or pass a distribution, or None "
                 "to read the arrays' own shardings."
             )
         else:
             specs = distribution_or_specs
             jax_mesh = as_jax_mesh(mesh)
-        specs_list = _specs_for(model, specs)
+        specs_list = _specs_for(model, specs, caller)
     sizes = dict(jax_mesh.shape)
     rows = []
     for (path, leaf), spec in zip(arrays, specs_list):
         shape = tuple(leaf.shape)
         itemsize = np.dtype(leaf.dtype).itemsize
         for entry in tuple(spec):
-            for name in () if entry is None else entry if isinstance(entry, tuple) else (entry,):
+            for name in _axis_names(entry):
                 if name not in sizes:
                     raise ValueError(
-                        f"layout_table: the spec {spec} of {path!r} names the axis {name!r}, "
+                        f"{caller}: the spec {spec} of {path!r} names the axis {name!r}, "
                         f"which the mesh does not have (its axes: {tuple(sizes)}). Pass the "
                         "mesh the specs were made for."
                     )
@@ -227,31 +242,39 @@ def layout_table(
                 bytes_per_device=math.prod(_shard_shape(shape, spec, sizes)) * itemsize,
             )
         )
-    return LayoutTable(rows=tuple(rows), mesh_shape={str(k): int(v) for k, v in sizes.items()})
+    table = LayoutTable(rows=tuple(rows), mesh_shape={str(k): int(v) for k, v in sizes.items()})
+    return table, jax_mesh
 
 
-def _specs_for(model: PyTree, specs: Specs) -> list[PartitionSpec]:
+def _axis_names(entry: Any) -> tuple[Any, ...]:
+    """The mesh axes of one entry of a `PartitionSpec`, major first (`()` when unsplit)."""
+    return () if entry is None else entry if isinstance(entry, tuple) else (entry,)
+
+
+def _specs_for(model: PyTree, specs: Specs, caller: str) -> list[PartitionSpec]:
     """The spec of every array leaf of `model`, in flattening order; `specs` may be a prefix."""
-    full = expand_specs(specs, model, where="model", caller="layout_table")
+    full = expand_specs(specs, model, where="model", caller=caller)
     return jax.tree.leaves(full, is_leaf=lambda x: isinstance(x, PartitionSpec))
 
 
-def _specs_from_arrays(arrays: list[tuple[str, Any]]) -> tuple[list[PartitionSpec], Mesh]:
+def _specs_from_arrays(
+    arrays: list[tuple[str, Any]], caller: str
+) -> tuple[list[PartitionSpec], Mesh]:
     specs, meshes = [], []
     for path, leaf in arrays:
         sharding = getattr(leaf, "sharding", None)
         if not isinstance(sharding, NamedSharding):
             raise ValueError(
-                f"layout_table: leaf {path!r} has no NamedSharding "
+                f"{caller}: leaf {path!r} has no NamedSharding "
                 f"({type(sharding).__name__}); place the model first (distribute_model) or "
                 f"pass a distribution."
             )
         specs.append(sharding.spec)
         meshes.append(sharding.mesh)
     if not meshes:
-        raise ValueError("layout_table: the model has no array leaves.")
+        raise ValueError(f"{caller}: the model has no array leaves.")
     if any(m != meshes[0] for m in meshes[1:]):
-        raise ValueError("layout_table: the arrays live on different meshes.")
+        raise ValueError(f"{caller}: the arrays live on different meshes.")
     return specs, meshes[0]
 
 
@@ -285,3 +308,291 @@ def print_layout_table(
     else:
         stream.write(table.to_text() + "\n")
     return table
+
+
+# --- the layout as a picture ----------------------------------------------------------------
+
+# (dark, light) per mesh axis, by the axis' position in the mesh; then for leaves split over
+# several axes; replicated leaves are grey.
+_AXIS_COLOURS = (
+    ("#4c72b0", "#a9c4e8"),
+    ("#55a868", "#a8d5b2"),
+    ("#8172b3", "#c3bade"),
+    ("#937860", "#cdb9a5"),
+)
+_COMBINED_COLOURS = (
+    ("#dd8452", "#f4c09c"),
+    ("#c44e52", "#e8a6a8"),
+    ("#da8bc3", "#f0c8e4"),
+    ("#8c8c8c", "#c8c8c8"),
+)
+_REPLICATED_COLOUR = "#e3e3e3"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Block:
+    """One block of a leaf: where it sits in the leaf, its mesh coordinates, its devices."""
+
+    index: tuple[int, ...]
+    slices: tuple[tuple[int, int] | None, ...]
+    coords: tuple[tuple[str, int], ...]
+    devices: tuple[int, ...]
+
+
+def _blocks(shape: tuple[int, ...], spec: PartitionSpec, mesh: Mesh) -> list[_Block]:
+    """The blocks of a leaf of `shape` laid out by `spec` on `mesh`, in row-major block order:
+    one per distinct shard, with the ids of the devices holding it."""
+    sizes = {str(k): int(v) for k, v in mesh.shape.items()}
+    per_dim = [tuple(str(n) for n in _axis_names(e)) for e in tuple(spec)]
+    per_dim += [()] * (len(shape) - len(per_dim))
+    splits = [math.prod(sizes[n] for n in names) for names in per_dim]
+    holders: dict[tuple[int, ...], list[int]] = {}
+    coords: dict[tuple[int, ...], tuple[tuple[str, int], ...]] = {}
+    axis_names = [str(n) for n in mesh.axis_names]
+    for position in np.ndindex(*mesh.devices.shape):
+        coord = dict(zip(axis_names, position))
+        index = []
+        for names in per_dim:
+            b = 0
+            for name in names:
+                b = b * sizes[name] + coord[name]
+            index.append(b)
+        key = tuple(index)
+        device: Any = mesh.devices[position]
+        holders.setdefault(key, []).append(int(device.id))
+        coords[key] = tuple((n, coord[n]) for n in axis_names if any(n in d for d in per_dim))
+    blocks = []
+    for key in np.ndindex(*splits):
+        slices: list[tuple[int, int] | None] = []
+        for dim, (b, split) in enumerate(zip(key, splits)):
+            if split == 1:
+                slices.append(None)
+            else:
+                size = -(-shape[dim] // split)
+                slices.append((min(b * size, shape[dim]), min((b + 1) * size, shape[dim])))
+        blocks.append(_Block(key, tuple(slices), coords[key], tuple(sorted(holders[key]))))
+    return blocks
+
+
+def _device_text(devices: tuple[int, ...], total: int) -> str:
+    """`dev 0, 4` / `dev 0–3` / `all 8 devices`: the devices holding a block."""
+    if len(devices) == total:
+        return f"all {total} devices" if total > 1 else "device 0"
+    runs: list[str] = []
+    start = prev = devices[0]
+    for d in (*devices[1:], None):
+        if d is not None and d == prev + 1:
+            prev = d
+            continue
+        runs.append(
+            str(start)
+            if start == prev
+            else f"{start}–{prev}"
+            if prev > start + 1
+            else f"{start}, {prev}"
+        )
+        if d is not None:
+            start = prev = d
+    text = "dev " + ", ".join(runs)
+    return text if len(text) <= 14 else f"{len(devices)} devices"
+
+
+def _slice_text(slices: tuple[tuple[int, int] | None, ...]) -> str:
+    if not slices:
+        return "scalar"
+    return "[" + ", ".join(":" if s is None else f"{s[0]}:{s[1]}" for s in slices) + "]"
+
+
+def plot_layout(
+    model: PyTree,
+    distribution_or_specs: Any = None,
+    *,
+    mesh: DeviceMesh | Mesh | None = None,
+    leaves: str | None = None,
+    max_rows: int | None = 30,
+    title: str | None = None,
+) -> _Figure:
+    """Draw the layout of `model`: which device holds which block of each parameter.
+
+    One row per array leaf (its `/`-joined path, shape, spec and bytes per device on the
+    left). The leaf is drawn as a bar cut into its blocks, one box per distinct shard in
+    row-major block order, coloured by the mesh axes that split the leaf (grey: replicated);
+    each box names its slice of the leaf (`[0:64, :]`), its mesh coordinates (`model 1`)
+    and the devices holding it (`dev 1, 5`), as far as the box is wide enough. Each box is a
+    `matplotlib.patches.Rectangle` whose `gid` is the leaf's path. Needs matplotlib
+    (`pip install eqpar[plot]`).
+
+    **Arguments:**
+
+    - `model`, `distribution_or_specs`, `mesh`: as for `layout_table`.
+    - `leaves`: a regular expression; only the leaves whose whole path it matches
+      (`re.fullmatch`, as `LayoutMap` keys) are drawn, e.g. `"layers/0/.*"` or `".*weight"`.
+    - `max_rows`: draw at most this many leaves (the first ones); the caption says how many
+      were left out. `None` draws all.
+    - `title`: the figure title; by default the mesh and its size.
+
+    **Returns:** a `matplotlib.figure.Figure` with an Agg canvas (not registered with
+    pyplot): `fig.savefig("layout.png")` writes it, a notebook displays it.
+
+    ```python
+    import equinox as eqx, jax, eqpar
+    mlp = eqx.nn.MLP(16, 8, 64, 1, key=jax.random.key(0))
+    fig = eqpar.inspect.plot_layout(mlp, eqpar.FSDP(min_size_bytes=0), leaves=".*weight")
+    boxes = [p for p in fig.axes[0].patches if p.get_gid() == "layers/0/weight"]
+    assert len(boxes) == 8  # [64, 16] split 8 ways over "data"
+    ```
+    """
+    if leaves is not None and not isinstance(leaves, str):
+        raise TypeError(f"plot_layout: `leaves` must be a regex string or None; got {leaves!r}.")
+    if max_rows is not None and (
+        isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1
+    ):
+        raise ValueError(
+            f"plot_layout: `max_rows` must be a positive int or None; got {max_rows!r}."
+        )
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+        from matplotlib.patches import Patch, Rectangle
+    except ImportError as error:  # pragma: no cover - matplotlib is a declared extra
+        raise ImportError("plot_layout needs matplotlib: `pip install eqpar[plot]`.") from error
+
+    table, jax_mesh = _layout(model, distribution_or_specs, mesh, "plot_layout")
+    rows = list(table.rows)
+    if leaves is not None:
+        pattern = compile_key(leaves, "plot_layout `leaves`")
+        rows = [row for row in rows if pattern.fullmatch(row.path)]
+        if not rows:
+            raise ValueError(
+                "plot_layout: `leaves` matches no leaf path: "
+                f"{unused_key_hints([leaves], [r.path for r in table.rows])}."
+            )
+    selected = len(rows)
+    if max_rows is not None:
+        rows = rows[:max_rows]
+
+    axis_names = [str(n) for n in jax_mesh.axis_names]
+    num_devices = int(jax_mesh.devices.size)
+    combined: list[tuple[str, ...]] = []
+
+    def colours(axes: tuple[str, ...]) -> tuple[str, str]:
+        if not axes:
+            return _REPLICATED_COLOUR, _REPLICATED_COLOUR
+        if len(axes) == 1:
+            return _AXIS_COLOURS[axis_names.index(axes[0]) % len(_AXIS_COLOURS)]
+        if axes not in combined:
+            combined.append(axes)
+        return _COMBINED_COLOURS[combined.index(axes) % len(_COMBINED_COLOURS)]
+
+    fig = Figure(figsize=(12.0, 0.6 * len(rows) + 1.9), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    legend: dict[tuple[str, ...], str] = {}
+    labels = []
+    texts: list[
+        tuple[int, int, tuple[str, str], list[list[str]]]
+    ] = []  # row, boxes, colours, lines
+    for r, row in enumerate(rows):
+        blocks = _blocks(row.shape, row.spec, jax_mesh)
+        axes = tuple(n for n in axis_names if any(n == c for c, _ in blocks[0].coords))
+        dark, light = colours(axes)
+        legend.setdefault(axes, dark)
+        box = 1.0 / len(blocks)
+        split_dims = [
+            k for k, last in enumerate(blocks[-1].index) if last > 0
+        ]  # row-major: last is the largest
+        for i, block in enumerate(blocks):
+            ax.add_patch(
+                Rectangle(
+                    (i * box, r + 0.08),
+                    box,
+                    0.84,
+                    facecolor=dark if i % 2 == 0 else light,
+                    edgecolor="white",
+                    linewidth=1.2,
+                    gid=row.path,
+                )
+            )
+            # A wider gap where the leading split dimension moves on to its next block.
+            if (
+                i > 0
+                and len(split_dims) > 1
+                and block.index[split_dims[0]] != blocks[i - 1].index[split_dims[0]]
+            ):
+                ax.plot([i * box] * 2, [r + 0.08, r + 0.92], color="white", linewidth=4)
+        if axes:
+            lines = [
+                [_slice_text(b.slices) for b in blocks],
+                [" · ".join(f"{n} {c}" for n, c in b.coords) for b in blocks],
+                [_device_text(b.devices, num_devices) for b in blocks],
+            ]
+        else:
+            lines = [["replicated"], [_device_text(blocks[0].devices, num_devices)]]
+        texts.append((r, len(blocks), (dark, light), lines))
+        labels.append(
+            f"{row.path}\n{list(row.shape)} {_spec_text(row.spec)} · "
+            f"{_format_bytes(row.bytes_per_device)}/device"
+        )
+    ax.set_xlim(0, 1)
+    ax.set_ylim(len(rows), 0)
+    ax.set_yticks([r + 0.5 for r in range(len(rows))])
+    ax.set_yticklabels(labels, fontsize=8)
+    ax.tick_params(axis="y", length=0)
+    ax.set_xticks([])
+    for side in ("top", "right", "bottom", "left"):
+        ax.spines[side].set_visible(False)
+    caption = "one box per block of a parameter: its slice, mesh coordinates, devices holding it"
+    if len(rows) < selected:
+        caption += (
+            f"\nshowing the first {len(rows)} of {selected} leaves (select with leaves=, "
+            "or raise max_rows=)"
+        )
+    ax.set_title(caption, fontsize=8, color="#444444")
+    if title is None:
+        title = f"parameter layout, {_mesh_text(table.mesh_shape)} ({num_devices} devices)"
+    fig.suptitle(title, fontsize=10)
+    handles = [
+        Patch(
+            facecolor=colour,
+            edgecolor="#cccccc",
+            label=(
+                "replicated" if not axes else "split over " + " and ".join(repr(a) for a in axes)
+            ),
+        )
+        for axes, colour in legend.items()
+    ]
+    fig.legend(
+        handles=handles, loc="outside lower center", ncols=len(handles), fontsize=8, frameon=False
+    )
+
+    # The boxes' text, once the layout has settled the bar's width: in each row the same kinds
+    # of line for every box, dropping the slice, then the coordinates, where they do not fit.
+    fig.draw_without_rendering()
+    bar_inches = ax.get_window_extent().width / fig.dpi
+    for r, count, (dark, light), lines in texts:
+        box_inches = bar_inches / count
+        best: tuple[float, list[list[str]]] = (7.0, [])
+        for fontsize in (7.0, 6.0):
+            room = (box_inches - 0.08) * 72 / (0.6 * fontsize)  # characters that fit
+            kept = [kind for kind in lines if max(len(t) for t in kind) <= room]
+            if len(kept) > len(best[1]):
+                best = (fontsize, kept)
+        fontsize, kept = best
+        for i in range(count if kept else 0):
+            ax.text(
+                (i + 0.5) / count,
+                r + 0.5,
+                "\n".join(kind[i] for kind in kept),
+                ha="center",
+                va="center",
+                fontsize=fontsize,
+                color=_text_colour(dark if i % 2 == 0 else light),
+                linespacing=1.15,
+            )
+    return fig
+
+
+def _text_colour(background: str) -> str:
+    """Black on light boxes, white on dark ones."""
+    r, g, b = (int(background[i : i + 2], 16) for i in (1, 3, 5))
+    return "black" if 0.299 * r + 0.587 * g + 0.114 * b > 160 else "white"

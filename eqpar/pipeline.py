@@ -210,8 +210,11 @@ def _zeros_like(tree: Any) -> Any:
     return jax.tree.map(lambda a: jnp.zeros(jnp.shape(a), jnp.result_type(a)), tree)
 
 
-def _ring_shift(tree: Any, axis_name: AxisName, size: int, offset: int) -> Any:
-    perm = [(i, (i + offset) % size) for i in range(size)]
+def _ring_shift(tree: Any, axis_name: AxisName, size: int, offset: int, wrap: bool = True) -> Any:
+    """Send every leaf `offset` devices along the axis. Without `wrap` the pair that would go
+    round the end of the ring (last -> first, or first -> last) is left out, and the device
+    it would reach gets zeros: GPipe and 1F1B never use what crosses there."""
+    perm = [(i, (i + offset) % size) for i in range(size) if wrap or 0 <= i + offset < size]
     return jax.tree.map(lambda a: lax.ppermute(a, axis_name, perm), tree)
 
 
@@ -403,8 +406,9 @@ def execute_pipeline_step(
     - `model_axis_name`: the pipeline axis of the mesh.
 
     **Returns:** `(new_state, output)`: `new_state` is the stage result of the previous device
-    (to feed back as `state`); `output` is this stage's result on the last device and zeros on
-    the others.
+    (to feed back as `state`; zeros on the first device, which reads `input` instead, so
+    nothing crosses from the last device to the first); `output` is this stage's result on
+    the last device and zeros on the others.
 
     ```python
     import jax, jax.numpy as jnp, numpy as np
@@ -431,7 +435,7 @@ def execute_pipeline_step(
     index = lax.axis_index(model_axis_name)
     stage_input = jax.tree.map(lambda i, s: jnp.where(index == 0, i, s), input, state)
     out = module(stage_input, *args, **kwargs)
-    new_state = _ring_shift(out, model_axis_name, num_stages, +1)
+    new_state = _ring_shift(out, model_axis_name, num_stages, +1, wrap=False)
     output = jax.tree.map(lambda o: jnp.where(index == num_stages - 1, o, jnp.zeros_like(o)), out)
     return new_state, output
 
@@ -942,8 +946,9 @@ def execute_1f1b(
             x_grads = _put(
                 x_grads, jnp.clip(bwd, 0, num_microbatches - 1), sent_back, (bwd >= 0) & is_first
             )
-        received = _ring_shift(sent_forward, model_axis_name, num_stages, +1)
-        cotangent = _ring_shift(sent_back, model_axis_name, num_stages, -1)
+        # The last device's output and the first device's input cotangent go nowhere.
+        received = _ring_shift(sent_forward, model_axis_name, num_stages, +1, wrap=False)
+        cotangent = _ring_shift(sent_back, model_axis_name, num_stages, -1, wrap=False)
         return (received, cotangent, stash, residuals, grads, loss_grads, loss, x_grads), None
 
     zeros = _cast_tree(_zeros_like(first), pipe)

@@ -7,14 +7,21 @@ twice a forward pass, which shifts the wall time but not the order or the bubble
 
 The timing rules live in small functions (`_circular_slot`, `_one_f_one_b_slot`) written with
 array arithmetic only, so the executors in `eqpar.pipeline` evaluate the very same rules on
-traced step counters inside `lax.scan` that these schedule objects evaluate with NumPy.
+traced step counters inside `lax.scan` that these schedule objects evaluate with NumPy. A
+backward half that autodiff of a forward `lax.scan` runs is the forward table read backwards
+(`_mirrored_backward`).
 """
 
 import dataclasses
 import pathlib
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure as _Figure
+else:  # matplotlib is optional: imported only when a chart is drawn
+    _Figure = Any
 
 ActionKind = Literal["forward", "backward", "idle"]
 
@@ -104,13 +111,24 @@ class Action:
 _IDLE = Action("idle")
 
 
+def _mirrored_backward(
+    forward: tuple[tuple[Action, ...], ...],
+) -> tuple[tuple[Action, ...], ...]:
+    """The backward half that autodiff of a forward scan runs: the same steps in reverse, each
+    forward turned into the backward of the same microbatch and stage."""
+    return tuple(
+        tuple(a if a.kind == "idle" else dataclasses.replace(a, kind="backward") for a in row)
+        for row in reversed(forward)
+    )
+
+
 class PipelineSchedule:
     """What every device of a pipeline does at every step: the common interface of
     `GPipeSchedule`, `CircularSchedule` and `OneFOneBSchedule`.
 
     A schedule is a table `actions[step][device]` of `Action`s, with the bubble fraction, the
     most microbatch inputs a device holds, a text rendering (`str(schedule)`) and a Gantt
-    chart (`plot`). Subclasses fill `self._table`.
+    chart (`figure`, `plot`). Subclasses fill `self._table`.
 
     ```python
     from eqpar.schedule import GPipeSchedule, OneFOneBSchedule
@@ -188,6 +206,48 @@ class PipelineSchedule:
                     held.discard((a.microbatch, a.stage))
         return most
 
+    @property
+    def has_backward(self) -> bool:
+        """Whether the table holds backward passes (a training step), not only forwards."""
+        return any(a.kind == "backward" for row in self._table for a in row)
+
+    def stages_on(self, device: int) -> tuple[int, ...]:
+        """The pipeline stages (in model order) that `device` runs, smallest first.
+
+        One stage per device for GPipe and 1F1B (stage `d` on device `d`); `num_repeats`
+        stages `d, d + S, d + 2S, ...` on device `d` for the circular schedule.
+
+        **Arguments:**
+
+        - `device`: a position on the pipeline axis in `[0, num_devices)`.
+
+        **Returns:** a tuple of stage indices.
+
+        ```python
+        from eqpar.schedule import CircularSchedule, OneFOneBSchedule
+        assert CircularSchedule(4, 8, num_repeats=2).stages_on(1) == (1, 5)
+        assert OneFOneBSchedule(4, 8).stages_on(3) == (3,)
+        ```
+        """
+        if not 0 <= device < self.num_devices:
+            raise ValueError(f"`device` must be in [0, {self.num_devices}), got {device}.")
+        stages = {row[device].stage for row in self._table}
+        return tuple(sorted(stage for stage in stages if stage is not None))
+
+    def _num_trips(self) -> int:
+        """How many stages each device runs (trips round the ring)."""
+        stages = [a.stage for row in self._table for a in row if a.stage is not None]
+        return 1 + max(stages) // self.num_stages if stages else 1
+
+    def _device_label(self, device: int) -> str:
+        stages = self.stages_on(device)
+        if len(stages) == 1:
+            return f"device {device} (stage {stages[0]})"
+        shown = [str(s) for s in stages] if len(stages) <= 4 else [str(stages[0]), "…"]
+        if len(stages) > 4:
+            shown.append(str(stages[-1]))
+        return f"device {device} (stages {', '.join(shown)})"
+
     def __str__(self) -> str:
         width = max(3, *(len(a.label()) + 1 for row in self._table for a in row))
         lines = [f"{self._name}: {self.num_devices} devices, {self.num_steps} steps"]
@@ -196,17 +256,138 @@ class PipelineSchedule:
             lines.append(f"device {device}:{cells}")
         return "\n".join(lines)
 
-    def plot(self, path: str | pathlib.Path, *, title: str | None = None) -> pathlib.Path:
-        """Draw the schedule as a Gantt chart and write it to a PNG file.
+    def default_title(self) -> str:
+        """The chart title `figure` and `plot` use when given none: what the table covers, its
+        size and its bubble fraction.
 
-        One row per device (device 0 on top), one column per step; forward cells are blue,
-        backward cells orange, labelled with the microbatch (and, for circular schedules, the
-        trip around the ring as `m.r`). Needs matplotlib (`pip install eqpar[plot]`).
+        ```python
+        from eqpar.schedule import GPipeSchedule
+        title = GPipeSchedule(4, 8, include_backward=True).default_title()
+        assert title == "GPipe schedule, training step: 4 devices, 8 microbatches, bubble 27.3%"
+        ```
+        """
+        what = "training step" if self.has_backward else "forward pass only"
+        trips = self._num_trips()
+        devices = f"{self.num_devices} device{'s' if self.num_devices > 1 else ''}"
+        devices += f" x {trips} stages" if trips > 1 else ""
+        return (
+            f"{self._name} schedule, {what}: {devices}, {self.num_microbatches} microbatch"
+            f"{'es' if self.num_microbatches > 1 else ''}, bubble {self.bubble_fraction:.1%}"
+        )
+
+    def figure(self, *, title: str | None = None) -> _Figure:
+        """The schedule as a Gantt chart: a matplotlib `Figure`, not written anywhere.
+
+        One row per device of the pipeline axis (device 0 on top), labelled with the stages
+        it runs (`device 0 (stage 0)`; `device 0 (stages 0, 4)` for a circular schedule), one
+        column per step. Forward cells are blue, backward cells orange, in one shade per stage
+        of a device when it runs several; idle cells (the bubble) are grey. The number in a
+        cell is the microbatch index, as the line under the title says. The legend sits
+        outside the axes, below them. Needs matplotlib (`pip install eqpar[plot]`).
+
+        **Arguments:**
+
+        - `title`: the chart title; by default `default_title()`.
+
+        **Returns:** a `matplotlib.figure.Figure` with an Agg canvas (not registered with
+        pyplot): `fig.savefig(...)` writes it, a notebook displays it.
+
+        ```python
+        from eqpar.schedule import CircularSchedule
+        schedule = CircularSchedule(2, 4, num_repeats=2, include_backward=True)
+        fig = schedule.figure()
+        rows = [label.get_text() for label in fig.axes[0].get_yticklabels()]
+        assert rows == ["device 0 (stages 0, 2)", "device 1 (stages 1, 3)"]
+        ```
+        """
+        try:
+            from matplotlib.backends.backend_agg import FigureCanvasAgg
+            from matplotlib.figure import Figure
+            from matplotlib.patches import Patch, Rectangle
+            from matplotlib.ticker import MaxNLocator
+        except ImportError as error:  # pragma: no cover - matplotlib is a declared extra
+            raise ImportError(
+                "PipelineSchedule.figure and .plot need matplotlib: `pip install eqpar[plot]`."
+            ) from error
+
+        s, trips = self.num_stages, self._num_trips()
+        kinds = ["forward", "backward"] if self.has_backward else ["forward"]
+        legend_labels = []
+        for kind in kinds:
+            for trip in range(trips):
+                label = kind
+                if trips > 1:
+                    first, last = trip * s, trip * s + s - 1
+                    label += f", stage {first}" if s == 1 else f", stages {first}–{last}"
+                legend_labels.append((kind, trip, label))
+        # The legend goes below the axes in as many columns as the width holds (an entry is
+        # about 0.6 in of patch and padding plus 0.06 in a character at 8 pt).
+        width = max(6.5, 0.3 * self.num_steps + 1.8)
+        column = 0.6 + 0.06 * max(len(label) for *_, label in legend_labels)
+        ncols = max(1, min(len(legend_labels) + 1, int((width - 0.3) // column)))
+        legend_rows = -(-(len(legend_labels) + 1) // ncols)
+        fig = Figure(
+            figsize=(width, 0.45 * self.num_devices + 1.7 + 0.22 * legend_rows),
+            layout="constrained",
+        )
+        FigureCanvasAgg(fig)
+        ax = fig.add_subplot()
+
+        def cell(step: int, device: int, colour: str, edge: str = "white") -> None:
+            ax.add_patch(
+                Rectangle((step, device), 1, 1, facecolor=colour, edgecolor=edge, linewidth=1)
+            )
+
+        for step, row in enumerate(self._table):
+            for device, a in enumerate(row):
+                if a.kind == "idle":
+                    cell(step, device, _IDLE_COLOUR, edge="#dddddd")
+                    continue
+                colour = _cell_colour(a.kind, 0 if a.stage is None else a.stage // s)
+                cell(step, device, colour)
+                ax.text(
+                    step + 0.5,
+                    device + 0.5,
+                    str(a.microbatch),
+                    ha="center",
+                    va="center",
+                    fontsize=8 if self.num_microbatches < 100 else 6,
+                    color=_text_colour(colour),
+                )
+        ax.set_xlim(0, self.num_steps)
+        ax.set_ylim(self.num_devices, 0)
+        ax.set_yticks([d + 0.5 for d in range(self.num_devices)])
+        ax.set_yticklabels([self._device_label(d) for d in range(self.num_devices)])
+        ax.tick_params(axis="y", length=0)
+        ax.set_xlabel("step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        for side in ("top", "right", "left"):
+            ax.spines[side].set_visible(False)
+        caption = "cell number = microbatch index"
+        if trips > 1:
+            caption += "; shade = which of its stages the device runs"
+        ax.set_title(caption, fontsize=8, color="#444444")
+        fig.suptitle(self.default_title() if title is None else title, fontsize=10)
+
+        handles = [
+            Patch(facecolor=_cell_colour(kind, trip), label=label)
+            for kind, trip, label in legend_labels
+        ]
+        handles.append(Patch(facecolor=_IDLE_COLOUR, edgecolor="#cccccc", label="idle (bubble)"))
+        fig.legend(
+            handles=handles, loc="outside lower center", ncols=ncols, fontsize=8, frameon=False
+        )
+        return fig
+
+    def plot(self, path: str | pathlib.Path, *, title: str | None = None) -> pathlib.Path:
+        """Draw the schedule as a Gantt chart (see `figure`) and write it to a PNG file.
+
+        Needs matplotlib (`pip install eqpar[plot]`).
 
         **Arguments:**
 
         - `path`: the PNG file to write (its folder must exist).
-        - `title`: the chart title; by default the schedule's name, size and bubble fraction.
+        - `title`: the chart title; by default `default_title()`.
 
         **Returns:** `path` as a `pathlib.Path`.
 
@@ -218,95 +399,73 @@ class PipelineSchedule:
         assert out.read_bytes()[:4] == b"\\x89PNG"
         ```
         """
-        try:
-            from matplotlib.backends.backend_agg import FigureCanvasAgg
-            from matplotlib.figure import Figure
-            from matplotlib.patches import Patch
-            from matplotlib.ticker import MaxNLocator
-        except ImportError as error:  # pragma: no cover - matplotlib is a declared extra
-            raise ImportError(
-                "PipelineSchedule.plot needs matplotlib: `pip install eqpar[plot]`."
-            ) from error
-
         path = pathlib.Path(path)
-        forward_colours = ["#4c72b0", "#8fb3e0", "#2a4d7a", "#b8cde8"]
-        backward_colours = ["#dd8452", "#f0b48f", "#a8552a"]
-        fig = Figure(figsize=(max(6.0, 0.32 * self.num_steps + 1.5), 0.5 * self.num_devices + 1.3))
-        FigureCanvasAgg(fig)
-        ax = fig.add_subplot()
-        repeats = isinstance(self, CircularSchedule) and self.num_repeats > 1
-        for step, row in enumerate(self._table):
-            for device, a in enumerate(row):
-                if a.kind == "idle":
-                    ax.add_patch(_rectangle(step, device, "#eeeeee", edge="#dddddd"))
-                    continue
-                repeat = 0 if a.stage is None else a.stage // self.num_stages
-                palette = forward_colours if a.kind == "forward" else backward_colours
-                ax.add_patch(_rectangle(step, device, palette[repeat % len(palette)]))
-                text = f"{a.microbatch}.{repeat}" if repeats else str(a.microbatch)
-                ax.text(
-                    step + 0.5,
-                    device + 0.5,
-                    text,
-                    ha="center",
-                    va="center",
-                    fontsize=7 if repeats else 8,
-                    color="white" if repeat % 2 == 0 else "black",
-                )
-        ax.set_xlim(0, self.num_steps)
-        ax.set_ylim(self.num_devices, 0)
-        ax.set_yticks([d + 0.5 for d in range(self.num_devices)])
-        ax.set_yticklabels([f"device {d}" for d in range(self.num_devices)])
-        ax.set_xlabel("step")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        handles = [Patch(color=forward_colours[0], label="forward")]
-        if any(a.kind == "backward" for row in self._table for a in row):
-            handles.append(Patch(color=backward_colours[0], label="backward"))
-        handles.append(Patch(color="#eeeeee", label="idle (bubble)"))
-        ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=3)
-        if title is None:
-            title = f"{self._name}: bubble {self.bubble_fraction:.1%}"
-        ax.set_title(title, fontsize=10)
-        fig.tight_layout()
-        fig.savefig(path, format="png", dpi=110)
+        self.figure(title=title).savefig(path, format="png", dpi=110)
         return path
 
 
-def _rectangle(step: int, device: int, colour: str, *, edge: str = "white") -> Any:
-    from matplotlib.patches import Rectangle
+_IDLE_COLOUR = "#eeeeee"
+_FORWARD_COLOURS = ("#4c72b0", "#a9c4e8", "#2a4d7a", "#6f95cf")
+_BACKWARD_COLOURS = ("#dd8452", "#f4c09c", "#a8552a", "#e8a070")
 
-    return Rectangle((step, device), 1, 1, facecolor=colour, edgecolor=edge, linewidth=1)
+
+def _cell_colour(kind: str, trip: int) -> str:
+    palette = _FORWARD_COLOURS if kind == "forward" else _BACKWARD_COLOURS
+    return palette[trip % len(palette)]
+
+
+def _text_colour(background: str) -> str:
+    """Black on light cells, white on dark ones."""
+    r, g, b = (int(background[i : i + 2], 16) for i in (1, 3, 5))
+    return "black" if 0.299 * r + 0.587 * g + 0.114 * b > 160 else "white"
 
 
 class CircularSchedule(PipelineSchedule):
-    """The circular (interleaved) forward schedule: each device holds `num_repeats` stages.
+    """The circular (interleaved) schedule: each device holds `num_repeats` stages.
 
     Stage `s` lives on device `s % num_stages`, so microbatches go round the ring
     `num_repeats` times. With `num_microbatches >= num_stages` the bubble is
     `(S - 1) / (V * M + S - 1)` for `S` devices, `V` repeats and `M` microbatches; with fewer
     microbatches than devices each trip still takes `S` steps and the bubble is larger.
 
+    With `include_backward=True` the table adds the backward pass that autodiff of the forward
+    scan runs (the same steps in reverse), as for `GPipeSchedule`: twice the steps, the same
+    bubble fraction, and all `V * M` (microbatch, stage) inputs held on each device until
+    their backward.
+
     **Arguments:**
 
     - `num_stages`: `S`, the size of the pipeline axis (devices).
     - `num_microbatches`: `M`.
     - `num_repeats`: `V`, the stages per device (the model has `S * V` stages).
+    - `include_backward`: add the backward half of a training step.
 
     ```python
     from eqpar.schedule import CircularSchedule
     schedule = CircularSchedule(num_stages=4, num_microbatches=8, num_repeats=2)
     assert schedule.num_steps == 2 * 8 + 4 - 1
     assert schedule.bubble_fraction == (4 - 1) / (2 * 8 + 4 - 1)
+    training = CircularSchedule(4, 8, 2, include_backward=True)
+    assert training.num_steps == 2 * schedule.num_steps
+    assert training.bubble_fraction == schedule.bubble_fraction
     ```
     """
 
     _name = "circular"
 
-    def __init__(self, num_stages: int, num_microbatches: int, num_repeats: int = 1):
+    def __init__(
+        self,
+        num_stages: int,
+        num_microbatches: int,
+        num_repeats: int = 1,
+        *,
+        include_backward: bool = False,
+    ):
         owner = type(self).__name__
         self.num_stages = _positive_int("num_stages", num_stages, owner)
         self.num_microbatches = _positive_int("num_microbatches", num_microbatches, owner)
         self.num_repeats = _positive_int("num_repeats", num_repeats, owner)
+        self.include_backward = bool(include_backward)
         s, m, v = self.num_stages, self.num_microbatches, self.num_repeats
         period = max(m, s)
         num_steps = (v - 1) * period + m + s - 1
@@ -315,7 +474,7 @@ class CircularSchedule(PipelineSchedule):
         mb, rep = _circular_slot(
             steps, devices, num_stages=s, num_microbatches=m, num_repeats=v, xp=np
         )
-        self._table = tuple(
+        table = tuple(
             tuple(
                 _IDLE
                 if mb[t, d] < 0
@@ -324,6 +483,9 @@ class CircularSchedule(PipelineSchedule):
             )
             for t in range(num_steps)
         )
+        if self.include_backward:
+            table = table + _mirrored_backward(table)
+        self._table = table
 
 
 class GPipeSchedule(PipelineSchedule):
@@ -358,12 +520,7 @@ class GPipeSchedule(PipelineSchedule):
         self.include_backward = bool(include_backward)
         table = forward.actions
         if self.include_backward:
-            table = table + tuple(
-                tuple(
-                    a if a.kind == "idle" else dataclasses.replace(a, kind="backward") for a in row
-                )
-                for row in reversed(forward.actions)
-            )
+            table = table + _mirrored_backward(table)
         self._table = table
 
 

@@ -160,6 +160,14 @@ def test_hlo_counts_collectives_inside_loops_per_iteration():
     assert summary.bytes["all-reduce"] == 5 * 2 * block * 7 / 8
     assert summary.bytes["all-gather"] == 8 * block * 7 / 8
     assert summary.bytes["reduce-scatter"] == block * 7 / 8
+
+    # a shift without the wrap-around pair: 7 of the 8 devices receive a block
+    chain = [(i, i + 1) for i in range(7)]
+    shift = jax.shard_map(
+        lambda x: jax.lax.ppermute(x, "d", chain), mesh=mesh, in_specs=P("d"), out_specs=P("d")
+    )
+    shifted = hlo.collective_summary(jax.jit(shift).lower(jnp.ones((64, 4))).compile())
+    assert shifted.bytes["collective-permute"] == block * 7 / 8
     assert summary.loops_without_trip_count == 0
     assert hlo.collective_bytes(compiled.as_text()) == summary.total_bytes
 
@@ -209,3 +217,79 @@ def test_layout_table_names_an_unknown_axis():
     specs = eqx.tree_at(lambda m: (m.weight, m.bias), linear, (P("nope"), P()))
     with pytest.raises(ValueError, match=r"'weight' names the axis 'nope'.*its axes: \('data',\)"):
         layout_table(linear, specs, mesh=DeviceMesh((8,), ("data",)))
+
+
+# --- plot_layout: the layout as a picture ----------------------------------------------------
+
+
+def boxes_per_leaf(fig):
+    """`{leaf path: number of boxes}` of a `plot_layout` figure (each box's gid is its path)."""
+    counts = {}
+    for patch in fig.axes[0].patches:
+        counts[patch.get_gid()] = counts.get(patch.get_gid(), 0) + 1
+    return counts
+
+
+def test_plot_layout_draws_one_box_per_shard(mlp):
+    from eqpar.inspect import plot_layout
+
+    d = model_parallel()  # [64, 16] P("model", None); [64] P("model"); [8, 64] P(None, "model")
+    fig = plot_layout(mlp, d)
+    (ax,) = fig.axes
+    labels = [label.get_text() for label in ax.get_yticklabels()]
+    assert [label.splitlines()[0] for label in labels] == [
+        row.path for row in layout_table(mlp, d).rows
+    ]
+    assert "[64, 16] P('model', None)" in labels[0] and "1.00 KiB/device" in labels[0]
+    assert boxes_per_leaf(fig) == {
+        "layers/0/weight": 4,
+        "layers/0/bias": 4,
+        "layers/1/weight": 4,
+        "layers/1/bias": 1,
+    }
+    texts = [t.get_text() for t in ax.texts]
+    # Block 1 of the row-split weight: rows 16:32, model coordinate 1, on devices 1 and 5.
+    assert "[16:32, :]\nmodel 1\ndev 1, 5" in texts
+    assert "[:, 48:64]\nmodel 3\ndev 3, 7" in texts
+    assert "replicated\nall 8 devices" in texts
+    legend = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert legend == ["split over 'model'", "replicated"]
+    assert "data=2 x model=4" in fig.get_suptitle()
+
+
+def test_plot_layout_two_axes_selection_and_row_limit(mlp):
+    from eqpar.inspect import plot_layout
+
+    mesh = DeviceMesh((2, 4), ("data", "model"))
+    specs = eqx.tree_at(
+        lambda m: (m.layers[0].weight, m.layers[0].bias, m.layers[1].weight, m.layers[1].bias),
+        partition_specs(mlp),
+        (P("model", "data"), P(("data", "model")), P(None, "model"), P()),
+    )
+    fig = plot_layout(mlp, specs, mesh=mesh, leaves=".*weight")
+    assert len(fig.axes[0].get_yticks()) == 2
+    assert boxes_per_leaf(fig) == {"layers/0/weight": 8, "layers/1/weight": 4}
+    texts = [t.get_text() for t in fig.axes[0].texts]
+    assert any(t.endswith("data 1 · model 0\ndev 4") for t in texts)  # rows 0:16, cols 8:16
+    full = plot_layout(mlp, specs, mesh=mesh, leaves="layers/0/.*")
+    assert boxes_per_leaf(full)["layers/0/bias"] == 8  # one dimension over both axes
+    limited = plot_layout(mlp, specs, mesh=mesh, max_rows=3)
+    assert len(limited.axes[0].get_yticks()) == 3
+    assert "showing the first 3 of 4 leaves" in limited.axes[0].get_title()
+
+
+def test_plot_layout_errors_name_the_problem(mlp):
+    from eqpar.inspect import plot_layout
+
+    with pytest.raises(
+        ValueError, match=r"plot_layout: `leaves` matches no leaf path: 'layers/9/.\*'"
+    ):
+        plot_layout(mlp, DataParallel(), leaves="layers/9/.*")
+    with pytest.raises(ValueError, match="`max_rows` must be a positive int or None; got 0"):
+        plot_layout(mlp, DataParallel(), max_rows=0)
+    with pytest.raises(ValueError, match="plot_layout: a specs pytree needs mesh="):
+        plot_layout(mlp, partition_specs(mlp))
+    with pytest.raises(
+        ValueError, match="plot_layout: leaf 'layers/0/weight' has no NamedSharding"
+    ):
+        plot_layout(mlp)

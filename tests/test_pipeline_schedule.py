@@ -147,3 +147,104 @@ def test_plot_writes_png(schedule, tmp_path):
     width = int.from_bytes(data[16:20], "big")
     height = int.from_bytes(data[20:24], "big")
     assert width > 300 and height > 100
+
+
+@pytest.mark.parametrize(("s", "m", "v"), [(1, 1, 2), (2, 4, 2), (4, 8, 2), (4, 3, 3), (3, 5, 1)])
+def test_circular_training_step_runs_the_forward_backwards(s, m, v):
+    forward = CircularSchedule(s, m, v)
+    training = CircularSchedule(s, m, v, include_backward=True)
+    assert training.include_backward and not forward.include_backward
+    assert training.has_backward and not forward.has_backward
+    assert training.num_steps == 2 * forward.num_steps
+    assert training.busy_steps == 2 * forward.busy_steps
+    # The same definition of the bubble as GPipe's and 1F1B's training tables.
+    assert training.bubble_fraction == forward.bubble_fraction
+    assert training.actions[: forward.num_steps] == forward.actions
+    when = _when(training)
+    assert len(when) == 2 * s * v * m
+    last = s * v - 1
+    for mb, stage in itertools.product(range(m), range(s * v)):
+        assert when[("backward", mb, stage)] > when[("forward", mb, last)]
+        if stage < last:
+            assert when[("backward", mb, stage)] > when[("backward", mb, stage + 1)]
+    assert training.max_stored_inputs() == v * m
+    if v == 1:  # one stage per device: GPipe
+        assert training.actions == GPipeSchedule(s, m, include_backward=True).actions
+
+
+def test_stages_on_and_default_titles():
+    assert CircularSchedule(4, 8, 2).stages_on(0) == (0, 4)
+    assert CircularSchedule(2, 2, 3, include_backward=True).stages_on(1) == (1, 3, 5)
+    assert GPipeSchedule(4, 2).stages_on(2) == (2,)
+    assert OneFOneBSchedule(3, 4).stages_on(1) == (1,)
+    with pytest.raises(ValueError, match=r"`device` must be in \[0, 4\), got 4"):
+        GPipeSchedule(4, 2).stages_on(4)
+    assert CircularSchedule(4, 8, 2, include_backward=True).default_title() == (
+        "circular schedule, training step: 4 devices x 2 stages, 8 microbatches, bubble 15.8%"
+    )
+    assert GPipeSchedule(4, 4).default_title().startswith("GPipe schedule, forward pass only")
+    assert OneFOneBSchedule(4, 8).default_title() == (
+        "1F1B schedule, training step: 4 devices, 8 microbatches, bubble 27.3%"
+    )
+
+
+def _chart_parts(schedule: PipelineSchedule):
+    fig = schedule.figure()
+    (ax,) = fig.axes
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()  # pyright: ignore[reportAttributeAccessIssue]
+    return fig, ax, renderer
+
+
+@pytest.mark.parametrize(
+    ("schedule", "rows"),
+    [
+        (GPipeSchedule(2, 4, include_backward=True), ["device 0 (stage 0)", "device 1 (stage 1)"]),
+        (
+            CircularSchedule(2, 4, 2, include_backward=True),
+            ["device 0 (stages 0, 2)", "device 1 (stages 1, 3)"],
+        ),
+        (OneFOneBSchedule(2, 3), ["device 0 (stage 0)", "device 1 (stage 1)"]),
+        (
+            CircularSchedule(3, 2, 3, include_backward=True),
+            [f"device {d} (stages {d}, {d + 3}, {d + 6})" for d in range(3)],
+        ),
+    ],
+    ids=["gpipe-2", "circular-2", "1f1b-2", "circular-3x3"],
+)
+def test_chart_rows_cells_caption_and_legend(schedule, rows):
+    fig, ax, renderer = _chart_parts(schedule)
+    assert [label.get_text() for label in ax.get_yticklabels()] == rows
+    # Every forward and backward cell carries its microbatch index.
+    numbers = sorted(int(t.get_text()) for t in ax.texts)
+    busy = [a.microbatch for row in schedule.actions for a in row if a.kind != "idle"]
+    assert numbers == sorted(busy)
+    assert len(ax.patches) == schedule.num_steps * schedule.num_devices
+    assert "cell number = microbatch index" in ax.get_title()
+    assert f"{schedule.bubble_fraction:.1%}" in fig.get_suptitle()
+    # The legend names forward and backward and sits outside the axes, their labels included.
+    (legend,) = fig.legends
+    entries = [t.get_text() for t in legend.get_texts()]
+    assert any(e.startswith("forward") for e in entries)
+    assert any(e.startswith("backward") for e in entries)
+    assert entries[-1] == "idle (bubble)"
+    legend_box = legend.get_window_extent(renderer)
+    assert not legend_box.overlaps(ax.get_tightbbox(renderer))
+    assert not legend_box.overlaps(ax.xaxis.label.get_window_extent(renderer))
+    assert fig.bbox.contains(legend_box.x0, legend_box.y0)
+    assert fig.bbox.contains(legend_box.x1, legend_box.y1)
+
+
+def test_circular_chart_legend_names_each_devices_stages():
+    fig = CircularSchedule(4, 8, 2, include_backward=True).figure()
+    entries = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert entries == [
+        "forward, stages 0–3",
+        "forward, stages 4–7",
+        "backward, stages 0–3",
+        "backward, stages 4–7",
+        "idle (bubble)",
+    ]
+    forward_only = CircularSchedule(4, 8, 2).figure()
+    assert "forward pass only" in forward_only.get_suptitle()
+    assert [t.get_text() for t in forward_only.legends[0].get_texts()][-1] == "idle (bubble)"
