@@ -888,7 +888,8 @@ def execute_1f1b(
             pullback, out = stage_vjp(params, state.h, state.microbatch)
             output_axes = _axes_tree(eqx.filter(out, eqx.is_inexact_array))
         else:
-            pullback, output_axes = layout.join(state.residuals, params, state.h)
+            stored = _take(state.residuals, state.microbatch % num_stages)
+            pullback, output_axes = layout.join(stored, params, state.h)
         d_params, d_h = pullback(_cast_tree(state.cot, output_axes))
         grads = _add(state.grads, d_params)
         zero_h = _zeros_like(state.h)
@@ -936,12 +937,16 @@ def execute_1f1b(
         branch = jnp.where(
             bwd >= 0, jnp.where(is_last, 3, 2), jnp.where((fwd >= 0) & ~is_last, 1, 0)
         )
-        stored = _take(residuals, current % num_stages)
-        state = _BranchState(h, cotangent, target, current, grads, loss_grads, loss, stored)
+        # the whole ring of residuals goes in: only the backward branch reads its slot
+        state = _BranchState(h, cotangent, target, current, grads, loss_grads, loss, residuals)
         out = _switch(branch, branches, state)
         sent_forward, sent_back, grads, loss_grads, loss = out[:5]
         # The residuals of this forward wait in slot m % S, like the inputs, until its backward.
-        residuals = _put(residuals, fwd % num_stages, out.residuals, branch == 1)
+        # (Other steps write their zeros to a spare slot S: an unconditional write, no select.)
+        slot = jnp.where(branch == 1, fwd % num_stages, num_stages)
+        residuals = jax.tree.map(
+            lambda a, v: lax.dynamic_update_index_in_dim(a, v, slot, 0), residuals, out.residuals
+        )
         if x_grads is not None:
             x_grads = _put(
                 x_grads, jnp.clip(bwd, 0, num_microbatches - 1), sent_back, (bwd >= 0) & is_first
@@ -960,7 +965,7 @@ def execute_1f1b(
         zeros,
         eqx.filter(zeros, eqx.is_inexact_array),
         stash,
-        jax.tree.map(lambda z: jnp.zeros((num_stages, *z.shape), z.dtype), no_residuals),
+        jax.tree.map(lambda z: jnp.zeros((num_stages + 1, *z.shape), z.dtype), no_residuals),
         _cast_tree(_zeros_like(params), _axes_tree(params)),
         _cast_tree(_zeros_like(loss_params), _axes_tree(loss_params)),
         _cast_varying(jnp.zeros((), loss_shape.dtype), pipe),
@@ -994,7 +999,7 @@ class _BranchState(NamedTuple):
     grads: Any  # running gradient of the stage parameters
     loss_grads: Any  # running gradient of loss_fn's parameters
     loss: Any  # running loss
-    residuals: Any  # the stored residuals of this microbatch's forward (for its backward)
+    residuals: Any  # the ring of stored residuals (the backward reads its microbatch's slot)
 
 
 class _BranchOut(NamedTuple):
