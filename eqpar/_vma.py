@@ -9,6 +9,7 @@ from collections.abc import Hashable
 from typing import Any
 
 import jax
+from jax import lax
 
 
 def varying_axes(x: Any) -> frozenset:
@@ -26,3 +27,15 @@ def varies_over(x: Any, axis_name: Hashable) -> bool | None:
     if axis_name not in varying_axes(jax.lax.axis_index(axis_name)):
         return None
     return axis_name in varying_axes(x)
+
+
+def cast_varying(x: Any, axes: frozenset) -> Any:
+    """`x` typed as varying over `axes` (a no-op for the axes it already varies over). Its
+    transpose sums the cotangent over those axes, once, wherever the cast is placed."""
+    missing = tuple(sorted(axes - varying_axes(x), key=str))
+    if not missing:
+        return x
+    pcast = getattr(lax, "pcast", None)
+    if pcast is not None:
+        return pcast(x, missing, to="varying")
+    return lax.pvary(x, missing)  # type: ignore[attr-defined]  # jax < 0.8

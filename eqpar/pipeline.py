@@ -26,22 +26,12 @@ from jax import lax
 from jaxtyping import Array, Float, PyTree, Scalar
 
 from ._typing import AxisName
+from ._vma import cast_varying as _cast_varying
 from ._vma import varying_axes as _varying_axes
 from .schedule import _one_f_one_b_slot
 
 # --------------------------------------------------------------------------------------
 # Replication types (shard_map's `check_vma`) across JAX versions.
-
-
-def _cast_varying(x: Any, axes: frozenset) -> Any:
-    """`x` marked as varying over `axes` (a no-op for the axes it already varies over)."""
-    missing = tuple(sorted(axes - _varying_axes(x), key=str))
-    if not missing:
-        return x
-    pcast = getattr(lax, "pcast", None)
-    if pcast is not None:
-        return pcast(x, missing, to="varying")
-    return lax.pvary(x, missing)  # type: ignore[attr-defined]  # jax < 0.8
 
 
 def _cast_tree(tree: Any, axes: Any) -> Any:

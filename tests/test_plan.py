@@ -12,6 +12,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import eqpar
+from eqpar._hlo import collective_summary
 from eqpar.nn import (
     ColumnParallelLinear,
     FeatureParallelEmbedding,
@@ -495,3 +496,25 @@ def test_layer_errors_outside_the_declared_layout():
     stack = eqpar.parallelize(stack, {"": eqpar.ColumnParallel()})
     with pytest.raises(ValueError, match=r"a stack of layers called as one.*ScannedLayers"):
         run(mesh, lambda m, x: m(x), stack, jnp.ones(8))
+
+
+def test_self_attention_sums_its_input_gradient_over_the_axis_once():
+    """Query, key and value read one array: its gradient is reduced over `model` once (one
+    all-reduce forward for the heads' sum, one backward), not once per projection."""
+    mesh = eqpar.DeviceMesh((8,), ("model",))
+    attention = eqx.nn.MultiheadAttention(8, 16, key=jax.random.key(1))
+    layer = eqpar.parallelize(attention, {"": eqpar.HeadParallel()})
+    x = jax.random.normal(jax.random.key(2), (5, 16))
+
+    def input_grad(layer, x):
+        return jax.grad(lambda x: jnp.sum(layer(x, x, x) ** 2))(x)
+
+    serial = jax.grad(lambda x: jnp.sum(attention(x, x, x) ** 2))(x)
+    specs = eqpar.partition_specs(layer)
+    mapped = eqpar.shard_map(input_grad, mesh=mesh, in_specs=(specs, P()), out_specs=P())
+    compiled = eqx.filter_jit(mapped).lower(layer, x).compile()
+    np.testing.assert_allclose(compiled(layer, x), serial, rtol=1e-5, atol=1e-6)
+    # Two all-reduces of one [5, 16] float32 array each (the compiler may fuse several
+    # reductions into one instruction, so the bytes say how many arrays are reduced).
+    one = 2 * x.size * 4 * 7 / 8
+    assert collective_summary(compiled).bytes == {"all-reduce": 2 * one}

@@ -38,7 +38,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray, Shaped
 
-from .._vma import varies_over
+from .._vma import cast_varying, varies_over
 
 __all__ = [
     "ColumnParallelLinear",
@@ -525,6 +525,14 @@ class HeadParallelAttention(eqx.nn.MultiheadAttention):
         else:
             _check_sequence_layout(owner, "key_", key_, self.axis_name, False)
             _check_sequence_layout(owner, "value", value, self.axis_name, False)
+            # Each projection's weight differs over the axis, so autodiff sums the cotangent
+            # of the input it reads over the axis. Cast each distinct input once (self
+            # attention passes one array three times): one sum in the backward pass, not three.
+            varying: dict[int, Array] = {}
+            for x in (query, key_, value):
+                if id(x) not in varying:
+                    varying[id(x)] = cast_varying(x, frozenset({self.axis_name}))
+            query, key_, value = (varying[id(x)] for x in (query, key_, value))
         if key_.shape[0] != value.shape[0]:
             raise ValueError(
                 f"{owner}: key_ and value must have the same sequence length; got "
