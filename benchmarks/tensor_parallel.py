@@ -1,22 +1,29 @@
 """Tensor-parallel MLP block: eqpar's layers against two baselines measured in the same run.
 
 For n = 2, 4, 8 devices of a `model` axis, one training step (loss, gradients) of a
-column-parallel -> gelu -> row-parallel MLP block, written four ways:
+column-parallel -> gelu -> row-parallel MLP block, written five ways:
 
-- `eqpar TPDense`: `eqpar.nn.TPMLPBlock` (all-gather / reduce-scatter);
-- `eqpar TPAsyncDense`: the same block on ring collectives (`use_ring=True`);
-- `(a) shard_map`: the same block written by hand with `jax.shard_map` and
-  `lax.all_gather` / `lax.psum_scatter` (baseline for the ratios);
+- `eqpar TPDense`: `eqpar.nn.TPMLPBlock` (all-gather / reduce-scatter), the baseline of every
+  ratio;
+- `eqpar TPAsyncDense`: the same block on ring collectives (`use_ring=True`), one ring
+  direction (the default);
+- `eqpar TPAsyncDense, both directions`: the same with `use_bidirectional_gather=True` and
+  `use_bidirectional_scatter=True`;
+- `(a) shard_map by hand`: the same block written by hand with `jax.shard_map` and
+  `lax.all_gather` / `lax.psum_scatter`;
 - `(b) jit`: plain `jax.jit` with `NamedSharding`s: the compiler's own partitioning.
 
 Reported per device: bytes received over the interconnect for the step (from the compiled
-HLO), temp memory (`memory_analysis`), compile time, and step time; every figure also as a
-ratio to baseline (a). Run: `python benchmarks/tensor_parallel.py`.
+HLO) and temp memory (`memory_analysis`), exact figures; compile time (`lower` + `compile`,
+the median of `COMPILES` fresh compilations taken in turns with the other variants, after one
+round of warm-up) and step time (median, alternating with TPDense's step), as ratios to
+TPDense only: they are timings on simulated devices that share the host's cores. Run:
+`python benchmarks/tensor_parallel.py`.
 """
 
 import os
+import statistics
 import sys
-import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -33,21 +40,18 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import eqpar
-from eqpar._hlo import collective_bytes, median_seconds, memory_figures
-from eqpar.nn import TPMLPBlock
+from eqpar._hlo import collective_bytes, compile_timed, memory_figures, paired_median_seconds
+from eqpar.nn import TPAsyncDense, TPMLPBlock
 
 D_MODEL, D_HIDDEN, TOKENS = 256, 1024, 512
-REPEATS = 5
+REPEATS = 5  # step-time pairs
+COMPILES = 5  # timed compilations per variant (after one warm-up round)
+BASELINE = "eqpar TPDense"
+RING = "eqpar TPAsyncDense"
+RING_BOTH = "eqpar TPAsyncDense, both directions"
 
 
-def _timed_compile(fn, *args):
-    start = time.perf_counter()
-    compiled = jax.jit(fn).lower(*args).compile()
-    return compiled, time.perf_counter() - start
-
-
-def _eqpar_step(block, mesh):
-    specs = eqpar.partition_specs(block)
+def _eqpar_step(specs, mesh):
     feature = P(None, "model")
 
     def loss(block, x):
@@ -74,7 +78,8 @@ def _hand_written_step(mesh):
     )
 
     def loss(params, x):
-        return jnp.mean(forward(*params, x) ** 2)
+        w_up, b_up, w_down, b_down = params
+        return jnp.mean(forward(w_up, b_up, w_down, b_down, x) ** 2)
 
     return jax.value_and_grad(loss)
 
@@ -88,48 +93,81 @@ def _compiler_step():
     return jax.value_and_grad(loss)
 
 
-def _params(block):
-    return (block.up.weight, block.up.bias, block.down.weight, block.down.bias)
+def _placed(tree, specs, mesh):
+    return jax.tree.map(
+        lambda a, s: jax.device_put(a, NamedSharding(mesh, s)) if eqx.is_array(a) else a,
+        tree,
+        specs,
+    )
+
+
+def _both_directions(block):
+    """The block with its ring layers sending both ways round the ring."""
+    convert = lambda layer, mode: TPAsyncDense.from_linear(
+        layer.to_linear(),
+        tp_mode=mode,
+        use_bidirectional_gather=True,
+        use_bidirectional_scatter=True,
+    )
+    return eqx.tree_at(
+        lambda b: (b.up, b.down),
+        block,
+        (convert(block.up, "gather"), convert(block.down, "scatter")),
+    )
+
+
+def _variants(mesh):
+    """name -> (a function building a fresh step function, its arguments)."""
+    x = jax.random.normal(jax.random.key(1), (TOKENS, D_MODEL))
+    x = jax.device_put(x, NamedSharding(mesh, P(None, "model")))
+    dense = TPMLPBlock(D_MODEL, D_HIDDEN, key=jax.random.key(0))
+    ring = TPMLPBlock(D_MODEL, D_HIDDEN, use_ring=True, key=jax.random.key(0))
+    variants = {}
+    for name, block in ((BASELINE, dense), (RING, ring), (RING_BOTH, _both_directions(ring))):
+        specs = eqpar.partition_specs(block)
+        variants[name] = (
+            lambda specs=specs: _eqpar_step(specs, mesh),
+            (_placed(block, specs, mesh), x),
+        )
+    layout = (P("model", None), P("model"), P(None, "model"), P("model"))
+    params = (dense.up.weight, dense.up.bias, dense.down.weight, dense.down.bias)
+    params = tuple(jax.device_put(p, NamedSharding(mesh, s)) for p, s in zip(params, layout))
+    variants["(a) shard_map by hand"] = (lambda: _hand_written_step(mesh), (params, x))
+    variants["(b) jit + NamedSharding"] = (_compiler_step, (params, x))
+    return variants
 
 
 def measure(n: int) -> list[dict]:
     mesh = Mesh(np.array(jax.devices()[:n]), ("model",))
-    x = jax.random.normal(jax.random.key(1), (TOKENS, D_MODEL))
-    x_sharded = jax.device_put(x, NamedSharding(mesh, P(None, "model")))
+    variants = _variants(mesh)
+    compiled, compile_s = {}, {name: [] for name in variants}
+    # Taken in turns, so that load from other processes falls on every variant alike; the
+    # first round (JAX and XLA warming up) is not counted.
+    for round_ in range(COMPILES + 1):
+        for name, (make_step, args) in variants.items():
+            compiled[name], seconds = compile_timed(jax.jit(make_step()), *args)
+            if round_:
+                compile_s[name].append(seconds)
+    baseline = (compiled[BASELINE], variants[BASELINE][1])
     rows = []
-    for name, use_ring in (("eqpar TPDense", False), ("eqpar TPAsyncDense", True)):
-        block = TPMLPBlock(D_MODEL, D_HIDDEN, use_ring=use_ring, key=jax.random.key(0))
-        specs = eqpar.partition_specs(block)
-        block = eqx.filter_jit(lambda b: b)(block)  # plain copy
-        block = jax.tree.map(
-            lambda a, s: jax.device_put(a, NamedSharding(mesh, s)) if eqx.is_array(a) else a,
-            block,
-            specs,
+    for name, (_, args) in variants.items():
+        step_ratio = 1.0
+        if name != BASELINE:
+            step_s, base_s = paired_median_seconds(
+                (compiled[name], args), baseline, repeats=REPEATS
+            )
+            step_ratio = step_s / base_s
+        rows.append(
+            {
+                "variant": name,
+                "n": n,
+                "collective_bytes": collective_bytes(compiled[name]),
+                "temp_bytes": memory_figures(compiled[name])["temp"],
+                "compile_s": statistics.median(compile_s[name]),
+                "step_ratio": step_ratio,
+            }
         )
-        compiled, compile_s = _timed_compile(_eqpar_step(block, mesh), block, x_sharded)
-        rows.append(_row(name, n, compiled, compile_s, (block, x_sharded)))
-
-    block = TPMLPBlock(D_MODEL, D_HIDDEN, key=jax.random.key(0))
-    layout = (P("model", None), P("model"), P(None, "model"), P("model"))
-    params = tuple(
-        jax.device_put(p, NamedSharding(mesh, s)) for p, s in zip(_params(block), layout)
-    )
-    compiled, compile_s = _timed_compile(_hand_written_step(mesh), params, x_sharded)
-    rows.append(_row("(a) shard_map by hand", n, compiled, compile_s, (params, x_sharded)))
-    compiled, compile_s = _timed_compile(_compiler_step(), params, x_sharded)
-    rows.append(_row("(b) jit + NamedSharding", n, compiled, compile_s, (params, x_sharded)))
     return rows
-
-
-def _row(name, n, compiled, compile_s, args) -> dict:
-    return {
-        "variant": name,
-        "n": n,
-        "collective_bytes": collective_bytes(compiled.as_text()),
-        "temp_bytes": memory_figures(compiled)["temp"],
-        "compile_s": compile_s,
-        "step_s": median_seconds(compiled, *args, repeats=REPEATS),
-    }
 
 
 def _ratio(value: float, base: float) -> str:
@@ -138,29 +176,44 @@ def _ratio(value: float, base: float) -> str:
 
 def table(rows: list[dict]) -> str:
     header = (
-        "| n | variant | collective KiB/device | ratio | temp KiB | ratio | compile s | ratio "
-        "| step ms | ratio |\n|---|---|---|---|---|---|---|---|---|---|"
+        "| n | variant | collective KiB/device | ratio | temp KiB | ratio | compile ratio "
+        "| step ratio |\n|---|---|---|---|---|---|---|---|"
     )
     lines = [header]
     for n in sorted({r["n"] for r in rows}):
         group = [r for r in rows if r["n"] == n]
-        base = next(r for r in group if r["variant"].startswith("(a)"))
+        base = next(r for r in group if r["variant"] == BASELINE)
         for r in group:
             lines.append(
                 f"| {n} | {r['variant']} | {r['collective_bytes'] / 1024:.0f} | "
                 f"{_ratio(r['collective_bytes'], base['collective_bytes'])} | "
                 f"{r['temp_bytes'] / 1024:.0f} | {_ratio(r['temp_bytes'], base['temp_bytes'])} | "
-                f"{r['compile_s']:.2f} | {_ratio(r['compile_s'], base['compile_s'])} | "
-                f"{r['step_s'] * 1e3:.1f} | {_ratio(r['step_s'], base['step_s'])} |"
+                f"{_ratio(r['compile_s'], base['compile_s'])} | {r['step_ratio']:.2f} |"
             )
-    ring = {r["n"]: r["compile_s"] for r in rows if r["variant"] == "eqpar TPAsyncDense"}
+
+    def summary(name: str) -> str:
+        parts = []
+        for n in sorted({r["n"] for r in rows}):
+            ring = next(r for r in rows if r["n"] == n and r["variant"] == name)
+            base = next(r for r in rows if r["n"] == n and r["variant"] == BASELINE)
+            extra = ring["temp_bytes"] - base["temp_bytes"]
+            parts.append(
+                f"n={n}: temp {_ratio(ring['temp_bytes'], base['temp_bytes'])} "
+                f"({extra:+d} bytes), compile {_ratio(ring['compile_s'], base['compile_s'])}"
+            )
+        return f"{name} / TPDense: " + "; ".join(parts) + "."
+
+    ring = {r["n"]: r["compile_s"] for r in rows if r["variant"] == RING}
     growth = ", ".join(f"n={n}: {ring[n] / ring[min(ring)]:.2f}x" for n in sorted(ring))
     return (
         f"MLP block {D_MODEL} -> {D_HIDDEN} -> {D_MODEL}, {TOKENS} tokens, float32, one "
-        f"value_and_grad step; step time is the median of {REPEATS} runs on simulated CPU "
-        "devices sharing the host's cores (no overlap is visible there; read it as a ratio).\n\n"
+        "value_and_grad step. Ratios are to eqpar TPDense in the same run; compile ratio: "
+        f"medians of {COMPILES} compilations each, taken in turns; step ratio: median of "
+        f"{REPEATS} runs alternating with TPDense, on simulated CPU devices sharing the host's "
+        "cores (no overlap is visible there).\n\n"
         + "\n".join(lines)
-        + f"\n\nTPAsyncDense compile time relative to n={min(ring)}: {growth}.\n"
+        + f"\n\n{summary(RING)}\n\n{summary(RING_BOTH)}\n\n"
+        + f"TPAsyncDense compile time relative to n={min(ring)}: {growth}.\n"
     )
 
 

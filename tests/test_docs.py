@@ -1,11 +1,30 @@
-"""The documentation works: its code runs and the site builds without a warning.
+"""The documentation works: its code runs, its outputs are current, and the site builds.
 
-- Every ```python block of `docs/**/*.md` runs. The blocks of one page run in order in one
-  namespace (a page may build on its earlier blocks), in a fresh Python process with 8 CPU
-  devices and eqpar under the jaxtyping + beartype import hook, as in the rest of the suite. The
-  process runs in its own process group; the test fails if anything it started is still alive
-  when it ends. ```bash blocks are shown, not run; ```py blocks (code of *other* libraries,
-  shown for comparison) are allowed only on the pages listed in `SHOWN_ONLY_PAGES`.
+- Every page's ```python blocks run as a reader would paste them into a fresh Python session:
+  one new interpreter per page (`python -c`, in the repository's root directory), the page's
+  blocks in page order in its `__main__` namespace, and nothing else. The test adds no device
+  count, no `XLA_FLAGS`, no imports and no type-checking hook: it removes every `JAX_*`,
+  `XLA_*` and `EQPAR_*` variable from the environment and sets only `JAX_PLATFORMS=cpu`, so
+  that a machine with an accelerator runs the pages as a laptop does. A page whose code needs
+  several devices therefore sets them itself, visibly, in its first block
+  (`jax.config.update("jax_num_cpu_devices", 8)` right after the imports); one that relies on
+  setup it does not show fails. The blocks are joined into one script in which every block
+  keeps its line numbers in the page, so a traceback points into the Markdown file; the only
+  lines the test adds are on the blocks' opening-fence lines, each printing a marker to
+  stdout, which splits the output into what each block printed. The interpreter runs in its
+  own process group; the test fails if anything it started is still alive when it ends.
+- Outputs on the page cannot go stale: a ```text block that directly follows a ```python block
+  (nothing but blank lines between them) shows what that block prints to stdout, and the test
+  compares it with what the block printed. Trailing whitespace and leading or trailing blank
+  lines are ignored, and `...` in the shown output stands for any text (none, or several
+  lines), for long messages and values that change from run to run (temporary paths). Nothing
+  else is normalised: a block that prints a float rounds it itself to digits that every
+  machine agrees on (`f"{loss:.3f}"`), and only deterministic output is shown. To show a
+  block's output on any page, put the ```text block right under it; when it differs, the
+  failure message gives what the block printed. A ```text block with prose before it is not
+  an output and is not checked.
+- ```bash blocks are shown, not run; ```py blocks (code of *other* libraries, shown for
+  comparison) are allowed only on the pages listed in `SHOWN_ONLY_PAGES`.
 - Every ```python example in the docstring of a public module or name (see
   `tests/test_docstrings.py` for how they are found) and of its classes' public methods (and
   `__call__`) runs, each block on its own, in
@@ -20,7 +39,6 @@ import contextlib
 import dataclasses
 import importlib.util
 import inspect
-import json
 import linecache
 import os
 import re
@@ -48,6 +66,7 @@ class CodeBlock:
     language: str  # the first word of the fence's info string ("" when none)
     line: int  # 1-based line number of the block's first code line in its file
     source: str  # dedented by the fence's own indentation
+    end: int = 0  # 1-based line number of the closing fence (0: not known)
 
 
 def code_blocks(text: str) -> list[CodeBlock]:
@@ -73,31 +92,56 @@ def code_blocks(text: str) -> list[CodeBlock]:
             j += 1
         else:
             raise ValueError(f"line {i + 1}: code fence {fence!r} is never closed")
-        blocks.append(CodeBlock(language, i + 2, "\n".join(body) + "\n"))
+        blocks.append(CodeBlock(language, i + 2, "\n".join(body) + "\n", j + 1))
         i = j + 1
     return blocks
 
 
 # ---------------------------------------------------------------------------------------------
-# The blocks of each page, in a fresh process.
+# The blocks of each page, pasted into a fresh interpreter.
 
-# Runs in the child: configure JAX and the type-checking hook exactly like tests/conftest.py and
-# the pytest options do, then run the page's blocks in one namespace. Each block is compiled
-# with the page's path and its own line numbers, so a traceback points into the Markdown file.
-_PAGE_RUNNER = """
-import json, os, sys
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-import jax
-jax.config.update("jax_num_cpu_devices", 8)
-from jaxtyping import install_import_hook
-install_import_hook(["eqpar"], "beartype.beartype")
-with open(sys.argv[1]) as f:
-    page, blocks = json.load(f)
-namespace = {"__name__": "__main__"}
-for block in blocks:
-    padded = "\\n" * (block["line"] - 1) + block["source"]
-    exec(compile(padded, page, "exec"), namespace)
-"""
+OUTPUT_LANGUAGE = "text"  # a block of this language right under a ```python block: its output
+_MARKER = "\x1e"  # printed (with the block's index) on each opening-fence line of the script
+_MARKED = re.compile(_MARKER + r"(\d+)\n")
+
+
+@dataclasses.dataclass(frozen=True)
+class Example:
+    code: CodeBlock  # a ```python block of the page
+    output: CodeBlock | None  # the ```text block right under it: what it prints, if shown
+
+
+def page_examples(text: str) -> list[Example]:
+    """The ```python blocks of a page in order, each with the output block shown under it."""
+    lines = text.splitlines()
+    blocks = code_blocks(text)
+    examples = []
+    for i, block in enumerate(blocks):
+        if block.language != "python":
+            continue
+        following = blocks[i + 1] if i + 1 < len(blocks) else None
+        shown = (
+            following is not None
+            and following.language == OUTPUT_LANGUAGE
+            and not any(line.strip() for line in lines[block.end : following.line - 2])
+        )
+        examples.append(Example(block, following if shown else None))
+    return examples
+
+
+def page_script(examples: list[Example]) -> str:
+    """The page's ```python blocks as one script, each block at its own lines of the page.
+
+    Each block's opening-fence line prints a marker, so that the output can be split per block
+    (`_MARKED`); every other line outside the blocks is empty.
+    """
+    lines: list[str] = []
+    for index, example in enumerate(examples):
+        fence = example.code.line - 1  # the opening fence's line, 1-based
+        lines += [""] * (fence - 1 - len(lines))
+        lines.append(f'print("\\x1e{index}")')
+        lines += example.code.source.splitlines()
+    return "\n".join(lines) + "\n"
 
 
 def _group_alive(pgid: int) -> bool:
@@ -110,41 +154,87 @@ def _group_alive(pgid: int) -> bool:
     return True
 
 
-def run_page(page: Path, workdir: Path) -> subprocess.CompletedProcess:
-    """Run the ```python blocks of `page` in a new process group; kill the group when done.
+def laptop_environment() -> dict[str, str]:
+    """This process's environment without anything that configures JAX, XLA or eqpar."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_", "EQPAR_"))}
+    env["JAX_PLATFORMS"] = "cpu"  # the CPU even where an accelerator is installed, as on a laptop
+    return env
 
-    The output goes to a file, not a pipe, so that a process the page leaves behind (which
-    would inherit the pipe) cannot keep this call waiting.
+
+@dataclasses.dataclass(frozen=True)
+class PageRun:
+    returncode: int
+    stdout: str  # without the markers
+    stderr: str  # tracebacks and warnings
+    printed: list[str]  # what each ```python block printed, in page order, up to where it stopped
+
+
+def run_page(page: Path, workdir: Path) -> PageRun:
+    """Paste the ```python blocks of `page` into a fresh interpreter; kill its group when done.
+
+    The interpreter runs `exec(compile(<the page's script>, <the page's path>, "exec"))` in its
+    own `__main__`, so a traceback names the page and its line. Its output goes to files, not
+    pipes, so that a process the page leaves behind (which would inherit a pipe) cannot keep
+    this call waiting.
     """
-    blocks = [b for b in code_blocks(page.read_text()) if b.language == "python"]
-    payload = workdir / "blocks.json"
-    payload.write_text(json.dumps([str(page), [dataclasses.asdict(b) for b in blocks]]))
-    log_path = workdir / "output.txt"
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
-    with open(log_path, "w") as log:
+    examples = page_examples(page.read_text())
+    script = workdir / "page_script.py"
+    script.write_text(page_script(examples))
+    program = f"exec(compile(open({str(script)!r}).read(), {str(page)!r}, 'exec'))"
+    stdout_path, stderr_path = workdir / "stdout.txt", workdir / "stderr.txt"
+    with open(stdout_path, "w") as stdout, open(stderr_path, "w") as stderr:
         process = subprocess.Popen(
-            [sys.executable, "-c", _PAGE_RUNNER, str(payload)],
-            cwd=ROOT,
-            env=env,
+            [sys.executable, "-c", program],
+            cwd=ROOT,  # pages that use the repository's examples/ expect to run from a checkout
+            env=laptop_environment(),
             stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
+            stdout=stdout,
+            stderr=stderr,
             start_new_session=True,  # its own process group: everything it starts can be found
         )
         try:
             returncode = process.wait(timeout=PAGE_TIMEOUT_SECONDS)
             timed_out = False
         except subprocess.TimeoutExpired:
-            returncode, timed_out = None, True
+            returncode, timed_out = -1, True
         leftover = _group_alive(process.pid)
         if leftover or timed_out:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
-    output = log_path.read_text()
+    marked, errors = stdout_path.read_text(), stderr_path.read_text()
+    pieces = _MARKED.split(marked)  # [before the first block, index, printed, index, ...]
+    printed = pieces[2::2]
+    output = "".join(pieces[::2])
     name = page.relative_to(ROOT) if page.is_relative_to(ROOT) else page
-    assert not timed_out, f"{name} ran longer than {PAGE_TIMEOUT_SECONDS} s:\n{output}"
-    assert not leftover, f"{name} left processes running (killed now):\n{output}"
-    return subprocess.CompletedProcess(process.args, returncode, output)
+    log = f"{errors}\n--- stdout:\n{output}"
+    assert not timed_out, f"{name} ran longer than {PAGE_TIMEOUT_SECONDS} s:\n{log}"
+    assert not leftover, f"{name} left processes running (killed now):\n{log}"
+    return PageRun(returncode, output, errors, printed)
+
+
+def _normalised(text: str) -> str:
+    return "\n".join(line.rstrip() for line in text.splitlines()).strip("\n")
+
+
+def output_matches(shown: str, printed: str) -> bool:
+    """Whether `printed` is the output `shown` on the page (`...` there stands for any text)."""
+    pattern = ".*?".join(re.escape(part) for part in _normalised(shown).split("..."))
+    return re.fullmatch(pattern, _normalised(printed), re.DOTALL) is not None
+
+
+def stale_outputs(page: Path, run: PageRun) -> list[str]:
+    """A message for every output shown on `page` that its block did not print."""
+    name = page.relative_to(ROOT) if page.is_relative_to(ROOT) else page
+    problems = []
+    for example, printed in zip(page_examples(page.read_text()), run.printed, strict=False):
+        shown = example.output
+        if shown is not None and not output_matches(shown.source, printed):
+            problems.append(
+                f"{name}:{shown.line}: the output shown under the block of line "
+                f"{example.code.line} is not what it prints.\n--- shown:\n{shown.source}"
+                f"--- printed:\n{printed}"
+            )
+    return problems
 
 
 def _has_python(page: Path) -> bool:
@@ -161,11 +251,14 @@ PAGES_WITH_CODE = [p for p in PAGES if _has_python(p)]
     "page", PAGES_WITH_CODE, ids=[str(p.relative_to(DOCS)) for p in PAGES_WITH_CODE]
 )
 def test_page_code_runs(page, tmp_path):
-    result = run_page(page, tmp_path)
-    assert result.returncode == 0, (
-        f"a ```python block of docs/{page.relative_to(DOCS)} failed (the traceback's line "
-        f"numbers are the page's):\n{result.stdout}"
+    run = run_page(page, tmp_path)
+    assert run.returncode == 0, (
+        f"a ```python block of docs/{page.relative_to(DOCS)} failed when pasted into a fresh "
+        f"interpreter (the traceback's line numbers are the page's):\n{run.stderr}"
+        f"\n--- stdout:\n{run.stdout}"
     )
+    problems = stale_outputs(page, run)
+    assert not problems, "\n\n".join(problems)
 
 
 @pytest.mark.parametrize("page", PAGES, ids=[str(p.relative_to(DOCS)) for p in PAGES])
@@ -225,7 +318,8 @@ def test_run_page_reports_the_failing_line_and_kills_leftovers(tmp_path):
     )
     result = run_page(page, tmp_path)
     assert result.returncode != 0
-    assert f'File "{page}", line 8' in result.stdout and "x is one" in result.stdout
+    assert f'File "{page}", line 8' in result.stderr and "x is one" in result.stderr
+    assert "assert x == 2, 'x is one'" in result.stderr  # the page's own line, as source
 
     sleeper = tmp_path / "sleeper.md"
     sleeper.write_text(
@@ -234,6 +328,53 @@ def test_run_page_reports_the_failing_line_and_kills_leftovers(tmp_path):
     )
     with pytest.raises(AssertionError, match="left processes running"):
         run_page(sleeper, tmp_path)
+
+
+def test_run_page_gives_a_page_nothing_it_does_not_show(tmp_path, monkeypatch):
+    # As pasted into a fresh session: no JAX imported, no names defined, nothing configured.
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    monkeypatch.setenv("JAX_NUM_CPU_DEVICES", "8")
+    page = tmp_path / "page.md"
+    page.write_text(
+        "```python\nimport os, sys\n\n"
+        "print(sorted(name for name in globals() if not name.startswith('__')))\n"
+        "print('jax' in sys.modules, 'eqpar' in sys.modules)\n"
+        "print(sorted(k for k in os.environ if k.startswith(('JAX_', 'XLA_', 'EQPAR_'))))\n"
+        "```\n"
+    )
+    result = run_page(page, tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.printed == ["['os', 'sys']\nFalse False\n['JAX_PLATFORMS']\n"]
+
+
+def test_outputs_shown_on_a_page_are_checked(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text(
+        "```python\nx = 6 * 7\nprint(x)\n```\n\n```text\n42\n```\n\n"  # shown: checked
+        "Prose.\n\n```text\nnot an output: prose comes between\n```\n\n"
+        "```python\nprint('a long line', x)\nprint('b')\n```\n"
+        "```text\na long ...\nb\n```\n\n"  # `...` stands for any text
+        "```python\nprint('quiet' if x else 'loud')\n```\n\n```text\nloud\n```\n"  # stale
+        "```python\nprint('not shown')\n```\n"
+    )
+    examples = page_examples(page.read_text())
+    assert [(e.code.line, e.output and e.output.line) for e in examples] == [
+        (2, 7),
+        (17, 21),
+        (26, 30),
+        (33, None),
+    ]
+    result = run_page(page, tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.printed == ["42\n", "a long line 42\nb\n", "quiet\n", "not shown\n"]
+    assert result.stdout == "".join(result.printed)
+    (problem,) = stale_outputs(page, result)
+    assert ":30: the output shown under the block of line 26" in problem
+    assert "--- shown:\nloud\n--- printed:\nquiet\n" in problem
+
+    assert output_matches("a\nb  \n\n", "a\nb\n")  # trailing whitespace is ignored
+    assert output_matches("x = ...", "x = 1\n2\n3") and output_matches("...", "")
+    assert not output_matches("a\nb", "a\n\nb") and not output_matches("a...b", "ab c")
 
 
 # ---------------------------------------------------------------------------------------------

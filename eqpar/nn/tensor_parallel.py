@@ -6,6 +6,8 @@ sharded through `__partition_specs__`. Inside `shard_map` each device sees its o
 the parameters and of the activations, which are sharded on the feature (last) axis.
 """
 
+import dataclasses
+import functools
 from collections.abc import Callable, Hashable, Mapping
 from typing import Any, Literal
 
@@ -353,22 +355,36 @@ class TPAsyncDense(TPDense):
     """[`TPDense`][eqpar.nn.TPDense] computed block by block around a ring.
 
     Same parameters, layout and results as `TPDense` (a checkpoint of one loads into the
-    other). Instead of one all-gather or reduce-scatter, the communication runs as ring steps
-    (`eqpar.collectives`) interleaved with partial matmuls, so the compiler can overlap each
-    transfer with the compute on the block that has already arrived:
+    other). Where it pays, the communication runs as ring steps (`eqpar.collectives.ring_shift`
+    inside a `lax.fori_loop`) next to partial matmuls, so the compiler can overlap each
+    transfer with the compute on a block already at hand. Each step takes the weight block it
+    needs with a dynamic slice of the local weight, one block at a time; the weight is never
+    reordered or copied whole.
 
-    - gather mode: each arriving input block `[..., in/n]` is multiplied by the matching
-      columns of the local weight and accumulated; the gathered input `[..., in]` is never
-      materialised.
     - scatter mode: each step computes the partial product for one destination device and
-      adds it to the running sum passing around the ring.
+      adds it to the running sum passing by, so the full partial product `[..., out]` is
+      never held. The backward pass gathers the output gradient with one all-gather and runs
+      `TPDense`'s two matmuls: the weight gradient needs the whole gathered gradient anyway.
+    - gather mode: without gradients, each step multiplies the input block it holds by the
+      matching columns of the local weight while passing the block on; the gathered input
+      `[..., in]` is never materialised. Under differentiation the weight gradient needs the
+      gathered input, so the forward pass gathers it with one all-gather as `TPDense` does,
+      and the backward pass reduces the input gradient around the ring like scatter mode's
+      forward pass (the full `[..., in]` product is never held).
+
+    Gradients come from a custom VJP: reverse mode (`jax.grad`, `jax.vjp`) only, forward-mode
+    `jax.jvp` does not pass through this layer.
 
     **Arguments:** as `TPDense`, plus
 
-    - `use_bidirectional_gather`: gather over both ring directions
-      (`async_gather_bidirectional`: about half the steps).
-    - `use_bidirectional_scatter`: reduce over both ring directions
-      (`async_scatter_bidirectional`: about half the steps).
+    - `use_bidirectional_gather`: run gather mode's ring over both directions (about half
+      the steps until the last block arrives, two blocks per step).
+    - `use_bidirectional_scatter`: run the running sums over both directions (as
+      `eqpar.collectives.async_scatter_bidirectional`: about half the steps).
+
+    Both default to `False`: in `benchmarks/tensor_parallel.py` the bidirectional rings hold
+    the same memory, compile more slowly and are no faster; what they save is latency on
+    interconnects that carry both directions at once.
 
     ```python
     import jax, jax.numpy as jnp, numpy as np
@@ -423,65 +439,212 @@ class TPAsyncDense(TPDense):
     def _forward(self, x: Array, n: int) -> Array:
         if self.tp_mode == "none" or self.skip_communication or n == 1:
             return super()._forward(x, n)
-        axis = self.model_axis_name
-        d = lax.axis_index(axis)
+        ring = _Ring(self.model_axis_name, n)
         if self.tp_mode == "gather":
-            return self._ring_gather_matmul(x, n, d)
-        # Ring step k adds the output block owned by device (d - 1 - k) % n.
-        rows = self.weight.reshape(n, -1, self.weight.shape[-1])
-        by_step = jnp.take(rows, (d - 1 - jnp.arange(n)) % n, axis=0)
+            return _ring_gather_matmul(x, self.weight, ring, self.use_bidirectional_gather)
+        return _ring_scatter_matmul(x, self.weight, ring, self.use_bidirectional_scatter)
 
-        def partial_for(k: int) -> Array:
-            return self._matmul(x, by_step[k])
 
-        partials = [partial_for(k) for k in range(n)]
-        if self.use_bidirectional_scatter:
-            return collectives.async_scatter_bidirectional(partials, axis)
-        return collectives.async_scatter(partials, axis)
+# --- TPAsyncDense's ring matmuls ------------------------------------------------------------
+#
+# Device `d` of `n` holds `x` (its input block) and `w` (its weight block). Ring step `t`
+# works on the block of one other device, whose index depends on `d`, so the weight block
+# that goes with it is cut out of `w` with `lax.dynamic_slice` where it lies: reordering the
+# weight blocks into ring order would copy the whole weight (and scatter its gradient back).
+# The steps run in a `lax.fori_loop`, so the program does not grow with `n` and each running
+# sum is one loop-carried buffer.
 
-    def _ring_gather_matmul(self, x: Array, n: int, d: Array) -> Array:
-        """`all_gather(x) @ weight.T` without holding the gathered input.
 
-        The ring runs as a `lax.scan`, so only the block in flight and the running sum are
-        live at any step, and the program size does not grow with `n`. Item `i` of the ring
-        holds the input columns of device `(d - i) % n` (`eqpar.collectives.async_gather`);
-        the weight's column blocks are reordered once to match, which also keeps the weight
-        gradient to a single scatter in the backward pass.
+@dataclasses.dataclass(frozen=True)
+class _Ring:
+    """The mesh axis of a ring and its size."""
+
+    axis: Hashable
+    n: int
+
+    def device(self, data: Array) -> Array:
+        """This device's index `d`, tied to `data` by `lax.optimization_barrier`.
+
+        A weight slice whose index depends only on the device depends only on the
+        parameters, and XLA may then cut it at the very start of the program and hold it
+        until the ring runs (for every layer of a model at once). Passed through one barrier
+        with `data`, the index is known to the compiler only once `data` is.
         """
-        axis = self.model_axis_name
-        blocks = self.weight.reshape(self.weight.shape[0], n, -1)
-        by_item = jnp.moveaxis(jnp.take(blocks, (d - jnp.arange(n)) % n, axis=1), 1, 0)
-        total = self._matmul(x, by_item[0])
-        if not self.use_bidirectional_gather:
+        d, _ = lax.optimization_barrier((lax.axis_index(self.axis), data))
+        return d
 
-            def step(
-                carry: tuple[Array, Array], w_block: Array
-            ) -> tuple[tuple[Array, Array], None]:
-                block, total = carry
-                block = collectives.ring_shift(block, axis, up=True)
-                return (block, total + self._matmul(block, w_block)), None
+    def index(self, d: Array, offset: Any) -> Array:
+        """`(d + offset) % n` for `0 <= d < 2n` and `-n <= offset <= n` (int or traced)."""
+        return lax.rem(d + offset + 2 * self.n, self.n)
 
-            (_, total), _ = lax.scan(step, (x, total), by_item[1:])
-            return total
-        # Both directions at once: step t brings item t one way and item n - t the other.
-        forward_steps, backward_steps = n // 2, n - 1 - n // 2
-        forward_w = by_item[1 : backward_steps + 1]
-        backward_w = by_item[n - backward_steps :][::-1]
+    def shift(self, x: Array, up: bool = True) -> Array:
+        return collectives.ring_shift(x, self.axis, up=up)
 
-        def both(
-            carry: tuple[Array, Array, Array], ws: tuple[Array, Array]
-        ) -> tuple[tuple[Array, Array, Array], None]:
-            up, down, total = carry
-            up = collectives.ring_shift(up, axis, up=True)
-            down = collectives.ring_shift(down, axis, up=False)
-            total = total + self._matmul(up, ws[0]) + self._matmul(down, ws[1])
-            return (up, down, total), None
 
-        (up, _, total), _ = lax.scan(both, (x, x, total), (forward_w, backward_w))
-        if forward_steps > backward_steps:  # n even: the farthest item comes one way only
-            up = collectives.ring_shift(up, axis, up=True)
-            total = total + self._matmul(up, by_item[forward_steps])
-        return total
+def _loop(first: int, last: int, body: Callable[[Any, Any], Any], carry: Any) -> Any:
+    """`body(t, carry)` for `t = first .. last` (no loop when the range is empty)."""
+    return lax.fori_loop(first, last + 1, body, carry) if last >= first else carry
+
+
+def _weight_block(w: Array, index: Array, size: int, axis: int) -> Array:
+    return lax.dynamic_slice_in_dim(w, index * size, size, axis=axis)
+
+
+def _dot(x: Array, w: Array) -> Array:
+    return jnp.einsum("...i,oi->...o", x, w)
+
+
+def _ring_gather(x: Array, w: Array, ring: _Ring, bidirectional: bool) -> Array:
+    """`all_gather(x, tiled) @ w.T` as ring steps, without holding the gathered input.
+
+    Walking up the ring, item `t` is the block of device `d - t` (walking down, of `d + t`),
+    which meets that device's weight columns. One way round, each step passes on the block
+    it holds while multiplying it, so every transfer runs next to a matmul.
+    """
+    k = x.shape[-1]
+    d = ring.device(x)
+
+    def product(block: Array, item: Any) -> Array:
+        return _dot(block, _weight_block(w, ring.index(d, -item), k, 1))
+
+    if not bidirectional:
+
+        def step(t: Any, carry: tuple[Array, Array, Array]) -> tuple[Array, Array, Array]:
+            block, acc, _ = carry
+            return ring.shift(block), acc + product(block, t), t
+
+        # The own block is multiplied while the first block travels; the last block arrives
+        # after the loop, whose step count is carried out of it so that the last weight
+        # slice is not cut before the loop has run.
+        acc = product(x, 0)
+        block, acc, t = _loop(1, ring.n - 2, step, (ring.shift(x), acc, jnp.int32(0)))
+        return acc + product(block, t + 1)
+    # Both directions: step t brings the block of d - t one way and of d + t the other (item
+    # -t); for even n the up side has one block more, so its first step runs alone.
+    acc = product(x, 0)
+    up, lead = x, 1 - ring.n % 2
+    if lead:
+        up = ring.shift(up)
+        acc = acc + product(up, 1)
+
+    def both(t: Any, carry: tuple[Array, Array, Array]) -> tuple[Array, Array, Array]:
+        up, down = ring.shift(carry[0]), ring.shift(carry[1], up=False)
+        return up, down, carry[2] + product(up, t + lead) + product(down, -t)
+
+    return _loop(1, (ring.n - 1) // 2, both, (up, x, acc))[2]
+
+
+def _ring_reduce(
+    produce: Callable[[Array], Array], ring: _Ring, d: Array, bidirectional: bool
+) -> Array:
+    """This device's block of a reduce-scatter whose chunk for device `dest` is
+    `produce(dest)` on every device, as running sums passed around the ring.
+
+    Each chunk is computed in the step that adds it, next to the transfer of the running sum
+    it is added to; the chunks of one device are never all held at once. Same chunk order as
+    `eqpar.collectives.async_scatter` (and `async_scatter_bidirectional`). `d` is this
+    device's index (`_Ring.device`).
+    """
+    if not bidirectional or ring.n <= 2:
+        # Step t on device d adds the chunk for device d - 1 - t; after n - 1 shifts up
+        # every sum has arrived at its destination.
+        def step(t: Any, total: Array) -> Array:
+            return ring.shift(total) + produce(ring.index(d, -1 - t))
+
+        return _loop(1, ring.n - 1, step, produce(ring.index(d, -1)))
+    # The sum for d is built from both sides: one running sum collects the devices below d
+    # shifting up (the chunks for d + n//2 .. d + 1 on their way), the other the devices
+    # above d shifting down; for even n the up side has one device more and starts alone.
+    half = (ring.n - 1) // 2
+    up = produce(ring.index(d, ring.n // 2))
+    if ring.n % 2 == 0:
+        up = ring.shift(up) + produce(ring.index(d, half))
+    down = produce(ring.index(d, -half))
+
+    def both(t: Any, carry: tuple[Array, Array]) -> tuple[Array, Array]:
+        up = ring.shift(carry[0]) + produce(ring.index(d, half - t))
+        return up, ring.shift(carry[1], up=False) + produce(ring.index(d, t - half))
+
+    up, down = _loop(1, half - 1, both, (up, down))
+    return ring.shift(up) + ring.shift(down, up=False) + produce(ring.index(d, 0))
+
+
+# In a training step the gathered input (gather mode) and the gathered output gradient
+# (scatter mode) are needed whole for the weight gradient, as in TPDense, so those two
+# all-gathers stay single collectives. The rings are used for the two reduce-scatters, where
+# they also save memory: neither the full partial product `[..., out]` of the scatter
+# forward pass nor the full input gradient `[..., in]` of the gather backward pass is held.
+# Multiplying gathered blocks as they arrive would instead hold a second output-sized buffer
+# for each partial product, where the backend has no fused multiply-accumulate (CPU).
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _ring_gather_matmul(x: Array, w: Array, ring: _Ring, bidirectional: bool) -> Array:
+    """`all_gather(x, tiled) @ w.T` (gather mode); around the ring when not differentiated."""
+    return _ring_gather(x, w, ring, bidirectional)
+
+
+def _ring_gather_matmul_fwd(
+    x: Array, w: Array, ring: _Ring, bidirectional: bool
+) -> tuple[Array, tuple[Array, Array]]:
+    del bidirectional
+    gathered = lax.all_gather(x, ring.axis, axis=x.ndim - 1, tiled=True)
+    return _dot(gathered, w), (gathered, w)
+
+
+def _ring_gather_matmul_bwd(
+    ring: _Ring, bidirectional: bool, residuals: tuple[Array, Array], dy: Array
+) -> tuple[Array, Array]:
+    gathered, w = residuals
+    k = w.shape[1] // ring.n
+    # dx is the reduce-scatter of dy @ w over the input blocks: one chunk per ring step.
+    dx = _ring_reduce(
+        lambda dest: jnp.einsum("...o,oi->...i", dy, _weight_block(w, dest, k, 1)),
+        ring,
+        ring.device(dy),
+        bidirectional,
+    )
+    dw = jnp.einsum("...o,...i->oi", dy, gathered)
+    return dx.astype(gathered.dtype), dw.astype(w.dtype)
+
+
+_ring_gather_matmul.defvjp(_ring_gather_matmul_fwd, _ring_gather_matmul_bwd)
+
+
+def _ring_scatter(x: Array, w: Array, ring: _Ring, bidirectional: bool) -> Array:
+    """`psum_scatter(x @ w.T, tiled)` as ring steps, one destination's chunk per step."""
+    m = w.shape[0] // ring.n
+
+    def produce(dest: Array) -> Array:
+        return _dot(x, _weight_block(w, dest, m, 0))
+
+    return _ring_reduce(produce, ring, ring.device(x), bidirectional)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _ring_scatter_matmul(x: Array, w: Array, ring: _Ring, bidirectional: bool) -> Array:
+    """`psum_scatter(x @ w.T, tiled)` (scatter mode) around the ring."""
+    return _ring_scatter(x, w, ring, bidirectional)
+
+
+def _ring_scatter_matmul_fwd(
+    x: Array, w: Array, ring: _Ring, bidirectional: bool
+) -> tuple[Array, tuple[Array, Array]]:
+    return _ring_scatter(x, w, ring, bidirectional), (x, w)
+
+
+def _ring_scatter_matmul_bwd(
+    ring: _Ring, bidirectional: bool, residuals: tuple[Array, Array], dy: Array
+) -> tuple[Array, Array]:
+    del bidirectional
+    x, w = residuals
+    full = lax.all_gather(dy, ring.axis, axis=dy.ndim - 1, tiled=True)
+    dx = jnp.einsum("...o,oi->...i", full, w)
+    dw = jnp.einsum("...o,...i->oi", full, x)
+    return dx.astype(x.dtype), dw.astype(w.dtype)
+
+
+_ring_scatter_matmul.defvjp(_ring_scatter_matmul_fwd, _ring_scatter_matmul_bwd)
 
 
 def _check_config(name: str, in_features: Any, out_features: Any, tp_mode: Any) -> None:
