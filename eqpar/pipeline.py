@@ -16,19 +16,23 @@ microbatches. The functions here know nothing of Equinox modules beyond "a calla
   so that every stage call gets the rows of the microbatch it is working on.
 """
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, PyTree, Scalar
 
+from . import _program
 from ._typing import AxisName
 from ._vma import cast_varying as _cast_varying
 from ._vma import varying_axes as _varying_axes
-from .schedule import _one_f_one_b_slot
+from .schedule import CircularSchedule, OneFOneBSchedule, PipelineSchedule
 
 # --------------------------------------------------------------------------------------
 # Replication types (shard_map's `check_vma`) across JAX versions.
@@ -368,6 +372,328 @@ def _microbatch_arguments(
 
 
 # --------------------------------------------------------------------------------------
+# The executor: any schedule table, run as one `lax.scan`.
+
+
+class _Carry(NamedTuple):
+    """The loop state of `_run_schedule` (fields a run does not need are `None`)."""
+
+    received: Any  # the activation the previous device sent at the last step
+    received_cotangent: Any  # the cotangent the next device sent at the last step
+    inputs: Any  # stage inputs waiting for their actions: [input slots + 1, ...]
+    cotangents: Any  # cotangents, and the last stage's outputs, waiting: [slots + 1, ...]
+    residuals: Any  # what forwards stored for their backwards: [residual slots + 1, ...]
+    outputs: Any  # forward runs: the last stage's outputs, [M + 1, ...]
+    grads: Any  # gradient of the stage parameters so far
+    loss_grads: Any  # gradient of loss_fn's parameters so far
+    loss: Any  # the loss so far (on the device of the last stage)
+    x_grads: Any  # gradient of the batch so far, [M + 1, ...] (on the first device)
+
+
+class _Work(NamedTuple):
+    """What one step hands to the branch of its action."""
+
+    h: Any  # the stage input of the action's microbatch
+    microbatch: Any  # its index (selects the `Microbatched` rows and the targets)
+    repeat: Any  # which of the device's stages (circular schedules)
+    cotangents: Any  # the cotangent buffer (a backward reads its slot inside its branch)
+    cotangent_slot: Any
+    residuals: Any  # the residual buffer, likewise
+    residual_slot: Any
+    grads: Any
+    loss_grads: Any
+    loss: Any
+
+
+class _Done(NamedTuple):
+    """What a branch returns (zeros where its action makes nothing)."""
+
+    sent_forward: Any  # the stage output, for the device of the next stage
+    sent_back: Any  # the input cotangent, for the device of the previous stage
+    kept_cotangent: Any  # the last stage's output (forward) or its cotangent (backward input)
+    residuals: Any  # what a forward stores for its backward
+    output: Any  # a forward run's last-stage output
+    grads: Any
+    loss_grads: Any
+    loss: Any
+
+
+_STAGE_WEIGHTS = "eqpar_pipeline_stage_weights"
+
+
+def _run_schedule(
+    program: _program.Program,
+    stages: Any,
+    loss_fn: Callable | None,
+    microbatches: Any,
+    target_microbatches: Any,
+    arguments_at: Callable,
+    *,
+    axis_name: AxisName,
+    loss_dtype: Any = None,
+    return_all_grads: bool = False,
+) -> _Carry:
+    """Run `program` (a compiled schedule table) in one `lax.scan` on this device.
+
+    Each step writes what arrived into its buffer slot, runs the branch its action names
+    (`lax.switch`), keeps what the action made for later, and sends activations forward and
+    cotangents back, to exactly the devices that step's actions need (one `lax.switch` over
+    the distinct sets of device pairs, indexed by the step, so every device takes the same
+    branch). With `loss_fn=None` it runs a forward table and collects the last stage's
+    outputs (differentiate through it); otherwise a training table, each backward computed
+    with `jax.vjp` from the residuals its forward stored (`program.num_residual_slots > 0`)
+    or by recomputing the forward (none stored).
+    """
+    training = loss_fn is not None
+    store = program.num_residual_slots > 0
+    num_repeats, num_microbatches = program.num_repeats, len(jax.tree.leaves(microbatches)[0])
+    pipe = frozenset({axis_name})
+    device = lax.axis_index(axis_name)
+    params, static = eqx.partition(stages, eqx.is_inexact_array)
+    # Circular: the other array leaves (integers) are stacked too; slice them per stage.
+    others, static = eqx.partition(static, eqx.is_array) if num_repeats > 1 else (None, static)
+    params = _cast_tree(params, pipe)  # stays outside the loop: any sum over pipe runs once
+    microbatches = _cast_tree(microbatches, pipe)
+    first = _take(microbatches, 0)
+    loss_params, loss_static = eqx.partition(loss_fn, eqx.is_inexact_array)
+    loss_params = _cast_tree(loss_params, pipe)
+    targets = _cast_tree(target_microbatches, pipe)
+
+    def stage_params(p: Any, repeat: Any) -> Any:
+        if num_repeats == 1:
+            return p
+        # Named so that autodiff of a forward run recomputes the slice instead of keeping a
+        # copy of the stage's weights for every step (see `call` below).
+        return jax.tree.map(lambda a: checkpoint_name(a, _STAGE_WEIGHTS), _take(p, repeat))
+
+    def run_stage(p: Any, h: Any, microbatch: Any, repeat: Any) -> Any:
+        call_args, call_kwargs = arguments_at(microbatch)
+        rest = static if others is None else eqx.combine(_take(others, repeat), static)
+        return eqx.combine(p, rest)(h, *call_args, **call_kwargs)
+
+    def stage_vjp(p: Any, h: Any, microbatch: Any, repeat: Any = 0) -> tuple:
+        """`jax.vjp` of the stage in its inexact leaves: `(pullback, output)`. Only the
+        inexact leaves of the activations carry cotangents; integer or boolean leaves (masks,
+        positions) ride along unchanged."""
+        h_diff, h_rest = eqx.partition(h, eqx.is_inexact_array)
+
+        def stage_part(p: Any, hd: Any) -> Any:
+            out = run_stage(p, eqx.combine(hd, h_rest), microbatch, repeat)
+            return eqx.filter(out, eqx.is_inexact_array), out
+
+        _, pullback, out = jax.vjp(stage_part, p, h_diff, has_aux=True)
+        return pullback, out
+
+    layout = _Residuals(stage_vjp, stage_params(params, 0), first) if store else None
+    no_residuals = layout.zeros() if layout else ()
+    zero_h = _zeros_like(first)
+    zero_cotangent = eqx.filter(zero_h, eqx.is_inexact_array)
+    zero_output = zero_h if not training else None
+    scale = jnp.asarray(1.0 / num_microbatches, loss_dtype or jnp.float32)
+
+    def add(total: Any, part: Any, repeat: Any) -> Any:
+        if num_repeats == 1:
+            return _add(total, part)
+        return jax.tree.map(
+            lambda g, d: lax.dynamic_update_index_in_dim(
+                g, lax.dynamic_index_in_dim(g, repeat, keepdims=False) + d, repeat, 0
+            ),
+            total,
+            part,
+        )
+
+    def nothing(w: _Work) -> _Done:
+        return _Done(
+            zero_h, zero_cotangent, zero_cotangent, no_residuals, zero_output,
+            w.grads, w.loss_grads, w.loss,
+        )  # fmt: skip
+
+    def forward(w: _Work) -> _Done:
+        p = stage_params(params, w.repeat)
+        if not (training and store):
+            return nothing(w)._replace(sent_forward=run_stage(p, w.h, w.microbatch, w.repeat))
+        pullback, out = stage_vjp(p, w.h, w.microbatch, w.repeat)
+        assert layout is not None
+        residuals = layout.split(pullback, out, p, w.h)
+        return nothing(w)._replace(sent_forward=out, residuals=residuals)
+
+    def forward_last(w: _Work) -> _Done:
+        if not training:
+            out = run_stage(stage_params(params, w.repeat), w.h, w.microbatch, w.repeat)
+            return nothing(w)._replace(output=out)
+        done = forward(w)  # the output waits in the cotangent buffer for the loss
+        return done._replace(
+            sent_forward=zero_h, kept_cotangent=eqx.filter(done.sent_forward, eqx.is_inexact_array)
+        )
+
+    def pullback_of(w: _Work) -> tuple[Callable, Any, Any]:
+        """The stage's pullback, the replication types of its output (which the cotangent
+        must have) and, when recomputed, the output itself (else `None`)."""
+        p = stage_params(params, w.repeat)
+        if not store:
+            pullback, out = stage_vjp(p, w.h, w.microbatch, w.repeat)
+            return pullback, _axes_tree(eqx.filter(out, eqx.is_inexact_array)), out
+        assert layout is not None
+        pullback, out_axes = layout.join(_take(w.residuals, w.residual_slot), p, w.h)
+        return pullback, out_axes, None
+
+    def backward(w: _Work, *, weights: bool = True, inputs: bool = True) -> _Done:
+        pullback, out_axes, _ = pullback_of(w)
+        cotangent = _cast_tree(_take(w.cotangents, w.cotangent_slot), out_axes)
+        d_params, d_h = pullback(cotangent)
+        done = nothing(w)
+        if weights:
+            done = done._replace(grads=add(w.grads, d_params, w.repeat))
+        return done._replace(sent_back=d_h) if inputs else done
+
+    def backward_last(w: _Work, *, weights: bool = True) -> _Done:
+        pullback, out_axes, out = pullback_of(w)
+        if out is None:  # the forward kept the output's inexact leaves; the others are the
+            # input's (a stage passes integer leaves such as masks through unchanged)
+            out = eqx.combine(_take(w.cotangents, w.cotangent_slot), _integer_leaves(w.h))
+        out_diff, out_rest = eqx.partition(out, eqx.is_inexact_array)
+        target = _take(targets, w.microbatch)
+
+        def loss_of(od: Any, lp: Any) -> Any:
+            return eqx.combine(lp, loss_static)(eqx.combine(od, out_rest), target)
+
+        value, loss_pullback = jax.vjp(loss_of, out_diff, loss_params)
+        d_out, d_loss_params = loss_pullback(_cast_varying(scale, _varying_axes(value)))
+        d_params, d_h = pullback(_cast_tree(d_out, out_axes))
+        done = nothing(w)._replace(
+            sent_back=d_h,
+            loss_grads=_add(w.loss_grads, d_loss_params),
+            loss=w.loss + value * scale,
+        )
+        if weights:
+            return done._replace(grads=add(w.grads, d_params, w.repeat))
+        return done._replace(kept_cotangent=d_out)  # for the weight gradient, later
+
+    by_kind = {
+        _program.IDLE: nothing,
+        _program.FORWARD: forward,
+        _program.FORWARD_LAST: forward_last,
+        _program.BACKWARD: backward,
+        _program.BACKWARD_LAST: backward_last,
+        _program.BACKWARD_INPUT: lambda w: backward(w, weights=False),
+        _program.BACKWARD_INPUT_LAST: lambda w: backward_last(w, weights=False),
+        _program.BACKWARD_WEIGHT: lambda w: backward(w, inputs=False),
+    }
+    # Only the kinds the table uses are traced: one branch each.
+    kinds = np.unique(program.kind)
+    branches = [by_kind[int(k)] for k in kinds]
+    columns = (
+        program.kind, np.searchsorted(kinds, program.kind), program.microbatch, program.repeat,
+        program.input_slot, program.cotangent_slot, program.residual_slot,
+        program.received_input_slot, program.received_cotangent_slot,
+    )  # fmt: skip
+    table = jnp.asarray(np.stack(columns, axis=-1))  # [steps, devices, columns]
+    sends = jnp.asarray(np.stack([program.forward_sends, program.backward_sends], axis=-1))
+
+    def send(tree: Any, pattern: Any, pairs: tuple) -> Any:
+        def shift(pair_set: tuple) -> Callable:
+            if not pair_set:
+                return _zeros_like
+            return lambda t: jax.tree.map(lambda a: lax.ppermute(a, axis_name, pair_set), t)
+
+        if len(pairs) == 1:
+            return shift(pairs[0])(tree)
+        return _switch(pattern, [shift(p) for p in pairs], tree)
+
+    def step(carry: _Carry, t: Array) -> tuple[_Carry, None]:
+        (
+            kind,
+            branch,
+            microbatch,
+            repeat,
+            input_slot,
+            cotangent_slot,
+            residual_slot,
+            got_h,
+            got_cot,
+        ) = table[t, device]
+        inputs = _write(carry.inputs, got_h, carry.received)
+        cotangents = carry.cotangents
+        if training:
+            cotangents = _write(cotangents, got_cot, carry.received_cotangent)
+        fresh = _take(microbatches, microbatch)
+        waiting = _take(inputs, jnp.maximum(input_slot, 0))
+        h = jax.tree.map(lambda f, s: jnp.where(input_slot < 0, f, s), fresh, waiting)
+        work = _Work(
+            h, microbatch, repeat, cotangents, cotangent_slot, carry.residuals, residual_slot,
+            carry.grads, carry.loss_grads, carry.loss,
+        )  # fmt: skip
+        done = _switch(branch, branches, work) if len(branches) > 1 else branches[0](work)
+        is_forward = (kind == _program.FORWARD) | (kind == _program.FORWARD_LAST)
+        keeps_cotangent = (kind == _program.FORWARD_LAST) | (kind == _program.BACKWARD_INPUT_LAST)
+        spare_cotangent = program.num_cotangent_slots
+        if training:
+            cotangents = _write(
+                cotangents, jnp.where(keeps_cotangent, cotangent_slot, spare_cotangent),
+                done.kept_cotangent,
+            )  # fmt: skip
+        residuals = carry.residuals
+        if store:
+            spare = program.num_residual_slots
+            residuals = _write(
+                residuals, jnp.where(is_forward, residual_slot, spare), done.residuals
+            )
+        outputs, x_grads = carry.outputs, carry.x_grads
+        if outputs is not None:
+            row = jnp.where(kind == _program.FORWARD_LAST, microbatch, num_microbatches)
+            outputs = _write(outputs, row, done.output)
+        if x_grads is not None:
+            takes_input = (kind >= _program.BACKWARD) & (kind != _program.BACKWARD_WEIGHT)
+            row = jnp.where(
+                takes_input & (device == 0) & (repeat == 0), microbatch, num_microbatches
+            )
+            x_grads = _write(x_grads, row, done.sent_back)
+        forward_pattern, backward_pattern = sends[t]
+        new = _Carry(
+            send(done.sent_forward, forward_pattern, program.forward_pairs),
+            send(done.sent_back, backward_pattern, program.backward_pairs) if training else None,
+            inputs, cotangents, residuals, outputs,
+            done.grads, done.loss_grads, done.loss, x_grads,
+        )  # fmt: skip
+        return new, None
+
+    def buffer(tree: Any, rows: int) -> Any:
+        return jax.tree.map(lambda z: jnp.zeros((rows, *z.shape), z.dtype), tree)
+
+    init = _Carry(
+        received=zero_h,
+        received_cotangent=zero_cotangent if training else None,
+        inputs=buffer(zero_h, program.num_input_slots + 1),
+        cotangents=buffer(zero_cotangent, program.num_cotangent_slots + 1) if training else None,
+        residuals=buffer(no_residuals, program.num_residual_slots + 1),
+        outputs=None if training else buffer(zero_h, num_microbatches + 1),
+        grads=_cast_tree(_zeros_like(params), _axes_tree(params)) if training else None,
+        loss_grads=_cast_tree(_zeros_like(loss_params), _axes_tree(loss_params))
+        if training
+        else None,
+        loss=_cast_varying(jnp.zeros((), scale.dtype), pipe) if training else None,
+        x_grads=buffer(zero_cotangent, num_microbatches + 1) if return_all_grads else None,
+    )
+    body = step
+    if not training and num_repeats > 1:
+        # Autodiff of the scan would keep each step's slice of the stacked weights; recompute
+        # it from the weights (a loop constant) in the backward pass instead.
+        policy = jax.checkpoint_policies.save_anything_except_these_names(_STAGE_WEIGHTS)
+        body = jax.checkpoint(step, policy=policy)
+    carry, _ = _scan(body, init, _steps(len(program.kind)))
+    return carry
+
+
+def _integer_leaves(tree: Any) -> Any:
+    return eqx.filter(tree, eqx.is_inexact_array, inverse=True)
+
+
+def _write(buffer: Any, row: Any, value: Any) -> Any:
+    """`buffer` with `value` in row `row` (traced)."""
+    return jax.tree.map(lambda b, v: lax.dynamic_update_index_in_dim(b, v, row, 0), buffer, value)
+
+
+# --------------------------------------------------------------------------------------
 # GPipe.
 
 
@@ -508,20 +834,19 @@ def execute_pipeline(
         caller=caller,
     )
     _check_stage_keeps_shape(module, _take(microbatches, 0), *arguments_at(0), caller)
-    device = lax.axis_index(model_axis_name)
-
-    def step(state: Any, t: Array) -> tuple[Any, Any]:
-        entering = _take(microbatches, jnp.minimum(t, num_microbatches - 1))
-        # Device d works on microbatch t - d (out-of-range steps compute discarded values).
-        call_args, call_kwargs = arguments_at(jnp.clip(t - device, 0, num_microbatches - 1))
-        return execute_pipeline_step(
-            module, state, entering, *call_args, model_axis_name=model_axis_name, **call_kwargs
-        )
-
-    init = _zeros_like(_take(microbatches, 0))
-    _, outputs = _scan(step, init, _steps(num_microbatches + num_stages - 1))
-    outputs = jax.tree.map(lambda o: o[num_stages - 1 :], outputs)
+    program = _forward_program(num_stages, num_microbatches, 1)
+    carry = _run_schedule(
+        program, module, None, microbatches, None, arguments_at, axis_name=model_axis_name
+    )
+    outputs = jax.tree.map(lambda o: o[:num_microbatches], carry.outputs)
     return _gather_output(_merge_microbatches(outputs), model_axis_name, broadcast_output)
+
+
+@functools.lru_cache(maxsize=64)
+def _forward_program(num_stages: int, num_microbatches: int, num_repeats: int):
+    """The program of the GPipe (`num_repeats == 1`) or circular forward table."""
+    schedule = CircularSchedule(num_stages, num_microbatches, num_repeats)
+    return _program.compile_schedule(schedule, store_residuals=False)
 
 
 # --------------------------------------------------------------------------------------
@@ -628,39 +953,11 @@ def execute_circular_pipeline(
     first = _take(microbatches, 0)
     _check_stage_keeps_shape(stage_at(0), first, *arguments_at(0), caller)
 
-    period = max(num_microbatches, num_stages)
-    wait = period - num_stages  # steps a finished trip waits before re-entering device 0
-    slots = wait + 1
-    device = lax.axis_index(model_axis_name)
-
-    def step(carry: Any, t: Array) -> tuple[Any, Any]:
-        received, waiting = carry
-        waiting = _put(waiting, t % slots, received, True)
-        delayed = _take(waiting, (t - wait) % slots)
-        k = t - device
-        repeat = jnp.clip(k // period, 0, num_repeats - 1)
-        microbatch = jnp.clip(k % period, 0, num_microbatches - 1)
-        fresh = _take(microbatches, microbatch)
-        first_trip = k // period == 0
-        stage_input = jax.tree.map(
-            lambda f, d, r: jnp.where(device == 0, jnp.where(first_trip, f, d), r),
-            fresh,
-            delayed,
-            received,
-        )
-        call_args, call_kwargs = arguments_at(microbatch)
-        out = stage_at(repeat)(stage_input, *call_args, **call_kwargs)
-        output = jax.tree.map(
-            lambda o: jnp.where(device == num_stages - 1, o, jnp.zeros_like(o)), out
-        )
-        return (_ring_shift(out, model_axis_name, num_stages, +1), waiting), output
-
-    zeros = _zeros_like(first)
-    waiting = jax.tree.map(lambda z: jnp.zeros((slots, *z.shape), z.dtype), zeros)
-    num_steps = (num_repeats - 1) * period + num_microbatches + num_stages - 1
-    _, outputs = _scan(step, (zeros, waiting), _steps(num_steps))
-    start = (num_repeats - 1) * period + num_stages - 1
-    outputs = jax.tree.map(lambda o: o[start : start + num_microbatches], outputs)
+    program = _forward_program(num_stages, num_microbatches, num_repeats)
+    carry = _run_schedule(
+        program, stages, None, microbatches, None, arguments_at, axis_name=model_axis_name
+    )
+    outputs = jax.tree.map(lambda o: o[:num_microbatches], carry.outputs)
     return _gather_output(_merge_microbatches(outputs), model_axis_name, broadcast_output)
 
 
@@ -768,7 +1065,147 @@ def execute_1f1b(
     """
     caller = "execute_1f1b"
     num_microbatches = _check_microbatches(num_microbatches, caller)
+    schedule = OneFOneBSchedule(_axis_size(model_axis_name, caller), num_microbatches)
+    options = dict(return_all_grads=return_all_grads, recompute=recompute)
+    return _execute_schedule(
+        caller, schedule, module, loss_fn, x, targets, args, kwargs, model_axis_name, **options
+    )
+
+
+def execute_schedule(
+    schedule: PipelineSchedule,
+    stages: Callable,
+    loss_fn: Callable,
+    x: PyTree[Array],
+    targets: PyTree[Array],
+    *args: Any,
+    model_axis_name: AxisName,
+    return_all_grads: bool = False,
+    recompute: bool = False,
+    **kwargs: Any,
+) -> tuple[Float[Scalar, ""], Any]:
+    """A pipelined training step in the order of any training `schedule` (inside
+    `shard_map`): the mean loss over microbatches and its gradients.
+
+    The schedule's table (`eqpar.schedule`) is the program: at every step each device runs
+    the action its cell names: a stage's forward, its backward, or (zero-bubble schedules)
+    the input half or the weight half of its backward, or nothing; stage inputs, cotangents
+    and stored residuals wait in buffers sized to what the table keeps alive at once, and
+    each step sends only what its actions made, to the devices that need it. One
+    `lax.scan` runs the whole table, so a new schedule is a new table, not a new executor.
+    `execute_1f1b` is this function with `OneFOneBSchedule`; `GPipeSchedule` and
+    `CircularSchedule` with `include_backward=True`, and `ZeroBubbleH1Schedule`, run the
+    same way.
+
+    By default a forward keeps what its backward needs (the residuals of `jax.vjp`, without
+    the parameters and the stage input, which are kept anyway), so no stage runs its
+    forward twice; `recompute=True` keeps only the stage input and recomputes the forward
+    in each backward action. The last stage's forward also keeps its output, from which its
+    backward computes the loss (with `recompute=True` its forward waits for its backward).
+
+    **Arguments:**
+
+    - `schedule`: a training schedule (`schedule.has_backward`) whose `num_devices` is the
+      size of the pipeline axis; its `num_microbatches` must divide the batch.
+    - `stages`: this device's stage, a callable pytree `stages(x, *args, **kwargs)` that
+      returns the shapes and dtypes it takes; for a circular schedule of `V` stages per
+      device, those `V` stages stacked on a leading axis, entry `i` being model stage
+      `i * S + d` (as for `execute_circular_pipeline`). Gradients are taken with respect
+      to its inexact array leaves.
+    - `loss_fn`: `loss_fn(outputs, targets) -> scalar` for one microbatch, e.g. a mean over
+      its rows; a callable pytree whose array leaves (say an output head) get gradients with
+      `return_all_grads=True`. It must not use collectives over `model_axis_name`.
+    - `x`: the batch entering the first stage, a pytree with a leading batch axis, the same
+      on every device of the pipeline axis.
+    - `targets`: the matching targets (a pytree with the same leading batch size, or `None`).
+    - `*args`, `**kwargs`: passed to every stage call unchanged, except `Microbatched`
+      values, which are split into microbatches with `x`. They get no gradients.
+    - `model_axis_name`: the pipeline axis.
+    - `return_all_grads`: also return the gradients of `loss_fn`'s array leaves and of `x`.
+    - `recompute`: recompute each stage's forward in its backward actions instead of
+      storing its residuals.
+
+    **Returns:** `(loss, grads)` as for `execute_1f1b` (`grads` stacked like `stages` for a
+    circular schedule); with `return_all_grads=True`, `(loss, (grads, loss_fn_grads,
+    x_grads))`.
+
+    ```python
+    import equinox as eqx, jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import Mesh, PartitionSpec as P
+    from eqpar.pipeline import execute_schedule
+    from eqpar.schedule import ZeroBubbleH1Schedule
+
+    class Stage(eqx.Module):
+        linear: eqx.nn.Linear
+        def __call__(self, h):
+            return jnp.tanh(jax.vmap(self.linear)(h))
+
+    mesh = Mesh(np.array(jax.devices()[:4]), ("pipe",))
+    keys = jax.random.split(jax.random.key(0), 4)
+    stages = eqx.filter_vmap(lambda k: Stage(eqx.nn.Linear(3, 3, key=k)))(keys)
+    params, static = eqx.partition(stages, eqx.is_array)
+    loss_fn = lambda y, t: jnp.mean((y - t) ** 2)
+    schedule = ZeroBubbleH1Schedule(num_stages=4, num_microbatches=4)
+
+    def step(params, x, t):
+        stage = eqx.combine(jax.tree.map(lambda a: a[0], params), static)
+        loss, grads = execute_schedule(schedule, stage, loss_fn, x, t, model_axis_name="pipe")
+        return loss, jax.tree.map(lambda g: g[None], grads)
+
+    f = jax.jit(jax.shard_map(
+        step, mesh=mesh, in_specs=(P("pipe"), P(), P()), out_specs=(P(), P("pipe"))
+    ))
+    x, t = jnp.ones((8, 3)), jnp.zeros((8, 3))
+    loss, grads = f(params, x, t)
+
+    def serial_loss(params):
+        h = x
+        for i in range(4):
+            h = eqx.combine(jax.tree.map(lambda a: a[i], params), static)(h)
+        return loss_fn(h, t)
+
+    assert jnp.allclose(loss, serial_loss(params), rtol=1e-5)
+    expected = jax.grad(serial_loss)(params)
+    assert jnp.allclose(grads.linear.weight, expected.linear.weight, rtol=1e-5, atol=1e-7)
+    ```
+    """
+    options = dict(return_all_grads=return_all_grads, recompute=recompute)
+    return _execute_schedule(
+        "execute_schedule", schedule, stages, loss_fn, x, targets, args, kwargs, model_axis_name,
+        **options,
+    )  # fmt: skip
+
+
+def _execute_schedule(
+    caller: str,
+    schedule: PipelineSchedule,
+    stages: Any,
+    loss_fn: Callable,
+    x: Any,
+    targets: Any,
+    args: tuple,
+    kwargs: dict,
+    model_axis_name: AxisName,
+    *,
+    return_all_grads: bool,
+    recompute: bool,
+) -> tuple[Any, Any]:
+    if not isinstance(schedule, PipelineSchedule) or not schedule.has_backward:
+        raise TypeError(
+            f"{caller}: `schedule` must be a training schedule from `eqpar.schedule` (with "
+            f"backward actions), such as `OneFOneBSchedule(S, M)`, "
+            f"`ZeroBubbleH1Schedule(S, M)` or `GPipeSchedule(S, M, include_backward=True)`; "
+            f"got {schedule!r}. For a forward pass use `execute_pipeline`."
+        )
     num_stages = _axis_size(model_axis_name, caller)
+    if schedule.num_devices != num_stages:
+        raise ValueError(
+            f"{caller}: the schedule is for {schedule.num_devices} devices but the pipeline "
+            f"axis {model_axis_name!r} has {num_stages}. Build the schedule with "
+            f"num_stages={num_stages}."
+        )
+    num_microbatches = schedule.num_microbatches
+    num_repeats = schedule._num_trips()
     batch = _batch_size(x, "x", caller)
     if batch is None:
         raise ValueError(f"{caller}: `x` has no array leaves; pass the batch to pipeline.")
@@ -782,7 +1219,6 @@ def execute_1f1b(
     _check_replicated(targets, "targets", model_axis_name, caller)
     microbatches = _split_microbatches(x, num_microbatches, batch, "x", caller)
     target_microbatches = _split_microbatches(targets, num_microbatches, batch, "targets", caller)
-    pipe = frozenset({model_axis_name})
     arguments_at = _microbatch_arguments(
         args,
         kwargs,
@@ -790,31 +1226,26 @@ def execute_1f1b(
         batch=batch,
         axis_name=model_axis_name,
         caller=caller,
-        cast=pipe,
+        cast=frozenset({model_axis_name}),
     )
-    first = _take(microbatches, 0)
+    if num_repeats > 1 and _stack_size(stages, caller) != num_repeats:
+        raise ValueError(
+            f"{caller}: the schedule runs {num_repeats} stages per device, so `stages` must "
+            f"stack that many on the leading axis of its array leaves; it stacks "
+            f"{_stack_size(stages, caller)}."
+        )
     replicated_axes = (
-        _axes_tree(eqx.filter(module, eqx.is_inexact_array)),
+        _axes_tree(eqx.filter(stages, eqx.is_inexact_array)),
         _axes_tree(eqx.filter(loss_fn, eqx.is_inexact_array)),
     )
-    module = _vary_like_input(module, x, model_axis_name)
+    stages = _vary_like_input(stages, x, model_axis_name)
     loss_fn = _vary_like_input(loss_fn, x, model_axis_name)
-    _check_stage_keeps_shape(module, first, *arguments_at(0), caller)
-
-    params, static = eqx.partition(module, eqx.is_inexact_array)
-    loss_params, loss_static = eqx.partition(loss_fn, eqx.is_inexact_array)
-
-    def run_stage(p: Any, h: Any, call: tuple) -> Any:
-        return eqx.combine(p, static)(h, *call[0], **call[1])
-
-    def run_last(p: Any, h: Any, lp: Any, target: Any, call: tuple) -> Any:
-        return eqx.combine(lp, loss_static)(run_stage(p, h, call), target)
-
+    first = _take(microbatches, 0)
+    stage = stages if num_repeats == 1 else _first_of_stack(stages)
+    _check_stage_keeps_shape(stage, first, *arguments_at(0), caller)
     loss_shape = jax.eval_shape(
-        lambda p, h, lp, t: run_last(p, h, lp, t, arguments_at(0)),
-        params,
+        lambda h, t: loss_fn(stage(h, *arguments_at(0)[0], **arguments_at(0)[1]), t),
         first,
-        loss_params,
         _take(target_microbatches, 0),
     )
     if not isinstance(loss_shape, jax.ShapeDtypeStruct) or loss_shape.shape != ():
@@ -827,180 +1258,41 @@ def execute_1f1b(
             f"{caller}: `loss_fn` must return a floating-point scalar, got {loss_shape.dtype.name}."
         )
 
-    device = lax.axis_index(model_axis_name)
-    is_first = device == 0
-    is_last = device == num_stages - 1
-    # Everything the branches touch varies over the pipeline axis, so that no gradient
-    # inside a branch needs a reduction over that axis (which only some devices would run).
-    params = _cast_tree(params, pipe)
-    loss_params = _cast_tree(loss_params, pipe)
-    microbatches = _cast_tree(microbatches, pipe)
-    target_microbatches = _cast_tree(target_microbatches, pipe)
-    cotangent_scale = jnp.asarray(1.0 / num_microbatches, loss_shape.dtype)
-
-    def stage_vjp(p: Any, h: Any, microbatch: Any) -> tuple:
-        """`jax.vjp` of the stage in its inexact leaves: `(pullback, output)`. Only the
-        inexact leaves of the activations carry cotangents; integer or boolean leaves (masks,
-        positions) ride along unchanged."""
-        h_diff, h_rest = eqx.partition(h, eqx.is_inexact_array)
-
-        def stage_part(p: Any, hd: Any) -> Any:
-            out = run_stage(p, eqx.combine(hd, h_rest), arguments_at(microbatch))
-            return eqx.filter(out, eqx.is_inexact_array), out
-
-        _, pullback, out = jax.vjp(stage_part, p, h_diff, has_aux=True)
-        return pullback, out
-
-    layout = None if recompute else _Residuals(stage_vjp, params, _take(microbatches, 0))
-    no_residuals = layout.zeros() if layout else ()
-
-    def idle(state: _BranchState) -> _BranchOut:
-        return _BranchOut(
-            _zeros_like(state.h),
-            _zeros_like(state.cot),
-            state.grads,
-            state.loss_grads,
-            state.loss,
-            no_residuals,
-        )
-
-    def forward(state: _BranchState) -> _BranchOut:
-        if layout is None:
-            sent, residuals = run_stage(params, state.h, arguments_at(state.microbatch)), ()
-        else:
-            pullback, sent = stage_vjp(params, state.h, state.microbatch)
-            residuals = layout.split(pullback, sent, params, state.h)
-        zero_cot = _zeros_like(state.cot)
-        return _BranchOut(sent, zero_cot, state.grads, state.loss_grads, state.loss, residuals)
-
-    def backward(state: _BranchState) -> _BranchOut:
-        if layout is None:
-            pullback, out = stage_vjp(params, state.h, state.microbatch)
-            output_axes = _axes_tree(eqx.filter(out, eqx.is_inexact_array))
-        else:
-            stored = _take(state.residuals, state.microbatch % num_stages)
-            pullback, output_axes = layout.join(stored, params, state.h)
-        d_params, d_h = pullback(_cast_tree(state.cot, output_axes))
-        grads = _add(state.grads, d_params)
-        zero_h = _zeros_like(state.h)
-        return _BranchOut(zero_h, d_h, grads, state.loss_grads, state.loss, no_residuals)
-
-    def backward_last(state: _BranchState) -> _BranchOut:
-        h_diff, h_rest = eqx.partition(state.h, eqx.is_inexact_array)
-
-        def last_part(p: Any, hd: Any, lp: Any) -> Any:
-            return run_last(
-                p, eqx.combine(hd, h_rest), lp, state.target, arguments_at(state.microbatch)
-            )
-
-        value, pullback = jax.vjp(last_part, params, h_diff, loss_params)
-        scale = _cast_varying(cotangent_scale, _varying_axes(value))
-        d_params, d_h, d_loss_params = pullback(scale)
-        return _BranchOut(
-            _zeros_like(state.h),
-            d_h,
-            _add(state.grads, d_params),
-            _add(state.loss_grads, d_loss_params),
-            state.loss + value * cotangent_scale,
-            no_residuals,
-        )
-
-    branches = [idle, forward, backward, backward_last]
-
-    def step(carry: tuple, t: Array) -> tuple[tuple, None]:
-        received, cotangent, stash, residuals, grads, loss_grads, loss, x_grads = carry
-        fwd, bwd = _one_f_one_b_slot(
-            t, device, num_stages=num_stages, num_microbatches=num_microbatches, xp=jnp
-        )
-        sent, _ = _one_f_one_b_slot(
-            t - 1, device - 1, num_stages=num_stages, num_microbatches=num_microbatches, xp=jnp
-        )
-        # Inputs wait in a ring of S slots (microbatch m in slot m % S) from their arrival
-        # until their backward: the schedule never has more than S in flight on a device.
-        stash = _put(stash, sent % num_stages, received, (sent >= 0) & ~is_first)
-        fresh = _take(microbatches, jnp.clip(fwd, 0, num_microbatches - 1))
-        stash = _put(stash, fwd % num_stages, fresh, (fwd >= 0) & is_first)
-        current = jnp.clip(jnp.where(fwd >= 0, fwd, bwd), 0, num_microbatches - 1)
-        h = _take(stash, current % num_stages)
-        target = _take(target_microbatches, jnp.clip(bwd, 0, num_microbatches - 1))
-        # The last stage's forward is folded into its backward, which recomputes it anyway.
-        branch = jnp.where(
-            bwd >= 0, jnp.where(is_last, 3, 2), jnp.where((fwd >= 0) & ~is_last, 1, 0)
-        )
-        # the whole ring of residuals goes in: only the backward branch reads its slot
-        state = _BranchState(h, cotangent, target, current, grads, loss_grads, loss, residuals)
-        out = _switch(branch, branches, state)
-        sent_forward, sent_back, grads, loss_grads, loss = out[:5]
-        # The residuals of this forward wait in slot m % S, like the inputs, until its backward.
-        # (Other steps write their zeros to a spare slot S: an unconditional write, no select.)
-        slot = jnp.where(branch == 1, fwd % num_stages, num_stages)
-        residuals = jax.tree.map(
-            lambda a, v: lax.dynamic_update_index_in_dim(a, v, slot, 0), residuals, out.residuals
-        )
-        if x_grads is not None:
-            x_grads = _put(
-                x_grads, jnp.clip(bwd, 0, num_microbatches - 1), sent_back, (bwd >= 0) & is_first
-            )
-        # The last device's output and the first device's input cotangent go nowhere.
-        received = _ring_shift(sent_forward, model_axis_name, num_stages, +1, wrap=False)
-        cotangent = _ring_shift(sent_back, model_axis_name, num_stages, -1, wrap=False)
-        return (received, cotangent, stash, residuals, grads, loss_grads, loss, x_grads), None
-
-    zeros = _cast_tree(_zeros_like(first), pipe)
-    stash = jax.tree.map(lambda z: jnp.zeros((num_stages, *z.shape), z.dtype), zeros)
-    x_grads = None
-    if return_all_grads:
-        x_grads = eqx.filter(_zeros_like(microbatches), eqx.is_inexact_array)
-    init = (
-        zeros,
-        eqx.filter(zeros, eqx.is_inexact_array),
-        stash,
-        jax.tree.map(lambda z: jnp.zeros((num_stages + 1, *z.shape), z.dtype), no_residuals),
-        _cast_tree(_zeros_like(params), _axes_tree(params)),
-        _cast_tree(_zeros_like(loss_params), _axes_tree(loss_params)),
-        _cast_varying(jnp.zeros((), loss_shape.dtype), pipe),
-        x_grads,
+    program = _program.compile_schedule(schedule, store_residuals=not recompute)
+    carry = _run_schedule(
+        program,
+        stages,
+        loss_fn,
+        microbatches,
+        target_microbatches,
+        arguments_at,
+        axis_name=model_axis_name,
+        loss_dtype=loss_shape.dtype,
+        return_all_grads=return_all_grads,
     )
-    carry, _ = _scan(step, init, _steps(2 * (num_microbatches + num_stages - 1)))
-    _, _, _, _, grads, loss_grads, loss, x_grads = carry
+    device = lax.axis_index(model_axis_name)
+    is_first, is_last = device == 0, device == num_stages - 1
     # Parameters replicated over the batch's axes were cast to varying before the loop: sum
     # their gradients over those axes once, as autodiff through the replication would.
-    grads = _sum_over_cast_axes(grads, replicated_axes[0], x, model_axis_name)
-    loss_grads = _sum_over_cast_axes(loss_grads, replicated_axes[1], x, model_axis_name)
-    loss = lax.psum(jnp.where(is_last, loss, jnp.zeros_like(loss)), model_axis_name)
+    grads = _sum_over_cast_axes(carry.grads, replicated_axes[0], x, model_axis_name)
+    loss_grads = _sum_over_cast_axes(carry.loss_grads, replicated_axes[1], x, model_axis_name)
+    loss = lax.psum(jnp.where(is_last, carry.loss, jnp.zeros_like(carry.loss)), model_axis_name)
     if not return_all_grads:
         return loss, grads
     loss_grads = jax.tree.map(
         lambda g: lax.psum(jnp.where(is_last, g, jnp.zeros_like(g)), model_axis_name), loss_grads
     )
     x_grads = jax.tree.map(
-        lambda g: lax.psum(jnp.where(is_first, g, jnp.zeros_like(g)), model_axis_name), x_grads
+        lambda g: lax.psum(jnp.where(is_first, g[:num_microbatches], 0), model_axis_name),
+        carry.x_grads,
     )
     return loss, (grads, loss_grads, _merge_microbatches(x_grads))
 
 
-class _BranchState(NamedTuple):
-    """What a 1F1B step hands to its forward / backward / idle branch."""
-
-    h: Any  # the stage input of the microbatch this step works on
-    cot: Any  # the cotangent received from the next stage
-    target: Any  # the targets of the microbatch (used by the last stage)
-    microbatch: Any  # the index of that microbatch (selects its `Microbatched` rows)
-    grads: Any  # running gradient of the stage parameters
-    loss_grads: Any  # running gradient of loss_fn's parameters
-    loss: Any  # running loss
-    residuals: Any  # the ring of stored residuals (the backward reads its microbatch's slot)
-
-
-class _BranchOut(NamedTuple):
-    """What a 1F1B branch returns: what to send each way and the updated running sums."""
-
-    sent_forward: Any  # the stage output, for the next device
-    sent_back: Any  # the input cotangent, for the previous device
-    grads: Any
-    loss_grads: Any
-    loss: Any
-    residuals: Any  # what a forward stores for its backward (zeros from the other branches)
+def _first_of_stack(stages: Any) -> Any:
+    """Entry 0 of stages stacked on their array leaves' leading axis."""
+    arrays, static = eqx.partition(stages, eqx.is_array)
+    return eqx.combine(_take(arrays, 0), static)
 
 
 class _Residuals:
@@ -1079,4 +1371,5 @@ __all__ = [
     "execute_circular_pipeline",
     "execute_pipeline",
     "execute_pipeline_step",
+    "execute_schedule",
 ]

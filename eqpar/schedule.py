@@ -23,7 +23,8 @@ if TYPE_CHECKING:
 else:  # matplotlib is optional: imported only when a chart is drawn
     _Figure = Any
 
-ActionKind = Literal["forward", "backward", "idle"]
+ActionKind = Literal["forward", "backward", "backward_input", "backward_weight", "idle"]
+_BACKWARD_KINDS = ("backward", "backward_input", "backward_weight")
 
 _NO_MICROBATCH = -1
 
@@ -84,7 +85,9 @@ class Action:
 
     **Arguments:**
 
-    - `kind`: `"forward"`, `"backward"` or `"idle"`.
+    - `kind`: `"forward"`, `"backward"` (the gradients of the stage input and of its
+      weights), `"backward_input"` (the input gradient alone), `"backward_weight"` (the
+      weight gradient a `"backward_input"` left for later) or `"idle"`.
     - `microbatch`: the microbatch index (`None` when idle).
     - `stage`: the pipeline stage index in model order (`None` when idle); with a circular
       schedule a device runs several stages.
@@ -102,10 +105,11 @@ class Action:
     stage: int | None = None
 
     def label(self) -> str:
-        """A short text such as `F3` or `B0` (`.` for idle)."""
+        """A short text such as `F3`, `B0` or `W2` (`.` for idle)."""
         if self.kind == "idle":
             return "."
-        return f"{self.kind[0].upper()}{self.microbatch}"
+        letter = "W" if self.kind == "backward_weight" else self.kind[0].upper()
+        return f"{letter}{self.microbatch}"
 
 
 _IDLE = Action("idle")
@@ -189,27 +193,25 @@ class PipelineSchedule:
 
     def max_stored_inputs(self) -> int:
         """The most microbatch stage inputs any device holds at once, counting from a
-        microbatch's forward on that device up to its backward there (forward-only schedules
-        count up to the forward)."""
+        microbatch's forward on that device up to its last backward action there (its weight
+        gradient, where that comes later; forward-only schedules count up to the forward)."""
         most = 0
         for device in range(self.num_devices):
             held: set[tuple[int | None, int | None]] = set()
-            has_backward = any(row[device].kind == "backward" for row in self._table)
-            for row in self._table:
-                a = row[device]
+            actions = [row[device] for row in self._table]
+            last_use = {(a.microbatch, a.stage): a for a in actions if a.kind != "idle"}
+            for a in actions:
                 if a.kind == "forward":
                     held.add((a.microbatch, a.stage))
                     most = max(most, len(held))
-                    if not has_backward:
-                        held.discard((a.microbatch, a.stage))
-                elif a.kind == "backward":
+                if a.kind != "idle" and last_use[(a.microbatch, a.stage)] is a:
                     held.discard((a.microbatch, a.stage))
         return most
 
     @property
     def has_backward(self) -> bool:
         """Whether the table holds backward passes (a training step), not only forwards."""
-        return any(a.kind == "backward" for row in self._table for a in row)
+        return any(a.kind in _BACKWARD_KINDS for row in self._table for a in row)
 
     def stages_on(self, device: int) -> tuple[int, ...]:
         """The pipeline stages (in model order) that `device` runs, smallest first.
@@ -280,7 +282,8 @@ class PipelineSchedule:
 
         One row per device of the pipeline axis (device 0 on top), labelled with the stages
         it runs (`device 0 (stage 0)`; `device 0 (stages 0, 4)` for a circular schedule), one
-        column per step. Forward cells are blue, backward cells orange, in one shade per stage
+        column per step. Forward cells are blue, backward cells orange (weight-gradient cells
+        of a zero-bubble schedule green), in one shade per stage
         of a device when it runs several; idle cells (the bubble) are grey. The number in a
         cell is the microbatch index, as the line under the title says. The legend sits
         outside the axes, below them. Needs matplotlib (`pip install eqpar[plot]`).
@@ -311,11 +314,12 @@ class PipelineSchedule:
             ) from error
 
         s, trips = self.num_stages, self._num_trips()
-        kinds = ["forward", "backward"] if self.has_backward else ["forward"]
+        present = {a.kind for row in self._table for a in row}
+        kinds = [k for k in ("forward", *_BACKWARD_KINDS) if k in present]
         legend_labels = []
         for kind in kinds:
             for trip in range(trips):
-                label = kind
+                label = _KIND_LABELS[kind]
                 if trips > 1:
                     first, last = trip * s, trip * s + s - 1
                     label += f", stage {first}" if s == 1 else f", stages {first}–{last}"
@@ -407,10 +411,19 @@ class PipelineSchedule:
 _IDLE_COLOUR = "#eeeeee"
 _FORWARD_COLOURS = ("#4c72b0", "#a9c4e8", "#2a4d7a", "#6f95cf")
 _BACKWARD_COLOURS = ("#dd8452", "#f4c09c", "#a8552a", "#e8a070")
+_WEIGHT_COLOURS = ("#55a868", "#a6d8b2", "#2f7040", "#7fc28e")
+_KIND_LABELS = {
+    "forward": "forward",
+    "backward": "backward",
+    "backward_input": "backward (input gradient)",
+    "backward_weight": "weight gradient",
+}
 
 
 def _cell_colour(kind: str, trip: int) -> str:
-    palette = _FORWARD_COLOURS if kind == "forward" else _BACKWARD_COLOURS
+    palette = {"forward": _FORWARD_COLOURS, "backward_weight": _WEIGHT_COLOURS}.get(
+        kind, _BACKWARD_COLOURS
+    )
     return palette[trip % len(palette)]
 
 
@@ -570,10 +583,92 @@ class OneFOneBSchedule(PipelineSchedule):
         self._table = tuple(tuple(cell(t, d) for d in range(s)) for t in range(num_steps))
 
 
+class ZeroBubbleH1Schedule(PipelineSchedule):
+    """The ZB-H1 zero-bubble training schedule: 1F1B with each backward split in two.
+
+    A stage's backward is two separate actions: `"backward_input"` (B, the gradient of the
+    stage input, which the previous stage is waiting for) and `"backward_weight"` (W, the
+    gradient of the stage's weights, which nothing waits for). Each device runs, at every
+    step, the first action it can in this order: a W when it already has `S` of them pending;
+    else the next B once its cotangent has arrived; else the next F once its input has
+    arrived, while fewer than `S - d` microbatches are between their F and their B on device
+    `d` (1F1B's limit); else the oldest pending W; else nothing. The Ws so fill the steps in
+    which 1F1B waits. With one step per action and `M >= S` the table takes `3M + S - 1`
+    steps, a bubble of `(S - 1) / (3M + S - 1)`, where 1F1B with its backward split the
+    same way would take `3 (M + S - 1)` (a bubble of `(S - 1) / (M + S - 1)`, as
+    `OneFOneBSchedule` states).
+
+    Memory: device `d` holds the stage inputs and residuals of at most `S - d` microbatches
+    between F and B, as 1F1B does, plus at most `S` whose W is pending (their residuals and
+    output cotangent): `max_stored_inputs()` is the total.
+
+    **Arguments:**
+
+    - `num_stages`: `S`, the size of the pipeline axis.
+    - `num_microbatches`: `M`.
+
+    ```python
+    from eqpar.schedule import OneFOneBSchedule, ZeroBubbleH1Schedule
+    schedule = ZeroBubbleH1Schedule(num_stages=4, num_microbatches=8)
+    assert schedule.num_steps == 3 * 8 + 4 - 1
+    assert schedule.bubble_fraction < OneFOneBSchedule(4, 8).bubble_fraction
+    print(schedule)
+    ```
+    """
+
+    _name = "ZB-H1"
+
+    def __init__(self, num_stages: int, num_microbatches: int):
+        owner = type(self).__name__
+        self.num_stages = _positive_int("num_stages", num_stages, owner)
+        self.num_microbatches = _positive_int("num_microbatches", num_microbatches, owner)
+        self._table = _zero_bubble_h1(self.num_stages, self.num_microbatches)
+
+
+def _zero_bubble_h1(s: int, m_count: int) -> tuple[tuple[Action, ...], ...]:
+    """The ZB-H1 table by the rules of `ZeroBubbleH1Schedule`, one step at a time. A value
+    made at step `t` can be used by a neighbour from step `t + 1` on."""
+    done: dict[tuple[str, int, int], int] = {}  # (kind, microbatch, device) -> step
+
+    def ready(kind: str, m: int, d: int, t: int) -> bool:
+        return done.get((kind, m, d), t) < t
+
+    table: list[tuple[Action, ...]] = []
+    next_f, next_b, next_w = [0] * s, [0] * s, [0] * s
+    while min(next_w) < m_count:
+        t = len(table)
+        row = []
+        for d in range(s):
+            f, b, w = next_f[d], next_b[d], next_w[d]
+            can_b = b < f and ready("F", b, d, t) and (d == s - 1 or ready("B", b, d + 1, t))
+            can_f = f < m_count and f - b < s - d and (d == 0 or ready("F", f, d - 1, t))
+            can_w = w < b and ready("B", w, d, t)
+            if can_w and b - w >= s:
+                kind = "backward_weight"
+            elif can_b:
+                kind = "backward_input"
+            elif can_f:
+                kind = "forward"
+            elif can_w:
+                kind = "backward_weight"
+            else:
+                row.append(_IDLE)
+                continue
+            m = {"forward": f, "backward_input": b, "backward_weight": w}[kind]
+            done[({"forward": "F", "backward_input": "B"}.get(kind, "W"), m, d)] = t
+            next_f[d] += kind == "forward"
+            next_b[d] += kind == "backward_input"
+            next_w[d] += kind == "backward_weight"
+            row.append(Action(kind, microbatch=m, stage=d))
+        table.append(tuple(row))
+    return tuple(table)
+
+
 __all__ = [
     "Action",
     "CircularSchedule",
     "GPipeSchedule",
     "OneFOneBSchedule",
     "PipelineSchedule",
+    "ZeroBubbleH1Schedule",
 ]

@@ -1,0 +1,262 @@
+"""One executor for every schedule table: `execute_schedule` against the serial twin, the
+zero-bubble (ZB-H1) table, and the per-device program compiled from a table."""
+
+import itertools
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from eqpar import _program
+from eqpar.pipeline import Microbatched, execute_schedule
+from eqpar.schedule import (
+    CircularSchedule,
+    GPipeSchedule,
+    OneFOneBSchedule,
+    ZeroBubbleH1Schedule,
+)
+
+FEATURES = 4
+ROWS = 2  # per microbatch
+
+
+class Stage(eqx.Module):
+    linear: eqx.nn.Linear
+
+    def __call__(self, h, keep):
+        return h + jnp.tanh(jax.vmap(self.linear)(h)) * keep[:, None]
+
+
+class Head(eqx.Module):
+    weight: jax.Array
+
+    def __call__(self, h, t):
+        return jnp.mean((h @ self.weight - t) ** 2)
+
+
+# --------------------------------------------------------------------------------------
+# The ZB-H1 table.
+
+
+@pytest.mark.parametrize(("s", "m"), list(itertools.product((1, 2, 3, 4, 8), (1, 2, 3, 4, 8, 16))))
+def test_zero_bubble_h1_table(s, m):
+    schedule = ZeroBubbleH1Schedule(s, m)
+    when = {}
+    for step, row in enumerate(schedule.actions):
+        for device, a in enumerate(row):
+            if a.kind != "idle":
+                assert a.stage == device
+                key = (a.kind, a.microbatch, a.stage)
+                assert key not in when
+                when[key] = step
+    assert len(when) == 3 * s * m  # every microbatch and stage: F, B (input), W
+    for mb, d in itertools.product(range(m), range(s)):
+        f, b, w = (when[(k, mb, d)] for k in ("forward", "backward_input", "backward_weight"))
+        assert f < b < w
+        if d > 0:
+            assert f > when[("forward", mb, d - 1)]
+        if d < s - 1:
+            assert b > when[("backward_input", mb, d + 1)]
+    for d in range(s):  # at most S - d between F and B, at most S waiting for their W
+        steps = range(schedule.num_steps)
+        before_b = max(
+            sum(when[("forward", mb, d)] <= t < when[("backward_input", mb, d)] for mb in range(m))
+            for t in steps
+        )
+        before_w = max(
+            sum(
+                when[("backward_input", mb, d)] <= t < when[("backward_weight", mb, d)]
+                for mb in range(m)
+            )
+            for t in steps
+        )
+        assert before_b <= s - d and before_w <= s
+    if m >= s:
+        assert schedule.num_steps == 3 * m + s - 1
+    if s > 1:
+        assert schedule.bubble_fraction < OneFOneBSchedule(s, m).bubble_fraction
+    assert {a.label()[0] for row in schedule.actions for a in row} <= {"F", "B", "W", "."}
+
+
+def test_zero_bubble_chart_has_a_weight_gradient_legend():
+    fig = ZeroBubbleH1Schedule(2, 3).figure()
+    labels = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert labels == ["forward", "backward (input gradient)", "weight gradient", "idle (bubble)"]
+
+
+# --------------------------------------------------------------------------------------
+# The compiled program.
+
+
+def _sends(program, pairs_of, index_of):
+    return sum(len(pairs_of[i]) for i in index_of)
+
+
+@pytest.mark.parametrize(("s", "m"), [(2, 3), (4, 4), (4, 8)])
+def test_program_sends_only_what_the_table_needs(s, m):
+    """Every microbatch crosses each of the S - 1 stage boundaries once each way; nothing
+    moves in idle steps or round the ring's wrap (GPipe and 1F1B have none)."""
+    forward = _program.compile_schedule(GPipeSchedule(s, m), store_residuals=False)
+    assert _sends(forward, forward.forward_pairs, forward.forward_sends) == m * (s - 1)
+    for schedule in (OneFOneBSchedule(s, m), ZeroBubbleH1Schedule(s, m)):
+        program = _program.compile_schedule(schedule, store_residuals=True)
+        assert _sends(program, program.forward_pairs, program.forward_sends) == m * (s - 1)
+        assert _sends(program, program.backward_pairs, program.backward_sends) == m * (s - 1)
+        assert set().union(*program.forward_pairs) == {(d, d + 1) for d in range(s - 1)}
+        assert set().union(*program.backward_pairs) == {(d + 1, d) for d in range(s - 1)}
+    circular = _program.compile_schedule(CircularSchedule(s, m, 2), store_residuals=False)
+    assert _sends(circular, circular.forward_pairs, circular.forward_sends) == m * (2 * s - 1)
+
+
+@pytest.mark.parametrize("m", [4, 8, 16])
+def test_program_buffers_hold_what_the_table_keeps_alive(m):
+    s = 4
+    one_f_one_b = _program.compile_schedule(OneFOneBSchedule(s, m), store_residuals=True)
+    assert one_f_one_b.num_residual_slots == s  # flat in M
+    assert one_f_one_b.num_input_slots <= s
+    gpipe = _program.compile_schedule(
+        GPipeSchedule(s, m, include_backward=True), store_residuals=True
+    )
+    assert gpipe.num_residual_slots == m
+    forward = _program.compile_schedule(CircularSchedule(s, m, 2), store_residuals=False)
+    assert forward.num_input_slots == max(m, s) - s + 1  # a finished trip waiting for device 0
+    zero_bubble = _program.compile_schedule(ZeroBubbleH1Schedule(s, m), store_residuals=True)
+    assert zero_bubble.num_residual_slots == ZeroBubbleH1Schedule(s, m).max_stored_inputs()
+
+
+# --------------------------------------------------------------------------------------
+# execute_schedule against the serial twin.
+
+
+def _model(num_model_stages, key=0):
+    keys = jax.random.split(jax.random.key(key), num_model_stages + 1)
+    stages = eqx.filter_vmap(lambda k: Stage(eqx.nn.Linear(FEATURES, FEATURES, key=k)))(keys[1:])
+    head = Head(jax.random.normal(keys[0], (FEATURES, FEATURES)) / 2)
+    return stages, head
+
+
+def _batch(m, key=1):
+    k1, k2, k3 = jax.random.split(jax.random.key(key), 3)
+    x = jax.random.normal(k1, (m * ROWS, FEATURES))
+    t = jax.random.normal(k2, (m * ROWS, FEATURES))
+    keep = jax.random.bernoulli(k3, 0.7, (m * ROWS,)).astype(jnp.float32)
+    return x, t, keep
+
+
+def _serial(stages, head, x, t, keep, num_model_stages):
+    params, static = eqx.partition(stages, eqx.is_array)
+    h = x
+    for i in range(num_model_stages):
+        h = eqx.combine(jax.tree.map(lambda a, i=i: a[i], params), static)(h, keep)
+    return head(h, t)
+
+
+def _run(schedule, stages, head, x, t, keep, *, recompute):
+    s, v = schedule.num_devices, schedule._num_trips()
+    # model order [V * S, ...] -> [V, S, ...]: device d holds stages d, d + S, ...
+    params, static = eqx.partition(stages, eqx.is_array)
+    params = jax.tree.map(lambda a: a.reshape(v, s, *a.shape[1:]), params)
+
+    def step(params, head, x, t, keep):
+        local = jax.tree.map(lambda a: a[:, 0], params)
+        if v == 1:
+            local = jax.tree.map(lambda a: a[0], local)
+        loss, (grads, head_grads, x_grads) = execute_schedule(
+            schedule,
+            eqx.combine(local, static),
+            head,
+            x,
+            t,
+            Microbatched(keep),
+            model_axis_name="pipe",
+            return_all_grads=True,
+            recompute=recompute,
+        )
+        grads = eqx.filter(grads, eqx.is_array)
+        grads = jax.tree.map(lambda g: (g if v > 1 else g[None])[:, None], grads)
+        return loss, grads, head_grads, x_grads
+
+    mesh = Mesh(np.array(jax.devices()[:s]), ("pipe",))
+    specs = dict(
+        in_specs=(P(None, "pipe"), P(), P(), P(), P()),
+        out_specs=(P(), P(None, "pipe"), P(), P()),
+    )
+    loss, grads, head_grads, x_grads = jax.jit(jax.shard_map(step, mesh=mesh, **specs))(
+        params, head, x, t, keep
+    )
+    grads = jax.tree.map(lambda g: g.reshape(v * s, *g.shape[2:]), grads)
+    return loss, grads, head_grads, x_grads
+
+
+def _close(actual, expected):
+    for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
+        a, e = np.asarray(a), np.asarray(e)
+        np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-5 * float(np.max(np.abs(e))))
+
+
+CASES = [
+    ("zb-h1", ZeroBubbleH1Schedule(2, 3), False),
+    ("zb-h1", ZeroBubbleH1Schedule(4, 4), False),
+    ("zb-h1", ZeroBubbleH1Schedule(8, 8), False),
+    ("zb-h1 recompute", ZeroBubbleH1Schedule(4, 4), True),
+    ("gpipe", GPipeSchedule(4, 4, include_backward=True), False),
+    ("circular", CircularSchedule(2, 3, 2, include_backward=True), False),
+    ("circular recompute", CircularSchedule(2, 4, 2, include_backward=True), True),
+    ("1f1b", OneFOneBSchedule(4, 6), False),
+]
+
+
+@pytest.mark.parametrize(("name", "schedule", "recompute"), CASES, ids=[c[0] for c in CASES])
+def test_execute_schedule_matches_serial_twin(name, schedule, recompute):
+    del name
+    num_model_stages = schedule.num_devices * schedule._num_trips()
+    stages, head = _model(num_model_stages)
+    x, t, keep = _batch(schedule.num_microbatches)
+
+    def serial(stages, head, x):
+        return _serial(stages, head, x, t, keep, num_model_stages)
+
+    loss_ref, (grads_ref, head_ref, x_ref) = jax.value_and_grad(serial, argnums=(0, 1, 2))(
+        stages, head, x
+    )
+    loss, grads, head_grads, x_grads = _run(schedule, stages, head, x, t, keep, recompute=recompute)
+    _close(loss, loss_ref)
+    _close(grads, eqx.filter(grads_ref, eqx.is_array))
+    _close(head_grads, head_ref)
+    _close(x_grads, x_ref)
+
+
+def test_execute_schedule_sgd_update_matches_serial():
+    """One plain-SGD step through ZB-H1 lands where the serial model's step lands."""
+    schedule = ZeroBubbleH1Schedule(4, 4)
+    stages, head = _model(4, key=5)
+    x, t, keep = _batch(4, key=6)
+    _, grads_ref = jax.value_and_grad(lambda st: _serial(st, head, x, t, keep, 4))(stages)
+    _, grads, _, _ = _run(schedule, stages, head, x, t, keep, recompute=False)
+    params = eqx.filter(stages, eqx.is_array)
+    expected = jax.tree.map(lambda p, g: p - 0.1 * g, params, eqx.filter(grads_ref, eqx.is_array))
+    _close(jax.tree.map(lambda p, g: p - 0.1 * g, params, grads), expected)
+
+
+def test_execute_schedule_errors():
+    stages, head = _model(2)
+    stage = eqx.combine(jax.tree.map(lambda a: a[0], eqx.filter(stages, eqx.is_array)), stages)
+    x, t, keep = _batch(2)
+    mesh = Mesh(np.array(jax.devices()[:2]), ("pipe",))
+
+    def call(schedule):
+        def run(x, t):
+            return execute_schedule(schedule, stage, head, x, t, keep, model_axis_name="pipe")[0]
+
+        jax.shard_map(run, mesh=mesh, in_specs=(P(), P()), out_specs=P())(x, t)
+
+    with pytest.raises(TypeError, match="must be a training schedule"):
+        call(GPipeSchedule(2, 2))
+    with pytest.raises(ValueError, match="is for 4 devices but the pipeline axis 'pipe' has 2"):
+        call(OneFOneBSchedule(4, 2))
+    with pytest.raises(ValueError, match="stack that many"):
+        call(CircularSchedule(2, 2, 2, include_backward=True))
