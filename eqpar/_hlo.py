@@ -10,6 +10,8 @@ Private helpers shared by the tests and `benchmarks/`:
   argument + output + temp - alias (on CPU the reported peak ignores temp);
 - `compile_timed(jitted, *args)`, `median_seconds(fn, *args)` and
   `paired_median_seconds((fn, args), (baseline, args))` for compile and step times;
+- `collective_bytes_by_axes(compiled_or_text, axis_sizes)`: the same bytes per set of mesh axes
+  that each collective's device groups span (`device_groups(line)` reads the groups);
 - `format_bytes(n)`.
 
 The compiled text of an SPMD program is the program of one device, so every shape in it is a
@@ -55,7 +57,7 @@ _ARRAY = re.compile(r"\b(?P<dtype>[a-z]\w*)\[(?P<dims>[\d,]*)\]")
 _CALLEE_SINGLE = re.compile(
     r"\b(?P<attr>body|calls|to_apply|true_computation|false_computation)=%?(?P<name>[^\s,{}()]+)"
 )
-_CALLEE_LIST = re.compile(r"\b(?:branch_computations|calls)=\{(?P<names>[^}]*)\}")
+_CALLEE_LIST = re.compile(r"\b(?P<attr>branch_computations|calls)=\{(?P<names>[^}]*)\}")
 _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(?P<n>\d+)"\}')
 _GROUPS_MESH = re.compile(r"replica_groups=mesh\[(?P<axes>[^\]]*)\]\s*\{(?P<used>[^}]*)\}")
 _GROUPS_LIST = re.compile(r"replica_groups=\{\{(?P<first>[\d,]*)\}")
@@ -78,6 +80,9 @@ class CollectiveOp:
     group_size: int
     bytes_per_device: float
     executions: int = 1
+    # The devices (partition ids) that exchange data: its replica groups, or for a
+    # collective-permute each source-target pair.
+    groups: tuple[tuple[int, ...], ...] = dataclasses.field(default=(), compare=False, repr=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,6 +173,128 @@ def _permute_share(line: str, num_partitions: int) -> float:
     return min(1.0, pairs.group(1).count("{") / num_partitions)
 
 
+_LIST_GROUPS = re.compile(r"replica_groups=\{(?P<groups>(?:\{[\d,]*\},?)*)\}")
+_IOTA_GROUPS = re.compile(
+    r"replica_groups=\[(?P<groups>\d+),(?P<size>\d+)\]<=\[(?P<dims>[\d,]+)\](?:T\((?P<perm>[\d,]+)\))?"
+)
+_MESH_GROUPS = re.compile(
+    r"replica_groups=mesh\[(?P<axes>[^\]]*)\]"
+    r"(?:,\s*device_ids=(?P<ids>\(\[[\d,]+\](?:T\([\d,]+\))?\)|\[[\d,]*\]))?"
+    r"\s*\{(?P<used>[^}]*)\}"
+)
+_IOTA = re.compile(r"\[(?P<dims>[\d,]+)\](?:T\((?P<perm>[\d,]+)\))?")
+
+
+def _ints(text: str) -> list[int]:
+    return [int(i) for i in text.split(",") if i.strip()]
+
+
+def _iota(dims: list[int], perm: list[int] | None) -> Any:
+    """XLA's iota tile assignment: `arange` reshaped to `dims`, transposed by `perm`."""
+    import numpy as np
+
+    ids = np.arange(int(np.prod(dims))).reshape(dims)
+    return ids.transpose(perm) if perm else ids
+
+
+def device_groups(line: str, num_partitions: int) -> tuple[tuple[int, ...], ...]:
+    """The device groups (partition ids) of one collective instruction of a compiled program.
+
+    Reads the forms XLA prints: listed groups `{{0,1},{2,3}}`, iota groups
+    `[2,4]<=[4,2]T(1,0)`, mesh groups `mesh['a'=2,'b'=4], device_ids=(...) {'b'}`, `{}` (all
+    devices in one group), and a collective-permute's `source_target_pairs` (each pair a
+    group). A line it cannot read gives one group of all `num_partitions` devices.
+    """
+    import numpy as np
+
+    pairs = _PAIRS.search(line)
+    if pairs and "collective-permute" in line:
+        return tuple((int(a), int(b)) for a, b in re.findall(r"\{(\d+),(\d+)\}", pairs.group(1)))
+    mesh = _MESH_GROUPS.search(line)
+    if mesh:
+        named = [axis.split("=") for axis in mesh["axes"].split(",") if "=" in axis]
+        names = [name.strip().strip("'\"") for name, _ in named]
+        sizes = [int(size) for _, size in named]
+        ids_text = mesh["ids"]
+        if ids_text is None:
+            ids = np.arange(int(np.prod(sizes)))
+        elif ids_text.startswith("("):
+            iota = _IOTA.search(ids_text)
+            assert iota is not None
+            perm = _ints(iota["perm"]) if iota["perm"] else None
+            ids = _iota(_ints(iota["dims"]), perm)
+        else:
+            ids = np.array(_ints(ids_text[1:-1]))
+        ids = ids.reshape(sizes)
+        used = [name.strip().strip("'\"") for name in mesh["used"].split(",") if name.strip()]
+        used_axes = [names.index(name) for name in used] if used else list(range(len(sizes)))
+        rest = [axis for axis in range(len(sizes)) if axis not in used_axes]
+        size = int(np.prod([sizes[axis] for axis in used_axes]))
+        ids = ids.transpose(rest + used_axes).reshape(-1, size)
+        return tuple(tuple(int(i) for i in row) for row in ids)
+    iota = _IOTA_GROUPS.search(line)
+    if iota:
+        perm = _ints(iota["perm"]) if iota["perm"] else None
+        ids = _iota(_ints(iota["dims"]), perm).reshape(int(iota["groups"]), int(iota["size"]))
+        return tuple(tuple(int(i) for i in row) for row in ids)
+    listed = _LIST_GROUPS.search(line)
+    if listed and listed["groups"]:
+        return tuple(tuple(_ints(group)) for group in re.findall(r"\{([\d,]*)\}", listed["groups"]))
+    return (tuple(range(num_partitions)),)
+
+
+def group_axes(groups: tuple[tuple[int, ...], ...], axis_sizes: dict[str, int]) -> tuple[str, ...]:
+    """The mesh axes along which the devices of `groups` differ, in mesh order.
+
+    Partition id `i` is the device at `numpy.unravel_index(i, sizes)` of a mesh with these
+    axis sizes (JAX assigns a mesh's devices to partitions in its row-major order)."""
+    import numpy as np
+
+    names, sizes = list(axis_sizes), list(axis_sizes.values())
+    varying = np.zeros(len(sizes), bool)
+    for group in groups:
+        if len(group) > 1:
+            coords = np.stack(np.unravel_index(np.array(group), sizes), axis=1)
+            varying |= (coords != coords[0]).any(axis=0)
+    return tuple(name for name, vary in zip(names, varying) if vary)
+
+
+def collective_bytes_by_axes(
+    compiled_or_text: Any, axis_sizes: dict[str, int]
+) -> dict[tuple[str, ...], float]:
+    """Bytes one device receives in one run of the program, per set of mesh axes.
+
+    Each collective counts towards the axes its device groups span (`group_axes`): `("data",)`
+    for a gradient all-reduce over `data`, `("data", "pipe")` for one over both, `()` for
+    groups of one device and for a collective-permute whose devices all send to themselves
+    (both move nothing, so count 0 bytes there). Bytes follow the same ring model as
+    `collective_ops`, with the group size read from the groups themselves; a
+    collective-permute counts its block on the share of devices that receive one.
+
+    **Arguments:**
+
+    - `compiled_or_text`: a compiled program or its `as_text()`.
+    - `axis_sizes`: the mesh's axis names and sizes in mesh order, e.g.
+      `dict(mesh.shape)` of a `jax.sharding.Mesh`.
+
+    **Returns:** `{axes: bytes}` for every set of axes some collective spans.
+    """
+    totals: dict[tuple[str, ...], float] = {}
+    count = 1
+    for size in axis_sizes.values():
+        count *= size
+    for op in collective_ops(compiled_or_text):
+        axes = group_axes(op.groups, axis_sizes)
+        if op.kind == "collective-permute":
+            moving = sum(1 for pair in op.groups if pair[0] != pair[1])
+            received = op.array_bytes * min(1.0, moving / count) if axes else 0.0
+        else:
+            group = max((len(g) for g in op.groups), default=count)
+            received = _received(op.kind, op.array_bytes, group)
+        totals[axes] = totals.get(axes, 0.0) + op.executions * received
+    return totals
+
+
 def _received(kind: str, result: int, group: int) -> float:
     share = (group - 1) / group if group > 0 else 0.0
     if kind == "collective-permute":
@@ -180,10 +307,11 @@ def _received(kind: str, result: int, group: int) -> float:
 
 
 def _parse(text: str):
-    """Computations as {name: (collectives, [(callee, multiplier)], unknown_loops)}, entry name."""
+    """Computations as {name: (collectives, [(callees, multiplier)], unknown_loops)} and the
+    entry's name; `callees` is one name, or a conditional's branches (of which one runs)."""
     partitions = re.search(r"num_partitions=(\d+)", text)
     num_partitions = int(partitions.group(1)) if partitions else 1
-    computations: dict[str, tuple[list[CollectiveOp], list[tuple[str, int]], int]] = {}
+    computations: dict[str, tuple[list[CollectiveOp], list[tuple[tuple[str, ...], int]], int]] = {}
     entry = None
     current = None
     for line in text.splitlines():
@@ -215,7 +343,8 @@ def _parse(text: str):
             received = _received(base, result, group)
             if base == "collective-permute":
                 received *= _permute_share(line, num_partitions)
-            ops.append(CollectiveOp(base, instruction["name"], result, group, received))
+            groups = device_groups(line, num_partitions)
+            ops.append(CollectiveOp(base, instruction["name"], result, group, received, 1, groups))
         multiplier = 1
         if opcode == "while":
             trip = _TRIP_COUNT.search(line)
@@ -224,11 +353,13 @@ def _parse(text: str):
             else:
                 unknown += 1
         for match in _CALLEE_SINGLE.finditer(line):
-            callees.append((match["name"], multiplier if match["attr"] == "body" else 1))
+            callees.append(((match["name"],), multiplier if match["attr"] == "body" else 1))
         for match in _CALLEE_LIST.finditer(line):
-            for name in match["names"].split(","):
-                if name.strip():
-                    callees.append((name.strip().lstrip("%"), 1))
+            names = [n.strip().lstrip("%") for n in match["names"].split(",") if n.strip()]
+            if match["attr"] == "branch_computations":
+                callees.append((tuple(names), 1))
+            else:
+                callees.extend(((name,), 1) for name in names)
         computations[current] = (ops, callees, unknown)
     if entry is None:
         raise ValueError("no ENTRY computation found: pass compiled.as_text() of a program.")
@@ -238,20 +369,27 @@ def _parse(text: str):
 def collective_ops(compiled_or_text: Any) -> list[CollectiveOp]:
     """Every collective of a compiled program (a `Compiled` or its `as_text()`), each with
     `executions` = how often one program run executes it (loop trip counts multiplied in).
-    Both branches of a conditional are counted."""
+    A conditional runs one of its branches, which the program text does not say: its
+    collectives are those of the branch that moves the most bytes (an upper bound). A loop
+    whose steps take different branches (the pipeline executors send only what each step's
+    actions need) is therefore counted as if every step took the busiest one."""
     computations, entry = _parse(_text(compiled_or_text))
-    found: list[CollectiveOp] = []
 
-    def visit(name: str, executions: int, path: tuple[str, ...]) -> None:
+    def visit(name: str, executions: int, path: tuple[str, ...]) -> list[CollectiveOp]:
         if name not in computations or name in path:
-            return
+            return []
         ops, callees, _ = computations[name]
-        found.extend(dataclasses.replace(op, executions=executions) for op in ops)
-        for callee, multiplier in callees:
-            visit(callee, executions * multiplier, (*path, name))
+        found = [dataclasses.replace(op, executions=executions) for op in ops]
+        for names, multiplier in callees:
+            branches = [visit(n, executions * multiplier, (*path, name)) for n in names]
+            found.extend(max(branches, key=_moved))
+        return found
 
-    visit(entry, 1, ())
-    return found
+    return visit(entry, 1, ())
+
+
+def _moved(ops: list[CollectiveOp]) -> float:
+    return float(sum(op.executions * op.bytes_per_device for op in ops))
 
 
 def collective_summary(compiled_or_text: Any) -> CollectiveSummary:

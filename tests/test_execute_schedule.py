@@ -260,3 +260,46 @@ def test_execute_schedule_errors():
         call(OneFOneBSchedule(4, 2))
     with pytest.raises(ValueError, match="stack that many"):
         call(CircularSchedule(2, 2, 2, include_backward=True))
+
+
+# --------------------------------------------------------------------------------------
+# PipelineModule.value_and_grad.
+
+
+@pytest.mark.parametrize(
+    ("schedule", "num_repeats", "remat"),
+    [("zb-h1", 1, "none"), ("gpipe", 2, "none"), ("gpipe", 1, "full"), ("1f1b", 1, "matmuls")],
+)
+def test_pipeline_module_value_and_grad(schedule, num_repeats, remat):
+    from eqpar.nn import PipelineModule
+
+    s, m = 2, 4
+    stages, head = _model(s * num_repeats, key=7)
+    x, t, keep = _batch(m, key=8)
+    module = PipelineModule(
+        stages, num_stages=s, num_microbatches=m, num_repeats=num_repeats, remat=remat
+    )
+    arrays, static = eqx.partition(module, eqx.is_array)
+    specs = jax.tree.map(lambda _: P("pipe") if num_repeats == 1 else P(None, "pipe"), arrays)
+
+    def step(arrays, x, t, keep):
+        model = eqx.combine(arrays, static)
+        loss, grads = model.value_and_grad(head, x, t, Microbatched(keep), schedule=schedule)
+        return loss, eqx.filter(grads, eqx.is_array)
+
+    mesh = Mesh(np.array(jax.devices()[:s]), ("pipe",))
+    fn = jax.shard_map(step, mesh=mesh, in_specs=(specs, P(), P(), P()), out_specs=(P(), specs))
+    loss, grads = jax.jit(fn)(arrays, x, t, keep)
+
+    def serial(arrays):
+        return head(eqx.combine(arrays, static).apply_serially(x, Microbatched(keep)), t)
+
+    loss_ref, grads_ref = jax.value_and_grad(serial)(arrays)
+    _close(loss, loss_ref)
+    _close(grads, grads_ref)
+    assert module.schedule("zb-h1").bubble_fraction < module.schedule("1f1b").bubble_fraction
+    with pytest.raises(ValueError, match="`schedule` must be one of"):
+        jax.jit(jax.shard_map(
+            lambda a, x, t: eqx.combine(a, static).value_and_grad(head, x, t, schedule="zb")[0],
+            mesh=mesh, in_specs=(specs, P(), P()), out_specs=P(),
+        ))(arrays, x, t)  # fmt: skip

@@ -711,7 +711,9 @@ def test_circular_stack_must_be_uniform():
 def test_schedule_kind():
     module = make_module("circular", 2, 3)
     assert module.schedule().bubble_fraction == CircularSchedule(2, 3, 2).bubble_fraction
-    with pytest.raises(ValueError, match=r"`kind` must be 'forward' or '1f1b', got 'zb'"):
+    training = module.schedule("training")
+    assert training.has_backward and training.num_steps == 2 * module.schedule().num_steps
+    with pytest.raises(ValueError, match=r"'1f1b' or 'zb-h1', got 'zb'"):
         module.schedule("zb")
 
 

@@ -32,11 +32,17 @@ from ..pipeline import (
     _batch_size,
     _scan,
     _unwrap_microbatched,
-    execute_1f1b,
     execute_circular_pipeline,
     execute_pipeline,
+    execute_schedule,
 )
-from ..schedule import CircularSchedule, GPipeSchedule, OneFOneBSchedule, PipelineSchedule
+from ..schedule import (
+    CircularSchedule,
+    GPipeSchedule,
+    OneFOneBSchedule,
+    PipelineSchedule,
+    ZeroBubbleH1Schedule,
+)
 
 
 def _leading_sizes(tree: Any) -> dict[str, int | None]:
@@ -425,7 +431,8 @@ class PipelineModule(eqx.Module):
     pipeline mesh axis and `V = num_repeats` the stages each device holds. Every stage must
     return the shape and dtype it takes (keep embeddings and output heads outside, before and
     after the pipeline). Called inside `shard_map` it runs GPipe (`V == 1`) or the circular
-    schedule (`V > 1`), and `value_and_grad_1f1b` gives a training step in the 1F1B order.
+    schedule (`V > 1`); `value_and_grad` gives a whole training step in the order of a
+    training schedule: 1F1B, zero-bubble ZB-H1, or GPipe / circular.
 
     **Storage.** `stages` is always in model order: `[S, ...]` (row `s` is stage `s`) with
     `V == 1`, and `[V, S, ...]` with `V > 1`, which is the model-order stack `[S * V, ...]`
@@ -459,7 +466,7 @@ class PipelineModule(eqx.Module):
       `jax.checkpoint` with that policy around every stage call of `__call__`. For
       `from_layers` the policy applies to each layer inside the stage instead
       (`ScannedLayers.remat`), so a stage of many layers keeps one layer's worth at a time.
-      `value_and_grad_1f1b` applies it per stage and microbatch: `"none"` stores each
+      `value_and_grad` applies it per stage and microbatch: `"none"` stores each
       stage's residuals until its backward step, `"full"` keeps only the stage input and
       recomputes the forward there, `"matmuls"` stores the matmul outputs.
     - `broadcast_output`: return the pipeline's result on every device of the axis instead
@@ -714,16 +721,30 @@ class PipelineModule(eqx.Module):
         return out
 
     def schedule(self, kind: str = "forward") -> PipelineSchedule:
-        """The schedule this module runs: `"forward"` is GPipe or circular (as configured),
-        `"1f1b"` the schedule of `value_and_grad_1f1b`."""
-        if kind == "forward":
-            if self.num_repeats == 1:
-                return GPipeSchedule(self.num_stages, self.num_microbatches)
-            return CircularSchedule(self.num_stages, self.num_microbatches, self.num_repeats)
+        """The schedule this module runs.
+
+        **Arguments:**
+
+        - `kind`: `"forward"`: GPipe, or circular for `num_repeats > 1` (what `__call__`
+          runs); `"training"`: the same with the backward half (what differentiating
+          `__call__`, or `value_and_grad(schedule="gpipe")`, runs); `"1f1b"` and `"zb-h1"`:
+          the schedules of `value_and_grad`.
+
+        **Returns:** a `PipelineSchedule` (a table, its bubble and its picture).
+        """
+        s, m, v = self.num_stages, self.num_microbatches, self.num_repeats
+        if kind in ("forward", "training"):
+            training = kind == "training"
+            if v == 1:
+                return GPipeSchedule(s, m, include_backward=training)
+            return CircularSchedule(s, m, v, include_backward=training)
         if kind == "1f1b":
-            return OneFOneBSchedule(self.num_stages, self.num_microbatches)
+            return OneFOneBSchedule(s, m)
+        if kind == "zb-h1":
+            return ZeroBubbleH1Schedule(s, m)
         raise ValueError(
-            f"PipelineModule.schedule: `kind` must be 'forward' or '1f1b', got {kind!r}."
+            f"PipelineModule.schedule: `kind` must be 'forward', 'training', '1f1b' or "
+            f"'zb-h1', got {kind!r}."
         )
 
     def __partition_specs__(self) -> Mapping[str, PartitionSpec]:
@@ -793,21 +814,32 @@ class PipelineModule(eqx.Module):
             return execute_pipeline(local, x, *args, **options, **kwargs)
         return execute_circular_pipeline(local, x, *args, **options, **kwargs)
 
-    def value_and_grad_1f1b(
+    def value_and_grad(
         self,
         loss_fn: Callable,
         x: PyTree[Array],
         targets: PyTree[Array],
         *args: Any,
+        schedule: str = "1f1b",
         return_all_grads: bool = False,
         **kwargs: Any,
     ) -> tuple[Array, Any]:
-        """Loss and gradients of a training step in the 1F1B order (inside `shard_map`).
+        """Loss and gradients of a pipelined training step (inside `shard_map`), in the
+        order of a training schedule run by `eqpar.pipeline.execute_schedule`.
 
-        Equivalent to differentiating `mean over microbatches of loss_fn(self(x_m), t_m)`
-        but each device holds the activations of at most `num_stages` microbatches (see
-        `eqpar.pipeline.execute_1f1b`; the model's `remat` policy says how much of them).
-        Needs `num_repeats == 1`. The loss is the same on every device of the pipeline axis.
+        Equivalent to differentiating `mean over microbatches of loss_fn(self(x_m), t_m)`.
+        The schedules (`self.schedule(name)` gives each one's table and picture):
+
+        - `"1f1b"`: each device holds the activations of at most `num_stages` microbatches;
+        - `"zb-h1"`: 1F1B with each backward split into its input and weight gradients and
+          the weight gradients moved into 1F1B's idle steps (`ZeroBubbleH1Schedule`);
+        - `"gpipe"`: all forwards, then all backwards (circular when `num_repeats > 1`), as
+          autodiff of `self(x)` runs them, holding all microbatches' residuals.
+
+        The model's `remat` policy says what a forward keeps for its backward: `"none"` its
+        stage's residuals, `"full"` only the stage input (the backward recomputes the
+        forward), `"matmuls"` the matmul outputs of each layer. The loss is the same on every
+        device of the pipeline axis.
 
         Over a data-parallel axis the loss is each shard's own, while the gradients of
         parameters replicated over that axis arrive summed over it (as `jax.grad` inside
@@ -825,6 +857,7 @@ class PipelineModule(eqx.Module):
           pytree, e.g. `(labels, mask)`, and is split into microbatches with `x`.
         - `*args`, `**kwargs`: passed to every stage call; `Microbatched` values are split
           with `x`.
+        - `schedule`: `"1f1b"` (default), `"zb-h1"` or `"gpipe"`.
         - `return_all_grads`: also return the gradients of `loss_fn`'s array leaves and of
           `x`.
 
@@ -832,34 +865,73 @@ class PipelineModule(eqx.Module):
         device's block, `None` for leaves that are not inexact arrays), or
         `(loss, (grads, loss_fn_grads, x_grads))` with `return_all_grads=True`.
         """
-        caller = "PipelineModule.value_and_grad_1f1b"
-        if self.num_repeats != 1:
+        caller = "PipelineModule.value_and_grad"
+        if schedule not in _TRAINING_SCHEDULES:
             raise ValueError(
-                f"{caller}: the 1F1B step runs one stage per device but this module has "
-                f"num_repeats={self.num_repeats}. Use num_repeats=1, or train the circular "
-                f"schedule by differentiating `module(x)`."
+                f"{caller}: `schedule` must be one of {list(_TRAINING_SCHEDULES)}, got "
+                f"{schedule!r}."
+            )
+        if self.num_repeats != 1 and schedule != "gpipe":
+            raise ValueError(
+                f"{caller}: the {schedule!r} schedule runs one stage per device but this "
+                f"module has num_repeats={self.num_repeats}. Use num_repeats=1, or "
+                f"schedule='gpipe' (the circular schedule for num_repeats > 1)."
             )
         # "full" keeps only each stage's input, which is what `recompute` does by itself
         recompute = self.remat == "full"
         local = _StageCall(self._local_stages(caller), "none" if recompute else self.remat)
-        loss, result = execute_1f1b(
+        loss, result = execute_schedule(
+            self.schedule(_TRAINING_SCHEDULES[schedule]),
             local,
             loss_fn,
             x,
             targets,
             *args,
-            num_microbatches=self.num_microbatches,
             model_axis_name=self.axis_name,
             return_all_grads=return_all_grads,
             recompute=recompute,
             **kwargs,
         )
         stage_grads = (result[0] if return_all_grads else result).stage
-        stacked = jax.tree.map(lambda g: jnp.expand_dims(g, 0), stage_grads)
+        # back to this device's block of the stored stack: [1, ...], or [V, 1, ...]
+        axis = 0 if self.num_repeats == 1 else 1
+        stacked = jax.tree.map(lambda g: jnp.expand_dims(g, axis), stage_grads)
         grads = eqx.tree_at(lambda m: m.stages, self, stacked, is_leaf=lambda n: n is None)
         if return_all_grads:
             return loss, (grads, result[1], result[2])
         return loss, grads
+
+    def value_and_grad_1f1b(
+        self,
+        loss_fn: Callable,
+        x: PyTree[Array],
+        targets: PyTree[Array],
+        *args: Any,
+        return_all_grads: bool = False,
+        **kwargs: Any,
+    ) -> tuple[Array, Any]:
+        """`value_and_grad(..., schedule="1f1b")`: a training step in the 1F1B order, each
+        device holding the activations of at most `num_stages` microbatches (see
+        `eqpar.pipeline.execute_1f1b`). Needs `num_repeats == 1`.
+
+        **Arguments:** as for `value_and_grad`, without `schedule`.
+
+        **Returns:** as for `value_and_grad`.
+        """
+        if self.num_repeats != 1:
+            raise ValueError(
+                f"PipelineModule.value_and_grad_1f1b: the 1F1B step runs one stage per device "
+                f"but this module has num_repeats={self.num_repeats}. Use num_repeats=1, or "
+                f"train the circular schedule with value_and_grad(..., schedule='gpipe') or by "
+                f"differentiating `module(x)`."
+            )
+        return self.value_and_grad(
+            loss_fn, x, targets, *args, schedule="1f1b", return_all_grads=return_all_grads, **kwargs
+        )
+
+
+# The training schedules of `PipelineModule.value_and_grad`: name -> `schedule()` kind.
+_TRAINING_SCHEDULES = {"1f1b": "1f1b", "zb-h1": "zb-h1", "gpipe": "training"}
 
 
 def _with_gathered_layers(
