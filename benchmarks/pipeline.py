@@ -2,10 +2,18 @@
 
 For a pipeline axis of S = 4 devices and M microbatches this measures, for one training step
 (loss and gradients of every stage) of GPipe (autodiff through the forward scan), GPipe with
-each stage rematerialised, the circular schedule with 2 stages per device, and 1F1B (storing
-each stage's residuals, and recomputing the forward instead):
+each stage rematerialised, the circular schedule with 2 stages per device, 1F1B (storing
+each stage's residuals, and recomputing the forward instead) and the zero-bubble ZB-H1
+schedule (`PipelineModule.value_and_grad(schedule="zb-h1")`):
 
 - the bubble fraction of the schedule;
+- the bytes one device receives over the pipe axis per step, exactly as the schedule's sends
+  move them (counted from the compiled schedule table: each step sends only what its actions
+  made; autodiff of a forward run sends the cotangents back over the same pairs), against the
+  ideal `2 (S - 1) / S x M x` one microbatch's activation (every microbatch crosses each
+  stage boundary once forward and once backward; the circular schedule's `V S - 1`
+  boundaries include `V - 1` wraps), and as read from the compiled program, where the sends
+  of a step are a conditional over the step's pairs and count as their busiest branch;
 - compile time (lower + compile) and the size of the compiled program text, which must stay
   flat as M grows (the microbatch loop is one `lax.scan`);
 - per-device memory from `compiled.memory_analysis()`: arguments, temporaries and
@@ -33,7 +41,9 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from eqpar import _program
 from eqpar._declare import declared_partition_specs
+from eqpar._hlo import collective_summary
 from eqpar._paths import path_to_str
 from eqpar.nn.pipeline import PipelineModule
 
@@ -88,8 +98,9 @@ def training_step(schedule: str, module: PipelineModule, mesh: Mesh) -> tuple[Ca
 
     def step(arrays, x, t):
         model = eqx.combine(arrays, static)
-        if schedule.startswith("1f1b"):
-            loss, grads = model.value_and_grad_1f1b(mse, x, t)
+        if schedule.startswith(("1f1b", "zb-h1")):
+            kind = "zb-h1" if schedule == "zb-h1" else "1f1b"
+            loss, grads = model.value_and_grad(mse, x, t, schedule=kind)
             return loss, eqx.filter(grads, eqx.is_array)
 
         def loss_fn(arrays):
@@ -142,8 +153,17 @@ def measure(schedule: str, num_microbatches: int, args: argparse.Namespace, mesh
         + memory.temp_size_in_bytes
         - memory.alias_size_in_bytes
     )
-    kind = "1f1b" if schedule.startswith("1f1b") else "forward"
-    bubble = module.schedule(kind).bubble_fraction
+    kind = {"1f1b": "1f1b", "1f1b+recompute": "1f1b", "zb-h1": "zb-h1"}.get(schedule, "forward")
+    table = module.schedule(kind)
+    bubble = table.bubble_fraction
+    block = args.rows * args.features * 4  # one microbatch's activation, float32
+    program = _program.compile_schedule(table, store_residuals=kind != "forward")
+    sends = sum(len(program.forward_pairs[i]) for i in program.forward_sends)
+    sends += sum(len(program.backward_pairs[i]) for i in program.backward_sends)
+    if kind == "forward":  # autodiff sends each cotangent back over the pair it came by
+        sends *= 2
+    boundaries = module.num_stages * module.num_repeats - 1
+    ideal = 2 * boundaries * num_microbatches * block / module.num_stages
     step_seconds = time_call(compiled, arrays, x, t, repeats=args.repeats)
     serial, serial_arrays = serial_step(module)
     serial_seconds = time_call(serial, serial_arrays, x, t, repeats=args.repeats)
@@ -153,6 +173,9 @@ def measure(schedule: str, num_microbatches: int, args: argparse.Namespace, mesh
         "bubble": bubble,
         "compile_s": compile_seconds,
         "hlo_chars": len(compiled.as_text()),
+        "pipe_kib": sends * block / module.num_stages / 1024,
+        "pipe_ideal_kib": ideal / 1024,
+        "pipe_hlo_kib": collective_summary(compiled).bytes.get("collective-permute", 0.0) / 1024,
         "argument_mib": memory.argument_size_in_bytes / MIB,
         "temp_mib": memory.temp_size_in_bytes / MIB,
         "total_mib": total / MIB,
@@ -170,13 +193,16 @@ def as_markdown(results: list[dict], args: argparse.Namespace) -> str:
         f"the same layers run serially on one device, same batch, same process "
         f"(JAX {jax.__version__}, {os.cpu_count()} host cores shared by the simulated devices).",
         "",
-        "| schedule | M | bubble | compile s | compiled chars | argument MiB | temp MiB "
+        "| schedule | M | bubble | pipe KiB (table) | / ideal | pipe KiB (HLO) | compile s "
+        "| compiled chars | argument MiB | temp MiB "
         "| arg+out+temp-alias MiB | same without batch MiB | time / serial |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
         lines.append(
-            f"| {r['schedule']} | {r['M']} | {r['bubble']:.3f} | {r['compile_s']:.2f} "
+            f"| {r['schedule']} | {r['M']} | {r['bubble']:.3f} | {r['pipe_kib']:.0f} "
+            f"| {r['pipe_kib'] / r['pipe_ideal_kib']:.2f} | {r['pipe_hlo_kib']:.0f} "
+            f"| {r['compile_s']:.2f} "
             f"| {r['hlo_chars']} | {r['argument_mib']:.2f} | {r['temp_mib']:.2f} "
             f"| {r['total_mib']:.2f} | {r['model_mib']:.2f} | {r['time_ratio']:.2f} |"
         )
@@ -188,6 +214,13 @@ def as_markdown(results: list[dict], args: argparse.Namespace) -> str:
         if (schedule, lo) in by_key and (schedule, hi) in by_key:
             ratio = by_key[(schedule, hi)]["compile_s"] / by_key[(schedule, lo)]["compile_s"]
             checks.append(f"{schedule} compile time M={hi} / M={lo}: {ratio:.2f}x (target <= 1.5)")
+    for m in sizes:
+        circular, gpipe = by_key.get(("circular", m)), by_key.get(("gpipe", m))
+        if circular and gpipe:
+            checks.append(
+                f"circular temp / gpipe temp at M={m}: "
+                f"{circular['temp_mib'] / gpipe['temp_mib']:.2f}x (target <= 1.1)"
+            )
     mem_lo, mem_hi = 8, 32
     for schedule in args.schedules:
         if (schedule, mem_lo) in by_key and (schedule, mem_hi) in by_key:
@@ -201,7 +234,7 @@ def as_markdown(results: list[dict], args: argparse.Namespace) -> str:
                 f"total without the batch {ratio['model_mib']:.2f}x{target}, "
                 f"total {ratio['total_mib']:.2f}x"
             )
-    for schedule in ("1f1b", "1f1b+recompute"):
+    for schedule in ("1f1b", "1f1b+recompute", "zb-h1"):
         pairs = [(m, by_key.get((schedule, m)), by_key.get(("gpipe", m))) for m in sizes]
         ratios = [f"M={m}: {a['step_s'] / b['step_s']:.2f}x" for m, a, b in pairs if a and b]
         if ratios:
@@ -216,8 +249,8 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument(
         "--schedules",
         nargs="+",
-        default=["gpipe", "gpipe+remat", "circular", "1f1b", "1f1b+recompute"],
-        choices=["gpipe", "gpipe+remat", "circular", "1f1b", "1f1b+recompute"],
+        default=["gpipe", "gpipe+remat", "circular", "1f1b", "1f1b+recompute", "zb-h1"],
+        choices=["gpipe", "gpipe+remat", "circular", "1f1b", "1f1b+recompute", "zb-h1"],
     )
     parser.add_argument("--layers", type=int, default=8, help="divisible by 8")
     parser.add_argument("--features", type=int, default=64)

@@ -41,6 +41,13 @@ BENCHMARKS: list[tuple[str, str, list[str], list[str]]] = [
     ),
     ("distribution", "Distributions (DataParallel, FSDP, ModelParallel)", [], []),
     ("full_model", "Full model: the language model of examples/train_lm.py", [], ["--quick"]),
+    ("precision", "Mixed precision: bfloat16 against float32", [], ["--quick"]),
+    (
+        "context_parallel",
+        "Context parallelism: ring and all-gather attention against sequence length",
+        [],
+        ["--quick"],
+    ),
     (
         "scale",
         "Scale table: the example LM at GPT-2-small and ~1.3B, compiled ahead of time",

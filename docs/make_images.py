@@ -1,5 +1,6 @@
 """Draw the pictures of the tutorials into `docs/images/`: the pipeline schedules of
-`docs/tutorials/pipeline.md` and the parameter layout of `docs/tutorials/distributions.md`.
+`docs/tutorials/pipeline.md` and `docs/tutorials/zero_bubble.md`, and the parameter layout
+of `docs/tutorials/distributions.md`.
 
 Run from anywhere: `python docs/make_images.py`. Needs matplotlib (the `plot` extra).
 """
@@ -16,7 +17,12 @@ jax.config.update("jax_num_cpu_devices", 8)
 import equinox as eqx  # noqa: E402 - after the device count is set
 
 import eqpar  # noqa: E402
-from eqpar.schedule import CircularSchedule, GPipeSchedule, OneFOneBSchedule  # noqa: E402
+from eqpar.schedule import (  # noqa: E402
+    CircularSchedule,
+    GPipeSchedule,
+    OneFOneBSchedule,
+    ZeroBubbleH1Schedule,
+)
 
 IMAGES = Path(__file__).resolve().parent / "images"
 STAGES, MICROBATCHES, REPEATS = 4, 8, 2
@@ -27,6 +33,7 @@ def schedules() -> list[Path]:
     gpipe = GPipeSchedule(STAGES, MICROBATCHES, include_backward=True)
     circular = CircularSchedule(STAGES, MICROBATCHES, REPEATS, include_backward=True)
     one_f_one_b = OneFOneBSchedule(STAGES, MICROBATCHES)
+    zero_bubble = ZeroBubbleH1Schedule(STAGES, MICROBATCHES)
     return [
         gpipe.plot(
             IMAGES / "pipeline_gpipe.png",
@@ -43,6 +50,12 @@ def schedules() -> list[Path]:
             IMAGES / "pipeline_1f1b.png",
             title=f"{one_f_one_b.default_title()}\nup to {one_f_one_b.max_stored_inputs()} "
             "microbatch inputs held per device",
+        ),
+        zero_bubble.plot(
+            IMAGES / "pipeline_zb_h1.png",
+            title=f"{zero_bubble.default_title()}\neach backward split into B (input gradient) "
+            "and W (weight gradient, green); up to "
+            f"{zero_bubble.max_stored_inputs()} microbatches held per device",
         ),
     ]
 

@@ -8,10 +8,12 @@ code imports.
 
 from . import checkpoint as checkpoint
 from . import collectives as collectives
+from . import context as context
 from . import inspect as inspect
 from . import nn as nn
 from . import pipeline as pipeline
 from . import placement as placement
+from . import precision as precision
 from . import ragged as ragged
 from . import schedule as schedule
 from ._paths import leaf_paths as leaf_paths
@@ -36,6 +38,7 @@ from .mesh import DeviceMesh as DeviceMesh
 from .mesh import initialize as initialize
 from .mesh import list_devices as list_devices
 from .plan import ColumnParallel as ColumnParallel
+from .plan import ContextParallel as ContextParallel
 from .plan import FeatureParallel as FeatureParallel
 from .plan import HeadParallel as HeadParallel
 from .plan import Replicated as Replicated
@@ -45,6 +48,7 @@ from .plan import Style as Style
 from .plan import VocabParallel as VocabParallel
 from .plan import parallelize as parallelize
 from .plan import unparallelize as unparallelize
+from .precision import Precision as Precision
 from .spmd import build_sharded as build_sharded
 from .spmd import shard_map as shard_map
 
@@ -54,6 +58,7 @@ __all__ = [
     "DEFAULT_FSDP_MIN_SIZE_BYTES",
     "FSDP",
     "ColumnParallel",
+    "ContextParallel",
     "DataParallel",
     "DeclaresPartitionSpecs",
     "DeviceMesh",
@@ -62,6 +67,7 @@ __all__ = [
     "HeadParallel",
     "LayoutMap",
     "ModelParallel",
+    "Precision",
     "Replicated",
     "RowParallel",
     "SequenceParallel",
@@ -72,6 +78,7 @@ __all__ = [
     "build_sharded",
     "checkpoint",
     "collectives",
+    "context",
     "distribute_input",
     "distribute_model",
     "distribute_opt_state",
@@ -87,6 +94,7 @@ __all__ = [
     "partition_specs",
     "pipeline",
     "placement",
+    "precision",
     "ragged",
     "schedule",
     "set_distribution",

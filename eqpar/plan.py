@@ -24,17 +24,20 @@ from .mesh import DeviceMesh, as_jax_mesh
 from .nn.parallel_layers import (
     _PARALLEL_LAYERS,
     ColumnParallelLinear,
+    ContextParallelAttention,
     FeatureParallelEmbedding,
     HeadParallelAttention,
     RowParallelLinear,
     SequenceParallelDropout,
     VocabParallelEmbedding,
     _check_column_options,
+    _check_context_options,
     to_serial_layer,
 )
 
 __all__ = [
     "ColumnParallel",
+    "ContextParallel",
     "FeatureParallel",
     "HeadParallel",
     "Replicated",
@@ -59,7 +62,8 @@ _PLANNABLE = (
 
 class Style:
     """How one layer is split; the styles are `ColumnParallel`, `RowParallel`,
-    `HeadParallel`, `VocabParallel`, `FeatureParallel`, `SequenceParallel` and `Replicated`.
+    `HeadParallel`, `ContextParallel`, `VocabParallel`, `FeatureParallel`, `SequenceParallel`
+    and `Replicated`.
 
     A style says which layers it accepts, converts one, and names the sizes it splits.
 
@@ -184,6 +188,57 @@ class HeadParallel(Style):
 
 
 @dataclasses.dataclass(frozen=True)
+class ContextParallel(Style):
+    """Split an `eqx.nn.MultiheadAttention`'s sequence over `axis_name` (context
+    parallelism, `ContextParallelAttention`): it takes this device's block of the sequence
+    (`[seq / n, size]`) and gives that block of the output, attending to the whole sequence
+    by ring attention (`strategy="ring"`) or by all-gathering the keys and values
+    (`strategy="all_gather"`, for short sequences). `causal=True` makes it causal over the
+    whole sequence; the layer's `mask` is a per-key padding mask of this device's keys.
+    `layout="balanced"` evens out causal work (store the sequence in
+    `eqpar.context.balance_sequence` order). `head_axis_name` also splits the heads over a
+    tensor-parallel axis.
+
+    The parameters stay whole on every device of the context axis; the rest of a
+    transformer (norms, MLPs, embeddings of this device's tokens) runs on its tokens
+    unchanged, so the author's model runs with its sequence split by `shard_map`'s
+    in_specs (`P("data", "context")` for `[batch, seq]` tokens).
+
+    ```python
+    import equinox as eqx, jax, eqpar
+    from eqpar.nn.parallel_layers import ContextParallelAttention
+    attention = eqx.nn.MultiheadAttention(4, 16, key=jax.random.key(0))
+    plan = {"attention": eqpar.ContextParallel(causal=True)}
+    parallel = eqpar.parallelize({"attention": attention}, plan)
+    assert isinstance(parallel["attention"], ContextParallelAttention)
+    assert type(eqpar.unparallelize(parallel)["attention"]) is eqx.nn.MultiheadAttention
+    ```
+    """
+
+    axis_name: Hashable = "context"
+    causal: bool = False
+    layout: str = "contiguous"
+    strategy: str = "ring"
+    head_axis_name: Hashable | None = None
+    accepts = (eqx.nn.MultiheadAttention,)
+
+    def __post_init__(self) -> None:
+        _check_context_options(
+            "ContextParallel", self.layout, self.strategy, self.axis_name, self.head_axis_name
+        )
+
+    def convert(self, layer: Any) -> Any:
+        return ContextParallelAttention(
+            layer,
+            axis_name=self.axis_name,
+            causal=self.causal,
+            layout=self.layout,
+            strategy=self.strategy,
+            head_axis_name=self.head_axis_name,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
 class VocabParallel(Style):
     """Split an `eqx.nn.Embedding`'s rows over `axis_name` (`VocabParallelEmbedding`).
 
@@ -288,8 +343,8 @@ def _check_plan(plan: object) -> dict[str, Any]:
         if not isinstance(style, Style):
             raise TypeError(
                 f"parallelize: plan[{key!r}] must be a style (ColumnParallel(), RowParallel(), "
-                f"HeadParallel(), VocabParallel(), FeatureParallel(), SequenceParallel(), "
-                f"Replicated()); got "
+                f"HeadParallel(), ContextParallel(), VocabParallel(), FeatureParallel(), "
+                f"SequenceParallel(), Replicated()); got "
                 f"{type(style).__name__}."
             )
     return patterns
@@ -335,8 +390,8 @@ def parallelize(
 
     - `model`: any Equinox model (or pytree of them); arrays may be abstract.
     - `plan`: `{path or regex: style}`; the styles are `ColumnParallel`, `RowParallel`,
-      `HeadParallel`, `VocabParallel`, `FeatureParallel`, `SequenceParallel` (dropout) and
-      `Replicated`.
+      `HeadParallel`, `ContextParallel` (attention over a split sequence), `VocabParallel`,
+      `FeatureParallel`, `SequenceParallel` (dropout) and `Replicated`.
     - `mesh`: optional; when given, the styles' axes must be mesh axes and every size the
       plan splits must divide by its axis size (checked here rather than at trace time).
     - `strict`: a plan key that matches no layer raises (`True`) or warns (`False`).

@@ -17,6 +17,13 @@ attention, hidden units of the MLP, the vocabulary of the embedding and of the o
 
 `model_order` gives the serial form (plain `eqx.nn` layers, the block stack `[L, ...]`),
 which is the same for every layout.
+
+**Precision.** The model is built in float32. Under a bfloat16 policy (`PRECISIONS`,
+`eqpar.Precision`) the trainer casts its parameters to bfloat16 before they enter
+`shard_map`, so the blocks, the pipeline's activations and the collectives run in bfloat16,
+while the layer norms and the attention softmax compute in float32 (Equinox's layers and
+eqpar's converted attention upcast internally) and `Head` takes the log-softmax and the loss
+in float32.
 """
 
 import dataclasses
@@ -32,7 +39,8 @@ import eqpar
 from eqpar.nn import PipelineModule
 
 DATA, PIPE, MODEL = "data", "pipe", "model"
-SCHEDULES = ("gpipe", "circular", "1f1b")
+SCHEDULES = ("gpipe", "circular", "1f1b", "zb-h1")
+PRECISIONS = ("float32", "bfloat16")  # names of `eqpar.Precision` presets
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,7 +145,9 @@ class Head(eqx.Module):
         self, h: Float[Array, "batch seq d_model"], targets: Int[Array, "batch seq"]
     ) -> Float[Array, ""]:
         logits = jax.vmap(jax.vmap(lambda x: self.unembed(self.norm(x))))(h)
-        log_probs = jax.nn.log_softmax(logits, axis=-1)
+        # The softmax and the loss in float32 whatever the compute dtype (a no-op in float32):
+        # bfloat16's 8-bit mantissa would round the log-probabilities of a 64-token vocabulary.
+        log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
         return -jnp.mean(jnp.take_along_axis(log_probs, targets[..., None], axis=-1))
 
 

@@ -303,3 +303,40 @@ def test_pipeline_module_value_and_grad(schedule, num_repeats, remat):
             lambda a, x, t: eqx.combine(a, static).value_and_grad(head, x, t, schedule="zb")[0],
             mesh=mesh, in_specs=(specs, P(), P()), out_specs=P(),
         ))(arrays, x, t)  # fmt: skip
+
+
+def test_zero_bubble_branches_compute_only_their_half():
+    """B keeps the input gradient and W the weight gradients of the same pullback: the
+    compiler drops the rest. A stage of two linear layers: 1F1B's backward is 4 matmuls; ZB's
+    B is 2 and W 3 (the cotangent goes back through the second layer again for the first's
+    weight gradient); forwards 2 each, for the last stage as for the others."""
+
+    class TwoLayers(eqx.Module):
+        up: eqx.nn.Linear
+        down: eqx.nn.Linear
+
+        def __call__(self, h):
+            return h + jax.vmap(self.down)(jnp.tanh(jax.vmap(self.up)(h)))
+
+    keys = jax.random.split(jax.random.key(0), 8)
+    make = lambda k1, k2: TwoLayers(eqx.nn.Linear(8, 8, key=k1), eqx.nn.Linear(8, 8, key=k2))
+    stages = eqx.filter_vmap(make)(keys[:4], keys[4:])
+    params, static = eqx.partition(stages, eqx.is_array)
+    mesh = Mesh(np.array(jax.devices()[:4]), ("pipe",))
+    x, t = jnp.ones((16, 8)), jnp.zeros((16, 8))
+    dots = {}
+    for schedule in (OneFOneBSchedule(4, 8), ZeroBubbleH1Schedule(4, 8)):
+
+        def step(params, x, t, schedule=schedule):
+            stage = eqx.combine(jax.tree.map(lambda a: a[0], params), static)
+            loss_fn = lambda y, t: jnp.mean((y - t) ** 2)
+            loss, grads = execute_schedule(schedule, stage, loss_fn, x, t, model_axis_name="pipe")
+            return loss, jax.tree.map(lambda g: g[None], grads)
+
+        specs = dict(in_specs=(P("pipe"), P(), P()), out_specs=(P(), P("pipe")))
+        fn = jax.jit(jax.shard_map(step, mesh=mesh, **specs))
+        dots[type(schedule).__name__] = fn.lower(params, x, t).compile().as_text().count(" dot(")
+    # forward, last forward, backward, last backward
+    assert dots["OneFOneBSchedule"] == 2 + 2 + 4 + 4
+    # forward, last forward, input gradient, last input gradient, weight gradient
+    assert dots["ZeroBubbleH1Schedule"] == 2 + 2 + 2 + 2 + 3

@@ -4,6 +4,7 @@ from .blocks import TPAttentionBlock as TPAttentionBlock
 from .blocks import TPLayerNorm as TPLayerNorm
 from .blocks import TPMLPBlock as TPMLPBlock
 from .parallel_layers import ColumnParallelLinear as ColumnParallelLinear
+from .parallel_layers import ContextParallelAttention as ContextParallelAttention
 from .parallel_layers import FeatureParallelEmbedding as FeatureParallelEmbedding
 from .parallel_layers import HeadParallelAttention as HeadParallelAttention
 from .parallel_layers import RowParallelLinear as RowParallelLinear
@@ -23,6 +24,7 @@ from .tensor_parallel import scale_init as scale_init
 
 __all__ = [
     "ColumnParallelLinear",
+    "ContextParallelAttention",
     "FeatureParallelEmbedding",
     "HeadParallelAttention",
     "ModelParallelismWrapper",

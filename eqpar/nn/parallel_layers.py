@@ -19,6 +19,7 @@ are split over the axis on the feature dimension, and the block ends with one re
 | `VocabParallelEmbedding` | rows (vocabulary) | token ids | embeddings (one `psum`) |
 | `FeatureParallelEmbedding` | columns (features) | token ids | embeddings (one gather) |
 | `SequenceParallelDropout` | nothing | this device's tokens | its rows of the serial mask |
+| `ContextParallelAttention` | the sequence | this device's tokens | its tokens' output |
 
 Gradients need no help from the user: with `shard_map`'s default `check_vma=True`, JAX
 types a replicated input that meets a split weight as varying, and the transpose of that
@@ -39,9 +40,11 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray, Shaped
 
 from .._vma import cast_varying, varies_over
+from ..context import all_gather_attention, ring_attention
 
 __all__ = [
     "ColumnParallelLinear",
+    "ContextParallelAttention",
     "FeatureParallelEmbedding",
     "HeadParallelAttention",
     "RowParallelLinear",
@@ -385,6 +388,43 @@ class RowParallelLinear(eqx.nn.Linear):
 _ATTENTION_PROJECTIONS = ("query_proj", "key_proj", "value_proj")
 
 
+def _head_split_specs(attention: eqx.nn.MultiheadAttention, axis: Hashable) -> dict[str, P]:
+    """The specs of an attention whose heads are split over `axis`."""
+    specs: dict[str, P] = {}
+    for name in _ATTENTION_PROJECTIONS:
+        specs[f"{name}/weight"] = P(axis, None)
+        if getattr(attention, name).bias is not None:
+            specs[f"{name}/bias"] = P(axis)
+    specs["output_proj/weight"] = P(None, axis)
+    if attention.output_proj.bias is not None:
+        specs["output_proj/bias"] = P()
+    return specs
+
+
+def _local_heads(
+    attention: eqx.nn.MultiheadAttention, axis_name: Hashable, owner: str
+) -> tuple[int, Array]:
+    """This device's number of heads and its first head, heads split over `axis_name`."""
+    n = _axis_size(axis_name, owner)
+    _check_divides(owner, "num_heads", attention.num_heads, n, axis_name)
+    heads = attention.num_heads // n
+    for name, size, inputs in (
+        ("query_proj", attention.qk_size, attention.query_size),
+        ("key_proj", attention.qk_size, attention.key_size),
+        ("value_proj", attention.vo_size, attention.value_size),
+    ):
+        _check_block(
+            owner, f"{name}.weight", getattr(attention, name).weight.shape, (heads * size, inputs)
+        )
+    _check_block(
+        owner,
+        "output_proj.weight",
+        attention.output_proj.weight.shape,
+        (attention.output_size, heads * attention.vo_size),
+    )
+    return heads, lax.axis_index(axis_name) * heads
+
+
 class HeadParallelAttention(eqx.nn.MultiheadAttention):
     """`eqx.nn.MultiheadAttention` with its heads split over a mesh axis.
 
@@ -450,46 +490,14 @@ class HeadParallelAttention(eqx.nn.MultiheadAttention):
         self.sequence_parallel = bool(sequence_parallel)
 
     def __partition_specs__(self) -> Mapping[str, P]:
-        axis = self.axis_name
-        specs: dict[str, P] = {}
-        for name in _ATTENTION_PROJECTIONS:
-            specs[f"{name}/weight"] = P(axis, None)
-            if getattr(self, name).bias is not None:
-                specs[f"{name}/bias"] = P(axis)
-        specs["output_proj/weight"] = P(None, axis)
-        if self.output_proj.bias is not None:
-            specs["output_proj/bias"] = P()
-        return specs
+        return _head_split_specs(self, self.axis_name)
 
     def to_serial(self) -> eqx.nn.MultiheadAttention:
         """The `eqx.nn.MultiheadAttention` with the same parameters."""
         return _rebuilt(self, eqx.nn.MultiheadAttention)
 
     def _local_heads(self, owner: str) -> tuple[int, Array]:
-        n = _axis_size(self.axis_name, owner)
-        _check_divides(owner, "num_heads", self.num_heads, n, self.axis_name)
-        heads = self.num_heads // n
-        for name, size, inputs in (
-            ("query_proj", self.qk_size, self.query_size),
-            ("key_proj", self.qk_size, self.key_size),
-            ("value_proj", self.vo_size, self.value_size),
-        ):
-            _check_block(
-                owner,
-                f"{name}.weight",
-                getattr(self, name).weight.shape,
-                (
-                    heads * size,
-                    inputs,
-                ),
-            )
-        _check_block(
-            owner,
-            "output_proj.weight",
-            self.output_proj.weight.shape,
-            (self.output_size, heads * self.vo_size),
-        )
-        return heads, lax.axis_index(self.axis_name) * heads
+        return _local_heads(self, self.axis_name, owner)
 
     def __call__(
         self,
@@ -916,6 +924,201 @@ class SequenceParallelDropout(eqx.nn.Dropout):
         return jnp.where(mask, x / keep, 0)
 
 
+class ContextParallelAttention(eqx.nn.MultiheadAttention):
+    """`eqx.nn.MultiheadAttention` over a sequence split across a mesh axis (context
+    parallelism), made by `eqpar.ContextParallel`.
+
+    `query`, `key_` and `value` are this device's blocks of the sequence (`[seq / n, size]`,
+    sharded over `axis_name`); the layer projects its own tokens and attends to the whole
+    sequence with `eqpar.context.ring_attention` (`strategy="ring"`: key/value blocks travel
+    the ring, no device holds the whole key/value) or `all_gather_attention`
+    (`strategy="all_gather"`: for short sequences), and returns this device's block of the
+    output, `[seq / n, output_size]`. The parameters stay whole on every device (their
+    gradients are summed over the axis by `shard_map`'s autodiff), unless `head_axis_name`
+    also splits the heads over a second (tensor-parallel) axis, as `HeadParallelAttention`
+    does.
+
+    The mask: a `[seq, seq]` mask cannot be cut into per-device blocks (each device's queries
+    meet every device's keys), so causality is the layer's option (`causal=True`), and
+    `mask` is a per-key padding mask for this device's keys, `[kv_block]` (`False` = padding),
+    which travels with the keys. A 2-D or per-head mask is refused with that advice. With
+    `layout="balanced"` the sequence is stored in the balanced order of
+    `eqpar.context.balance_sequence` (causal work equal on every device). `process_heads` sees
+    this device's tokens: a position-dependent one (rotary embeddings) must use their global
+    positions, `eqpar.context.sequence_positions`. Dropout on the attention weights is
+    refused in training (the weights never exist whole); `inference=True` or `p=0` runs.
+
+    **Arguments:**
+
+    - `attention`: the `eqx.nn.MultiheadAttention` to convert; its parameters are kept.
+    - `axis_name`: the mesh axis the sequence is split over.
+    - `causal`: causal attention over the whole sequence.
+    - `layout`: `"contiguous"` or `"balanced"` (see `eqpar.context`).
+    - `strategy`: `"ring"` or `"all_gather"`.
+    - `head_axis_name`: optional second mesh axis to split the heads over.
+
+    ```python
+    import equinox as eqx, jax, jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+    import eqpar
+    from eqpar.nn.parallel_layers import ContextParallelAttention
+
+    mesh = eqpar.DeviceMesh((4,), ("context",), devices=jax.devices()[:4])
+    attention = eqx.nn.MultiheadAttention(2, 16, key=jax.random.key(0))
+    layer = ContextParallelAttention(attention, causal=True)
+    x = jax.random.normal(jax.random.key(1), (12, 16))
+    f = eqpar.shard_map(
+        lambda m, x: m(x, x, x), mesh=mesh,
+        in_specs=(eqpar.partition_specs(layer), P("context")), out_specs=P("context"),
+    )
+    causal = jnp.tril(jnp.ones((12, 12), bool))
+    assert jnp.allclose(f(layer, x), attention(x, x, x, causal), atol=1e-5)
+    ```
+    """
+
+    axis_name: Hashable = eqx.field(static=True)
+    causal: bool = eqx.field(static=True)
+    layout: str = eqx.field(static=True)
+    strategy: str = eqx.field(static=True)
+    head_axis_name: Hashable | None = eqx.field(static=True)
+
+    def __init__(
+        self,
+        attention: eqx.nn.MultiheadAttention,
+        *,
+        axis_name: Hashable = "context",
+        causal: bool = False,
+        layout: str = "contiguous",
+        strategy: str = "ring",
+        head_axis_name: Hashable | None = None,
+    ):
+        _check_context_options(type(self).__name__, layout, strategy, axis_name, head_axis_name)
+        _adopt(self, attention, eqx.nn.MultiheadAttention, axis_name)
+        self.causal = bool(causal)
+        self.layout = layout
+        self.strategy = strategy
+        self.head_axis_name = head_axis_name
+
+    def __partition_specs__(self) -> Mapping[str, P]:
+        return {} if self.head_axis_name is None else _head_split_specs(self, self.head_axis_name)
+
+    def to_serial(self) -> eqx.nn.MultiheadAttention:
+        """The `eqx.nn.MultiheadAttention` with the same parameters."""
+        return _rebuilt(self, eqx.nn.MultiheadAttention)
+
+    def _heads(self, owner: str) -> int:
+        if self.head_axis_name is None:
+            return self.num_heads
+        return _local_heads(self, self.head_axis_name, owner)[0]
+
+    def __call__(
+        self,
+        query: Float[Array, "q_block q_size"],
+        key_: Float[Array, "kv_block k_size"],
+        value: Float[Array, "kv_block v_size"],
+        mask: Bool[Array, "..."] | None = None,
+        *,
+        key: PRNGKeyArray | None = None,
+        inference: bool | None = None,
+        deterministic: bool | None = None,
+        process_heads: Callable | None = None,
+    ) -> Float[Array, "q_block o_size"]:
+        """This device's block of the attention output over the whole sequence.
+
+        **Arguments:** as `eqx.nn.MultiheadAttention.__call__`, with `query`, `key_` and
+        `value` this device's blocks of the sequence and `mask` a per-key padding mask
+        `[kv_block]` of this device's keys (or `None`).
+
+        **Returns:** `[q_block, output_size]`, this device's block of the output.
+        """
+        owner = type(self).__name__
+        del key
+        if deterministic is not None:
+            inference = deterministic
+        _axis_size(self.axis_name, owner)
+        heads = self._heads(owner)
+        if inference is None:
+            inference = self.dropout.inference
+        p = self.dropout.p
+        if not inference and not (isinstance(p, int | float) and p == 0):
+            raise ValueError(
+                f"{owner}: dropout on the attention weights (p={p}) cannot run under context "
+                f"parallelism, where the weights of a query never exist whole. Build the "
+                f"attention with dropout_p=0 (dropout after the attention is fine), or call it "
+                f"with inference=True."
+            )
+        if varies_over(query, self.axis_name) is False:
+            raise ValueError(
+                f"{owner}: `query` is the same on every device of axis {self.axis_name!r}, not "
+                f"split over the sequence. Give the sequence to shard_map with "
+                f"P({self.axis_name!r}) on its axis (or `eqpar.nn.scatter_sequence(x, "
+                f"{self.axis_name!r})`)."
+            )
+        if key_.shape[0] != value.shape[0]:
+            raise ValueError(
+                f"{owner}: key_ and value must have the same sequence length; got "
+                f"{key_.shape[0]} and {value.shape[0]}."
+            )
+        if mask is not None and mask.shape != (key_.shape[0],):
+            raise ValueError(
+                f"{owner}: under context parallelism `mask` is a per-key padding mask of this "
+                f"device's keys, shape (kv_block,) = ({key_.shape[0]},); got {mask.shape}. A "
+                f"[q_seq, kv_seq] mask cannot be split over devices: for causal attention set "
+                f"causal=True on the ContextParallel style, and pass padding as one boolean "
+                f"per key."
+            )
+        if self.head_axis_name is not None:
+            # As in HeadParallelAttention: each distinct input cast once, so its gradient is
+            # summed over the head axis once.
+            varying: dict[int, Array] = {}
+            for x in (query, key_, value):
+                if id(x) not in varying:
+                    varying[id(x)] = cast_varying(x, frozenset({self.head_axis_name}))
+            query, key_, value = (varying[id(x)] for x in (query, key_, value))
+
+        def project(linear: eqx.nn.Linear, x: Array) -> Array:
+            return jax.vmap(linear)(x).reshape(x.shape[0], heads, -1)
+
+        query_heads = project(self.query_proj, query)
+        key_heads = project(self.key_proj, key_)
+        value_heads = project(self.value_proj, value)
+        if process_heads is not None:
+            shapes = (query_heads.shape, key_heads.shape, value_heads.shape)
+            query_heads, key_heads, value_heads = process_heads(query_heads, key_heads, value_heads)
+            if (query_heads.shape, key_heads.shape, value_heads.shape) != shapes:
+                raise ValueError(f"{owner}: process_heads must not change the heads' shapes.")
+        attend = ring_attention if self.strategy == "ring" else all_gather_attention
+        attn = attend(
+            query_heads,
+            key_heads,
+            value_heads,
+            axis_name=self.axis_name,
+            causal=self.causal,
+            key_mask=mask,
+            layout=self.layout,  # type: ignore[arg-type]
+        ).reshape(query.shape[0], -1)
+        if self.head_axis_name is None:
+            return jax.vmap(self.output_proj)(attn)
+        partial = jax.vmap(lambda row: self.output_proj.weight @ row)(attn)
+        out = lax.psum(partial, self.head_axis_name)
+        return out if self.output_proj.bias is None else out + self.output_proj.bias
+
+
+def _check_context_options(
+    owner: str, layout: str, strategy: str, axis_name: Hashable, head_axis_name: Hashable | None
+) -> None:
+    """Shared by `ContextParallelAttention` and the `ContextParallel` style."""
+    if layout not in ("contiguous", "balanced"):
+        raise ValueError(f"{owner}: layout must be 'contiguous' or 'balanced'; got {layout!r}.")
+    if strategy not in ("ring", "all_gather"):
+        raise ValueError(f"{owner}: strategy must be 'ring' or 'all_gather'; got {strategy!r}.")
+    if head_axis_name is not None and head_axis_name == axis_name:
+        raise ValueError(
+            f"{owner}: head_axis_name={head_axis_name!r} is the context axis itself; heads and "
+            f"the sequence must be split over different mesh axes (e.g. 'model' and 'context')."
+        )
+
+
 _PARALLEL_LAYERS = (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -923,6 +1126,7 @@ _PARALLEL_LAYERS = (
     VocabParallelEmbedding,
     FeatureParallelEmbedding,
     SequenceParallelDropout,
+    ContextParallelAttention,
 )
 
 
