@@ -59,7 +59,11 @@ _CALLEE_SINGLE = re.compile(
 )
 _CALLEE_LIST = re.compile(r"\b(?P<attr>branch_computations|calls)=\{(?P<names>[^}]*)\}")
 _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(?P<n>\d+)"\}')
-_GROUPS_MESH = re.compile(r"replica_groups=mesh\[(?P<axes>[^\]]*)\]\s*\{(?P<used>[^}]*)\}")
+_GROUPS_MESH = re.compile(
+    r"replica_groups=mesh\[(?P<axes>[^\]]*)\]"
+    r"(?:,\s*device_ids=(?:\(\[[\d,]+\](?:T\([\d,]+\))?\)|\[[\d,]*\]))?"
+    r"\s*\{(?P<used>[^}]*)\}"
+)
 _GROUPS_LIST = re.compile(r"replica_groups=\{\{(?P<first>[\d,]*)\}")
 _GROUPS_IOTA = re.compile(r"replica_groups=\[(?P<groups>\d+),(?P<size>\d+)\]")
 _GROUPS_EMPTY = re.compile(r"replica_groups=\{\}")

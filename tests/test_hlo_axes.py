@@ -64,3 +64,13 @@ def test_bytes_by_axes_of_a_compiled_program():
     assert {axes: found[axes] for axes in expected} == expected
     assert not any(value for axes, value in found.items() if axes not in expected)
     np.testing.assert_equal(sum(found.values()), sum(expected.values()))
+
+
+def test_group_size_of_mesh_groups_with_device_ids():
+    from eqpar._hlo import _group_size
+
+    line = (
+        "x = f32[] all-reduce(y), replica_groups=mesh['a'=2,'b'=4], device_ids=([2,4]T(1,0)) {'b'}"
+    )
+    assert _group_size(line, 8) == 4
+    assert _group_size("x = f32[] all-reduce(y), replica_groups=mesh['a'=2,'b'=4] {'a'}", 8) == 2
