@@ -12,6 +12,7 @@ from .parallel_layers import SequenceParallelDropout as SequenceParallelDropout
 from .parallel_layers import VocabParallelEmbedding as VocabParallelEmbedding
 from .parallel_layers import gather_sequence as gather_sequence
 from .parallel_layers import scatter_sequence as scatter_sequence
+from .parallel_layers import vocab_parallel_cross_entropy as vocab_parallel_cross_entropy
 from .pipeline import PipelineModule as PipelineModule
 from .pipeline import ScannedLayers as ScannedLayers
 from .pipeline import gather_layers as gather_layers
@@ -44,4 +45,5 @@ __all__ = [
     "scatter_sequence",
     "stack_layers",
     "unstack_layers",
+    "vocab_parallel_cross_entropy",
 ]

@@ -53,6 +53,7 @@ __all__ = [
     "gather_sequence",
     "scatter_sequence",
     "to_serial_layer",
+    "vocab_parallel_cross_entropy",
 ]
 
 
@@ -787,6 +788,73 @@ class VocabParallelEmbedding(_SplitEmbedding):
         mine = (local >= 0) & (local < rows)
         found = self.weight[(jnp.clip(local, 0, rows - 1),)]
         return lax.psum(jnp.where(mine[..., None], found, 0), self.axis_name)
+
+
+def vocab_parallel_cross_entropy(
+    logits: Float[Array, "*tokens vocab_block"],
+    targets: Int[Array, "*tokens"],
+    *,
+    axis_name: Hashable = "model",
+) -> Float[Array, "*tokens"]:
+    """Cross entropy of logits whose vocabulary is split over a mesh axis, without gathering
+    them (inside `shard_map`).
+
+    Device `d` of the axis holds the logits of vocabulary entries `[d V/n, (d+1) V/n)`, as a
+    `ColumnParallelLinear` head (`eqpar.ColumnParallel(gather_output=False)` on the output
+    `eqx.nn.Linear`) gives them. The log-sum-exp is assembled from each device's maximum
+    (`pmax`) and sum of exponentials (`psum`), and the target's logit from the one device
+    that holds it (`psum`): three reductions of one number per token, where gathering the
+    logits would move `V (n-1)/n` numbers per token. Computed in float32 whatever the logits'
+    dtype. `jax.nn.log_softmax` and `optax`'s losses need the whole vocabulary on one device,
+    which is what this avoids.
+
+    **Arguments:**
+
+    - `logits`: this device's vocabulary block, `[..., V/n]`.
+    - `targets`: the target token ids (global, in `[0, V)`), `logits.shape[:-1]`.
+    - `axis_name`: the mesh axis (or tuple of axes) the vocabulary is split over.
+
+    **Returns:** `-log softmax(all logits)[target]` per token, `[...]`, the same on every
+    device of the axis.
+
+    ```python
+    import jax, jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+    import eqpar
+    from eqpar.nn import vocab_parallel_cross_entropy
+
+    mesh = eqpar.DeviceMesh((4,), ("model",), devices=jax.devices()[:4])
+    logits = jax.random.normal(jax.random.key(0), (3, 16))
+    targets = jnp.array([0, 7, 15])
+    f = eqpar.shard_map(
+        lambda z, t: vocab_parallel_cross_entropy(z, t, axis_name="model"),
+        mesh=mesh, in_specs=(P(None, "model"), P()), out_specs=P(),
+    )
+    expected = -jnp.take_along_axis(jax.nn.log_softmax(logits), targets[:, None], -1)[:, 0]
+    assert jnp.allclose(f(logits, targets), expected, rtol=1e-6)
+    ```
+    """
+    owner = "vocab_parallel_cross_entropy"
+    if jnp.ndim(logits) < 1 or jnp.shape(targets) != jnp.shape(logits)[:-1]:
+        raise ValueError(
+            f"{owner}: `targets` must have the shape of `logits` without its last (vocabulary) "
+            f"axis; got logits {list(jnp.shape(logits))} and targets {list(jnp.shape(targets))}."
+        )
+    if not jnp.issubdtype(jnp.result_type(targets), jnp.integer):
+        raise TypeError(
+            f"{owner}: `targets` must be integer token ids, got {jnp.result_type(targets).name}."
+        )
+    _axis_size(axis_name, owner)
+    logits = logits.astype(jnp.float32)
+    block = logits.shape[-1]
+    # The shift only keeps exp() in range; it cancels in the result, so it needs no gradient.
+    shift = lax.pmax(lax.stop_gradient(jnp.max(logits, axis=-1)), axis_name)
+    total = lax.psum(jnp.sum(jnp.exp(logits - shift[..., None]), axis=-1), axis_name)
+    local = targets - lax.axis_index(axis_name) * block
+    mine = (local >= 0) & (local < block)
+    picked = jnp.take_along_axis(logits, jnp.clip(local, 0, block - 1)[..., None], axis=-1)
+    target_logit = lax.psum(jnp.where(mine, picked[..., 0], 0.0), axis_name)
+    return jnp.log(total) + shift - target_logit
 
 
 class FeatureParallelEmbedding(_SplitEmbedding):
