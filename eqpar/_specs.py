@@ -21,6 +21,12 @@ def entry_names(entry: object) -> tuple[Hashable, ...]:
     return (entry,)
 
 
+def show_spec(spec: PartitionSpec) -> str:
+    """`spec` as messages write it, `P('data', None)`, on every JAX (before 0.10 its repr
+    spells out `PartitionSpec(...)`)."""
+    return repr(spec).replace("PartitionSpec(", "P(", 1)
+
+
 def check_spec(
     path: str,
     spec: PartitionSpec,
@@ -34,14 +40,15 @@ def check_spec(
     array of `shape` over a mesh with `axes` (`None`: check the rank only)."""
     entries = tuple(spec)
     where = f"leaf {path!r}" if path else "the array"
+    shown = show_spec(spec)
     if exact_rank and entries and len(entries) != len(shape):
         raise ValueError(
-            f"{source} gives {spec} for {where} of shape {shape}: {len(entries)} entries for "
+            f"{source} gives {shown} for {where} of shape {shape}: {len(entries)} entries for "
             f"{len(shape)} dimensions; give one entry per dimension."
         )
     if len(entries) > len(shape):
         raise ValueError(
-            f"{source} gives {spec} for {where} of shape {shape}: {len(entries)} entries but "
+            f"{source} gives {shown} for {where} of shape {shape}: {len(entries)} entries but "
             f"only {len(shape)} dimensions. Drop the extra entries (a spec may be shorter than "
             f"the rank; missing entries are not split)."
         )
@@ -51,13 +58,13 @@ def check_spec(
     unknown = [name for name in names if name not in axes]
     if unknown:
         raise ValueError(
-            f"{source} gives {spec} for {where}, naming mesh axes {unknown} that the mesh does "
+            f"{source} gives {shown} for {where}, naming mesh axes {unknown} that the mesh does "
             f"not have; its axes are {tuple(axes)}."
         )
     repeated = sorted({repr(name) for name in names if names.count(name) > 1})
     if repeated:
         raise ValueError(
-            f"{source} gives {spec} for {where}, using the mesh axes {', '.join(repeated)} more "
+            f"{source} gives {shown} for {where}, using the mesh axes {', '.join(repeated)} more "
             f"than once; each mesh axis can split one dimension."
         )
     for dim, entry in enumerate(entries):
@@ -66,7 +73,7 @@ def check_spec(
             split *= axes[name]
         if shape[dim] % split:
             raise ValueError(
-                f"{source} gives {spec} for {where} of shape {shape}: dimension {dim} (size "
+                f"{source} gives {shown} for {where} of shape {shape}: dimension {dim} (size "
                 f"{shape[dim]}) does not divide by {split} (mesh axes {entry_names(entry)}); "
                 f"change the layout or the size."
             )

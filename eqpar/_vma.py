@@ -18,7 +18,7 @@ def varying_axes(x: Any) -> frozenset:
     manual = getattr(aval, "manual_axis_type", None)
     if manual is not None:
         return frozenset(manual.varying)
-    return frozenset(getattr(aval, "vma", ()))
+    return frozenset(getattr(aval, "vma", None) or ())  # older JAX: a ShapeDtypeStruct vma None
 
 
 def varies_over(x: Any, axis_name: Hashable) -> bool | None:
@@ -38,4 +38,4 @@ def cast_varying(x: Any, axes: frozenset) -> Any:
     pcast = getattr(lax, "pcast", None)
     if pcast is not None:
         return pcast(x, missing, to="varying")
-    return lax.pvary(x, missing)  # type: ignore[attr-defined]  # jax < 0.8
+    return lax.pvary(x, missing)  # type: ignore[attr-defined]  # jax < 0.8.2

@@ -72,6 +72,7 @@ from jax.sharding import Mesh, NamedSharding, Sharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 from ._paths import key_to_str, path_to_str
+from ._specs import show_spec
 from ._typing import PyTree
 
 __all__ = [
@@ -336,8 +337,9 @@ def _shardings(shardings: PyTree, leaves: Sequence[_Leaf]) -> dict[str, Any]:
     given = {path_to_str(path): value for path, value in flat if value is not None}
     for where, value in given.items():
         if not isinstance(value, Sharding) or where not in arrays:
+            shown = show_spec(value) if isinstance(value, P) else repr(value)
             raise (ValueError if isinstance(value, Sharding) else TypeError)(
-                f"`shardings` leaf {_display(where)} is {value!r}, but expected a Sharding (or "
+                f"`shardings` leaf {_display(where)} is {shown}, but expected a Sharding (or "
                 "None) at an array leaf of `target`: give `shardings` the structure of `target`."
             )
     return given

@@ -14,6 +14,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ._matching import compile_key, unused_key_hints
 from ._paths import path_to_str
+from ._specs import show_spec
 from ._typing import PyTree, Specs
 from .layout import expand_specs, is_array_like
 from .mesh import DeviceMesh, as_jax_mesh
@@ -228,9 +229,9 @@ def _layout(
             for name in _axis_names(entry):
                 if name not in sizes:
                     raise ValueError(
-                        f"{caller}: the spec {spec} of {path!r} names the axis {name!r}, "
-                        f"which the mesh does not have (its axes: {tuple(sizes)}). Pass the "
-                        "mesh the specs were made for."
+                        f"{caller}: the spec {show_spec(spec)} of {path!r} names the axis "
+                        f"{name!r}, which the mesh does not have (its axes: {tuple(sizes)}). "
+                        "Pass the mesh the specs were made for."
                     )
         rows.append(
             LayoutRow(

@@ -623,7 +623,14 @@ def _run_schedule(
             h, microbatch, repeat, cotangents, cotangent_slot, carry.residuals, residual_slot,
             carry.grads, carry.loss_grads, carry.loss,
         )  # fmt: skip
-        done = _switch(branch, branches, work) if len(branches) > 1 else branches[0](work)
+        if training:
+            done = _switch(branch, branches, work) if len(branches) > 1 else branches[0](work)
+        else:
+            # Every device runs its stage at every step, bubbles included, rather than inside
+            # a `lax.switch` whose branch differs by device: collectives inside the stage over
+            # other mesh axes then run on every device alike (see `execute_schedule`).
+            out = run_stage(stage_params(params, repeat), h, microbatch, repeat)
+            done = nothing(work)._replace(sent_forward=out, output=out)
         is_forward = (kind == _program.FORWARD) | (kind == _program.FORWARD_LAST)
         keeps_cotangent = (kind == _program.FORWARD_LAST) | (kind == _program.BACKWARD_INPUT_LAST)
         spare_cotangent = program.num_cotangent_slots
@@ -1103,6 +1110,13 @@ def execute_schedule(
     in each backward action. The last stage's forward also keeps its output, from which its
     backward computes the loss (with `recompute=True` its forward waits for its backward).
 
+    Each device runs the branch of its own action, so a stage's collectives over other mesh
+    axes run inside branches that differ between devices: `psum`, all-gather and
+    reduce-scatter (tensor parallelism: `TPDense`, plan-converted layers) give the right
+    values there, `lax.ppermute` does not, and a stage that uses it (ring attention,
+    `TPAsyncDense`) is refused with a `ValueError`. The forward executors (`execute_pipeline`,
+    `execute_circular_pipeline`) run every stage on every device at every step and take it.
+
     **Arguments:**
 
     - `schedule`: a training schedule (`schedule.has_backward`) whose `num_devices` is the
@@ -1258,6 +1272,21 @@ def _execute_schedule(
             f"{caller}: `loss_fn` must return a floating-point scalar, got {loss_shape.dtype.name}."
         )
 
+    call_args, call_kwargs = arguments_at(0)
+    if _uses_primitive(
+        jax.make_jaxpr(lambda h: stage(h, *call_args, **call_kwargs))(first), "ppermute"
+    ):
+        # Each device runs the branch of its own action (`lax.switch` on a per-device index);
+        # a `ppermute` inside such a branch, over any mesh axis, gives wrong values (seen on
+        # CPU), where psum, all-gather and reduce-scatter give the right ones.
+        raise ValueError(
+            f"{caller}: the stage uses `lax.ppermute` (a ring collective: ring attention, "
+            f"`TPAsyncDense`, `eqpar.collectives`), which cannot run inside the per-device "
+            f"branches of a training schedule. Train through the forward pass instead "
+            f"(`jax.grad` of `execute_pipeline` / `PipelineModule.__call__`, the GPipe or "
+            f"circular schedule), or use a collective without `ppermute` in the stage "
+            f"(`strategy='all_gather'` attention, `TPDense`)."
+        )
     program = _program.compile_schedule(schedule, store_residuals=not recompute)
     carry = _run_schedule(
         program,
@@ -1287,6 +1316,20 @@ def _execute_schedule(
         carry.x_grads,
     )
     return loss, (grads, loss_grads, _merge_microbatches(x_grads))
+
+
+def _uses_primitive(jaxpr: Any, name: str) -> bool:
+    """Whether `name` is a primitive of `jaxpr` or of any jaxpr nested in its equations."""
+    inner = getattr(jaxpr, "jaxpr", jaxpr)
+    for eqn in getattr(inner, "eqns", ()):
+        if eqn.primitive.name == name:
+            return True
+        for value in eqn.params.values():
+            for item in value if isinstance(value, list | tuple) else (value,):
+                if hasattr(item, "eqns") or hasattr(getattr(item, "jaxpr", None), "eqns"):
+                    if _uses_primitive(item, name):
+                        return True
+    return False
 
 
 def _first_of_stack(stages: Any) -> Any:

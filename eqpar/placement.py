@@ -479,7 +479,7 @@ def with_sharding_constraint(x: PyTree[ArrayLike], shardings: PyTree) -> PyTree[
             named: Any = NamedSharding(mesh, spec)
         else:  # other kinds of sharding: JAX's own check
             named = sharding
-            named.check_compatible_aval(shape)
+            named.shard_shape(shape)
         many = named.num_devices > 1  # on one device: a checked no-op
         return jax.lax.with_sharding_constraint(leaf, named) if many else leaf
 

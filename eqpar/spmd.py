@@ -120,22 +120,24 @@ def shard_map(
             _check_argument_specs(arg, arg_specs, axes, f"shard_map: in_specs for argument {i}")
         static_out: list = []
 
+        # The result and its specs travel inside a 1-tuple: JAX before 0.10 calls an `out_specs`
+        # that is callable (as an `eqx.Module` of specs is) instead of reading it as a pytree.
         @functools.wraps(fn)
         def local(*local_dynamic):
             out = fn(*eqx.combine(local_dynamic, static))
             out_dynamic, out_static = eqx.partition(out, eqx.is_array)
             static_out.append(out_static)
-            return out_dynamic
+            return (out_dynamic,)
 
         inner = jax.shard_map(
             local,
             mesh=jax_mesh,
             in_specs=specs,
-            out_specs=out_specs,
+            out_specs=(out_specs,),
             check_vma=check_vma,
             **extra,
         )
-        out_dynamic = inner(*dynamic)
+        (out_dynamic,) = inner(*dynamic)
         return eqx.combine(out_dynamic, static_out[-1])
 
     return mapped

@@ -9,10 +9,17 @@ one example and a `jax.vmap` over the batch. The only eqpar piece inside it is `
 `PLAN` says how the layers split over the `model` mesh axis (Megatron style: heads of the
 attention, hidden units of the MLP, the vocabulary of the embedding and of the output head);
 `build` applies it with `eqpar.parallelize`. Inside `eqpar.shard_map` over a
-`("data", "pipe", "model")` mesh, `LM.loss` is then the same code as on one device:
+`("data", "pipe", "model")` mesh, or `("data", "pipe", "context", "model")`, `LM.loss` is then
+the same code as on one device:
 
 - `data`: the batch rows are split over it;
 - `pipe`: `body` runs its stages with the GPipe or circular schedule;
+- `context`: the sequence is split over it (context parallelism): `build` converts the
+  blocks' attention with `eqpar.ContextParallel(causal=True, layout="balanced")` (ring
+  attention over the whole sequence), the token arrays are stored in
+  `eqpar.context.balance_sequence` order, and the position embedding takes each token's
+  global position (`LM.next_token_loss(inputs, targets, positions)`); with `pipe` as well
+  the attention all-gathers the keys and values instead (see `plan_for`);
 - `model`: each converted layer computes its block and hands on whole activations.
 
 `model_order` gives the serial form (plain `eqx.nn` layers, the block stack `[L, ...]`),
@@ -36,9 +43,9 @@ from jax import lax
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 import eqpar
-from eqpar.nn import PipelineModule
+from eqpar.nn import ContextParallelAttention, PipelineModule
 
-DATA, PIPE, MODEL = "data", "pipe", "model"
+DATA, PIPE, CONTEXT, MODEL = "data", "pipe", "context", "model"
 SCHEDULES = ("gpipe", "circular", "1f1b", "zb-h1")
 PRECISIONS = ("float32", "bfloat16")  # names of `eqpar.Precision` presets
 
@@ -122,9 +129,14 @@ class Block(eqx.Module):
         self.down = eqx.nn.Linear(config.d_hidden, config.d_model, key=down_key)
 
     def example(self, x: Float[Array, "seq d_model"]) -> Float[Array, "seq d_model"]:
-        """One sequence."""
-        seq = x.shape[0]
-        causal = jnp.tril(jnp.ones((seq, seq), bool))
+        """One sequence (this device's tokens of it under context parallelism)."""
+        if isinstance(self.attention, ContextParallelAttention):
+            # A [seq, seq] mask cannot be cut into per-device blocks: the converted attention
+            # is causal over the whole split sequence by its own option (`causal=True`).
+            causal = None
+        else:
+            seq = x.shape[0]
+            causal = jnp.tril(jnp.ones((seq, seq), bool))
         y = jax.vmap(self.norm1)(x)
         x = x + self.attention(y, y, y, causal)
         y = jax.vmap(self.norm2)(x)
@@ -194,9 +206,14 @@ class LM(eqx.Module):
     def head(self) -> Head:
         return Head(self.norm, self.unembed)
 
-    def embed_tokens(self, ids: Int[Array, "batch seq"]) -> Float[Array, "batch seq d_model"]:
-        positions = jax.vmap(self.position)(jnp.arange(ids.shape[1]))
-        return jax.vmap(jax.vmap(self.embed))(ids) + positions
+    def embed_tokens(
+        self, ids: Int[Array, "batch seq"], positions: Int[Array, " seq"] | None = None
+    ) -> Float[Array, "batch seq d_model"]:
+        """Token plus position embeddings; `positions` are the tokens' places in the whole
+        sequence (default `0 ... seq - 1`; under context parallelism this device's, from
+        `eqpar.context.sequence_positions`)."""
+        positions = jnp.arange(ids.shape[1]) if positions is None else positions
+        return jax.vmap(jax.vmap(self.embed))(ids) + jax.vmap(self.position)(positions)
 
     def blocks(self, h: Float[Array, "batch seq d_model"]) -> Float[Array, "batch seq d_model"]:
         if isinstance(self.body, PipelineModule):
@@ -207,19 +224,48 @@ class LM(eqx.Module):
 
     def loss(self, tokens: Int[Array, "batch seq_plus_1"]) -> Float[Array, ""]:
         """Mean next-token cross entropy of this batch (this data shard inside shard_map)."""
-        inputs, targets = tokens[:, :-1], tokens[:, 1:]
-        return self.head(self.blocks(self.embed_tokens(inputs)), targets)
+        return self.next_token_loss(tokens[:, :-1], tokens[:, 1:])
+
+    def next_token_loss(
+        self,
+        inputs: Int[Array, "batch seq"],
+        targets: Int[Array, "batch seq"],
+        positions: Int[Array, " seq"] | None = None,
+    ) -> Float[Array, ""]:
+        """Mean cross entropy of predicting `targets` from `inputs` (the token after each
+        input), the inputs at `positions` (see `embed_tokens`). Under context parallelism
+        these are this device's tokens: each pair stays together, so any order works."""
+        return self.head(self.blocks(self.embed_tokens(inputs, positions)), targets)
 
 
 # --- parallelization -----------------------------------------------------------------------
 
+ATTENTION = "body/stages/layers/attention"  # the plan key of the blocks' attention
 PLAN = {
     "embed": eqpar.VocabParallel(MODEL),
-    "body/stages/layers/attention": eqpar.HeadParallel(MODEL),
+    ATTENTION: eqpar.HeadParallel(MODEL),
     "body/stages/layers/up": eqpar.ColumnParallel(MODEL),
     "body/stages/layers/down": eqpar.RowParallel(MODEL),
     "unembed": eqpar.ColumnParallel(MODEL, gather_output=True),
 }
+
+
+def plan_for(mesh: eqpar.DeviceMesh) -> dict[str, eqpar.Style]:
+    """`PLAN`, with the attention made context parallel where `mesh` has a `context` axis
+    of more than one device: causal attention over the whole sequence in the balanced
+    layout, its heads still split over `model`.
+
+    The attention is ring attention, except with a `pipe` axis too: the 1F1B and ZB-H1
+    schedules run each stage inside a `lax.switch` whose branch differs by device, where a
+    `ppermute` (the ring's) gives wrong values, so `execute_schedule` refuses it; the
+    all-gather strategy has none and serves every schedule."""
+    if CONTEXT not in mesh.axis_names or mesh.axis_size(CONTEXT) == 1:
+        return PLAN
+    strategy = "all_gather" if mesh.axis_size(PIPE) > 1 else "ring"
+    attention = eqpar.ContextParallel(
+        CONTEXT, causal=True, layout="balanced", strategy=strategy, head_axis_name=MODEL
+    )
+    return {**PLAN, ATTENTION: attention}
 
 
 def build(
@@ -232,7 +278,8 @@ def build(
     key: PRNGKeyArray,
 ) -> LM:
     """The model for `mesh`: one pipeline stage (or `num_repeats`) per `pipe` device, the
-    layers of `PLAN` split over `model`. The parameters are the same for every mesh."""
+    layers of `plan_for(mesh)` split over `model` (and the attention over `context`). The
+    parameters are the same for every mesh."""
     model = LM(
         config,
         num_stages=mesh.axis_size(PIPE),
@@ -241,7 +288,7 @@ def build(
         remat=remat,
         key=key,
     )
-    return eqpar.parallelize(model, PLAN, mesh=mesh)
+    return eqpar.parallelize(model, plan_for(mesh), mesh=mesh)
 
 
 def model_order(model: LM) -> LM:

@@ -1,13 +1,18 @@
-"""Train a small language model with data x pipeline x tensor parallelism (and optional FSDP).
+"""Train a small language model with data x pipeline x tensor parallelism (and optional FSDP
+and context parallelism).
 
     python examples/train_lm.py                                  # 8 simulated CPU devices
     python examples/train_lm.py --mesh data=2,pipe=2,model=2 --schedule 1f1b
     python examples/train_lm.py --mesh data=8 --fsdp --check     # compare with one device
+    python examples/train_lm.py --mesh data=2,context=4 --check  # the sequence split over 4
     python examples/train_lm.py --precision bfloat16             # float32 params, bf16 compute
     python examples/train_lm.py --ckpt-dir /tmp/ckpt --resume    # continue from the latest
 
 On CPU, 8 devices are simulated; on accelerators the device count comes from JAX. Any mesh
-whose product is the device count works, 1 device included. Outputs (loss curve, pipeline
+whose product is the device count works, 1 device included. A `context` axis splits every
+sequence over its devices (ring attention, all-gather attention with a pipe axis; balanced
+causal layout): the sequence length
+(`--seq-len`) must divide by 2 x context. Outputs (loss curve, pipeline
 schedule) go to `--out`. On a terminal a progress bar shows the loss and tokens/s; in a log
 (stdout not a terminal) a line is printed every `--log-every` steps instead.
 """
@@ -45,6 +50,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import lm
 
 import eqpar
+from eqpar.context import balance_sequence, sequence_positions
 from eqpar.distributions import match_param_specs
 from eqpar.inspect import print_layout_table
 from eqpar.nn import PipelineModule
@@ -66,17 +72,24 @@ class RunConfig:
     precision: str = "float32"  # an `eqpar.Precision` preset: float32 or bfloat16
 
 
+# The mesh axes in device order. `context` sits next to `model`: the ring attention's
+# key/value blocks and the tensor-parallel reductions are the traffic of every layer.
+AXES = (lm.DATA, lm.PIPE, lm.CONTEXT, lm.MODEL)
+
+
 def parse_mesh(text: str, device_count: int) -> dict[str, int]:
-    """`data=2,pipe=2,model=2` -> sizes of all three axes (missing ones are 1)."""
-    sizes = {lm.DATA: 1, lm.PIPE: 1, lm.MODEL: 1}
+    """`data=2,pipe=2,model=2` -> sizes of the axes in `AXES` order: data, pipe and model
+    always (missing ones are 1), context only where `text` names it."""
+    given: dict[str, int] = {}
     for part in filter(None, text.split(",")):
         name, _, value = part.partition("=")
-        if name not in sizes or not value.isdigit() or int(value) < 1:
+        if name not in AXES or not value.isdigit() or int(value) < 1:
             raise SystemExit(
-                f"--mesh: expected entries like data=2,pipe=2,model=2 with axes "
-                f"{sorted(sizes)}; got {part!r}."
+                f"--mesh: expected entries like data=2,pipe=2,model=2 or data=2,context=4 with "
+                f"axes {sorted(AXES)}; got {part!r}."
             )
-        sizes[name] = int(value)
+        given[name] = int(value)
+    sizes = {name: given.get(name, 1) for name in AXES if name in given or name != lm.CONTEXT}
     product = int(np.prod(list(sizes.values())))
     if product != device_count:
         raise SystemExit(
@@ -89,6 +102,11 @@ def parse_mesh(text: str, device_count: int) -> dict[str, int]:
 def format_mesh(sizes: dict[str, int]) -> str:
     """`{"data": 2, "pipe": 2, "model": 2}` -> `data=2,pipe=2,model=2` (the `--mesh` syntax)."""
     return ",".join(f"{name}={size}" for name, size in sizes.items())
+
+
+def context_size(run: RunConfig) -> int:
+    """The devices each sequence is split over (the `context` axis; 1 without one)."""
+    return run.mesh.get(lm.CONTEXT, 1)
 
 
 def describe(run: RunConfig) -> str:
@@ -126,9 +144,12 @@ def _divisors(n: int) -> str:
 
 
 def make_mesh(sizes: dict[str, int], devices: Sequence[Any] | None = None) -> eqpar.DeviceMesh:
-    shape = (sizes[lm.DATA], sizes[lm.PIPE], sizes[lm.MODEL])
+    """The mesh of `sizes`: axes data, pipe, model (missing sizes 1), and context between
+    pipe and model where `sizes` has it."""
+    names = tuple(name for name in AXES if name in sizes or name != lm.CONTEXT)
+    shape = tuple(sizes.get(name, 1) for name in names)
     chosen = list(jax.devices() if devices is None else devices)[: int(np.prod(shape))]
-    return eqpar.DeviceMesh(shape, (lm.DATA, lm.PIPE, lm.MODEL), devices=chosen)
+    return eqpar.DeviceMesh(shape, names, devices=chosen)
 
 
 def check_sizes(config: lm.LMConfig, run: RunConfig) -> None:
@@ -157,6 +178,19 @@ def check_sizes(config: lm.LMConfig, run: RunConfig) -> None:
         problems.append(
             f"{' and '.join(uneven)} must divide by model={model}: choose model="
             f"{_divisors(int(common))} in --mesh"
+        )
+    context = context_size(run)
+    if config.seq_len % (2 * context):
+        multiple = -(-config.seq_len // (2 * context)) * 2 * context
+        fits = (
+            f" or context={_divisors(config.seq_len // 2)} in --mesh"
+            if config.seq_len % 2 == 0
+            else ""
+        )
+        problems.append(
+            f"seq_len={config.seq_len} must divide by 2 x context = {2 * context} (the balanced "
+            f"causal layout gives each context device two equal chunks of every sequence): use "
+            f"a --seq-len that is a multiple of {2 * context} (e.g. {multiple}){fits}"
         )
     rows = data * microbatches
     if run.batch_size % rows:
@@ -197,20 +231,62 @@ def storage_specs(model: lm.LM, mesh: eqpar.DeviceMesh, fsdp: bool) -> Any:
 
 def global_loss(model: lm.LM, tokens: Int[Array, "batch seq1"]) -> Array:
     """The loss inside `shard_map` (GPipe / circular): the mean over the data shards."""
-    return lax.pmean(model.loss(tokens), lm.DATA)
+    return sequence_loss(model, tokens[:, :-1], tokens[:, 1:])
+
+
+def context_batch(
+    tokens: Int[Array, "batch seq1"], context: int
+) -> tuple[Int[Array, "batch seq"], Int[Array, "batch seq"]]:
+    """The inputs and targets of `tokens` for a `context` axis of `context` devices, outside
+    `shard_map`: each with its sequence in the balanced order of
+    `eqpar.context.balance_sequence` (device `i` of `context` gets chunks `i` and
+    `2 context - 1 - i`). Both are cut from `tokens` first and reordered alike, so every
+    input keeps its target beside it and the mean over tokens is that of the natural order.
+    """
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    return balance_sequence(inputs, context, axis=1), balance_sequence(targets, context, axis=1)
+
+
+def context_positions(inputs: Int[Array, "batch seq"]) -> Int[Array, " seq"]:
+    """Inside `shard_map`: the global positions of this device's tokens (balanced layout)."""
+    return sequence_positions(inputs.shape[1], axis_name=lm.CONTEXT, layout="balanced")
+
+
+def sequence_loss(
+    model: lm.LM,
+    inputs: Int[Array, "batch seq"],
+    targets: Int[Array, "batch seq"],
+    context: bool = False,
+) -> Array:
+    """The loss inside `shard_map` (GPipe / circular, or no pipe): the mean over the data
+    shards. With `context`, the sequence is split over the context axis (the batches of
+    `context_batch`): each device's tokens at their global positions, and the mean over the
+    data and context shards. Every shard holds as many tokens, so that is the mean over the
+    whole batch, as on one device."""
+    if not context:
+        return lax.pmean(model.next_token_loss(inputs, targets), lm.DATA)
+    loss = model.next_token_loss(inputs, targets, context_positions(inputs))
+    return lax.pmean(loss, (lm.DATA, lm.CONTEXT))
 
 
 def loss_and_grads_scheduled(
-    model: lm.LM, tokens: Int[Array, "batch seq1"], schedule: str = "1f1b"
+    model: lm.LM,
+    inputs: Int[Array, "batch seq"],
+    targets: Int[Array, "batch seq"],
+    schedule: str = "1f1b",
+    context: bool = False,
 ) -> tuple[Array, lm.LM]:
     """Loss and gradients inside `shard_map` with a schedule that runs its own backward pass
-    (`"1f1b"` or `"zb-h1"`, `PipelineModule.value_and_grad`).
+    (`"1f1b"` or `"zb-h1"`, `PipelineModule.value_and_grad`); with `context`, the sequence
+    is split over the context axis (the batches of `context_batch`).
 
     The embedding's pullback is applied to the gradient the pipeline returns for its input.
     """
-    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    positions = context_positions(inputs) if context else None
     h, embed_vjp = eqx.filter_vjp(
-        lambda e: eqx.tree_at(lambda m: (m.embed, m.position), model, e).embed_tokens(inputs),
+        lambda e: eqx.tree_at(lambda m: (m.embed, m.position), model, e).embed_tokens(
+            inputs, positions
+        ),
         (model.embed, model.position),
     )
     assert isinstance(model.body, PipelineModule), "1F1B runs the model of lm.build"
@@ -224,9 +300,11 @@ def loss_and_grads_scheduled(
         (*embed_grads, body_grads, head_grads.norm, head_grads.unembed),
     )
     # This is the one place gradients come from each shard's own loss: those of parameters
-    # replicated over `data` arrive summed over it, so divide by its size for the mean.
-    data_shards = lax.axis_size(lm.DATA)
-    return lax.pmean(loss, lm.DATA), jax.tree.map(lambda g: g / data_shards, grads)
+    # replicated over `data` (and `context`) arrive summed over it, so divide by its size for
+    # the mean.
+    axes = (lm.DATA, lm.CONTEXT) if context else lm.DATA
+    shards = lax.axis_size(axes)
+    return lax.pmean(loss, axes), jax.tree.map(lambda g: g / shards, grads)
 
 
 def build_step(model: lm.LM, mesh: eqpar.DeviceMesh, run: RunConfig, optimizer: Any) -> Any:
@@ -237,24 +315,40 @@ def build_step(model: lm.LM, mesh: eqpar.DeviceMesh, run: RunConfig, optimizer: 
     bfloat16, and the optimizer gets float32 gradients (the cast's transpose; after the own
     backward pass of 1F1B or ZB-H1, an explicit cast) to update the float32 parameters."""
     specs = eqpar.partition_specs(model)  # what shard_map's body sees (no FSDP split)
-    batch_spec = P(lm.DATA)
     policy = eqpar.Precision.from_name(run.precision)
+    context = context_size(run)
+    # Rows split over `data`; with a context axis the sequence also over `context`.
+    sequence_spec = P(lm.DATA, lm.CONTEXT) if context > 1 else P(lm.DATA)
+
+    def inputs_and_targets(tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
+        if context > 1:
+            return context_batch(tokens, context)
+        return tokens[:, :-1], tokens[:, 1:]
+
     if run.schedule in ("1f1b", "zb-h1"):
         sharded = eqpar.shard_map(
-            functools.partial(loss_and_grads_scheduled, schedule=run.schedule),
+            functools.partial(loss_and_grads_scheduled, schedule=run.schedule, context=context > 1),
             mesh=mesh,
-            in_specs=(specs, batch_spec),
+            in_specs=(specs, sequence_spec, sequence_spec),
             out_specs=(P(), specs),
         )
 
         def loss_and_grads(model: lm.LM, tokens: jax.Array) -> tuple[jax.Array, lm.LM]:
-            loss, grads = sharded(policy.cast_to_compute(model), tokens)
+            inputs, targets = inputs_and_targets(tokens)
+            loss, grads = sharded(policy.cast_to_compute(model), inputs, targets)
             return policy.cast_to_output(loss), policy.cast_to_param(grads)
 
     else:
-        loss = eqpar.shard_map(global_loss, mesh=mesh, in_specs=(specs, batch_spec), out_specs=P())
+        loss = eqpar.shard_map(
+            functools.partial(sequence_loss, context=context > 1),
+            mesh=mesh,
+            in_specs=(specs, sequence_spec, sequence_spec),
+            out_specs=P(),
+        )
         loss_and_grads = eqx.filter_value_and_grad(
-            lambda model, tokens: policy.cast_to_output(loss(policy.cast_to_compute(model), tokens))
+            lambda model, tokens: policy.cast_to_output(
+                loss(policy.cast_to_compute(model), *inputs_and_targets(tokens))
+            )
         )
 
     param_specs = storage_specs(model, mesh, run.fsdp)
@@ -719,7 +813,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--mesh",
         default=None,
         help="axis sizes whose product is the device count, e.g. data=2,pipe=2,model=2; "
-        "missing axes are 1 (default: data=2,pipe=2,model=2 on 8 devices, else data=<count>)",
+        "missing axes are 1; a context axis (e.g. data=2,context=4) splits every sequence "
+        "over its devices (ring attention; --seq-len must divide by 2 x context) "
+        "(default: data=2,pipe=2,model=2 on 8 devices, else data=<count>)",
     )
     parser.add_argument(
         "--schedule",
@@ -796,6 +892,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--json", type=pathlib.Path, help="write a summary (losses, timings) here")
     parser.add_argument("--size", choices=sorted(SIZES), default="small", help="model size")
+    parser.add_argument(
+        "--seq-len",
+        type=positive_int,
+        default=None,
+        help="tokens per sequence (default: the --size's: "
+        + ", ".join(f"{config.seq_len} for {name}" for name, config in SIZES.items())
+        + ")",
+    )
     parser.add_argument("--ckpt-dir", type=pathlib.Path, help="checkpoint directory")
     parser.add_argument(
         "--save-every", type=positive_int, default=20, help="checkpoint every N steps"
@@ -879,6 +983,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         precision=args.precision,
     )
     config = SIZES[args.size]
+    if args.seq_len is not None:
+        config = dataclasses.replace(config, seq_len=args.seq_len)
     check_sizes(config, run)  # before any output: a usage error comes first
     platform = jax.devices()[0].platform
     print(f"{count} {platform} devices; {describe(run)}; optimizer {run.optimizer}")

@@ -199,9 +199,9 @@ def _close(actual, expected):
 
 
 CASES = [
-    ("zb-h1", ZeroBubbleH1Schedule(2, 3), False),
-    ("zb-h1", ZeroBubbleH1Schedule(4, 4), False),
-    ("zb-h1", ZeroBubbleH1Schedule(8, 8), False),
+    ("zb-h1 S=2", ZeroBubbleH1Schedule(2, 3), False),
+    ("zb-h1 S=4", ZeroBubbleH1Schedule(4, 4), False),
+    ("zb-h1 S=8", ZeroBubbleH1Schedule(8, 8), False),
     ("zb-h1 recompute", ZeroBubbleH1Schedule(4, 4), True),
     ("gpipe", GPipeSchedule(4, 4, include_backward=True), False),
     ("circular", CircularSchedule(2, 3, 2, include_backward=True), False),
@@ -340,3 +340,50 @@ def test_zero_bubble_branches_compute_only_their_half():
     assert dots["OneFOneBSchedule"] == 2 + 2 + 4 + 4
     # forward, last forward, input gradient, last input gradient, weight gradient
     assert dots["ZeroBubbleH1Schedule"] == 2 + 2 + 2 + 2 + 3
+
+
+class RingStage(eqx.Module):
+    """A stage with a ring collective over another mesh axis (features split over `ctx`)."""
+
+    w: jax.Array
+
+    def __call__(self, h):
+        other = jax.lax.ppermute(h, "ctx", [(0, 1), (1, 0)])
+        return jnp.tanh(h * self.w + 0.5 * other)
+
+
+def test_ring_collectives_inside_stages():
+    """A forward run computes every stage on every device, so a `ppermute` over another axis
+    inside a stage is right; a training schedule runs stages in per-device branches, where
+    it would not be, and refuses such a stage."""
+    from eqpar.pipeline import execute_1f1b, execute_pipeline
+
+    mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("pipe", "ctx"))
+    ws = jnp.array([1.5, -0.7])
+    x = jax.random.normal(jax.random.key(0), (4, 6))
+
+    def serial(ws):
+        h = x
+        for i in range(2):
+            h = jnp.tanh(h * ws[i] + 0.5 * jnp.concatenate([h[:, 3:], h[:, :3]], 1))
+        return h
+
+    def forward(ws, x):
+        return execute_pipeline(
+            RingStage(ws[0]), x, num_microbatches=2, model_axis_name="pipe", broadcast_output=True
+        )
+
+    specs = dict(in_specs=(P("pipe"), P(None, "ctx")), out_specs=P(None, "ctx"))
+    run = jax.jit(jax.shard_map(forward, mesh=mesh, **specs))
+    np.testing.assert_allclose(run(ws, x), serial(ws), rtol=1e-5, atol=1e-6)
+    grads = jax.grad(lambda ws: jnp.sum(run(ws, x) ** 2))(ws)
+    np.testing.assert_allclose(grads, jax.grad(lambda ws: jnp.sum(serial(ws) ** 2))(ws), rtol=1e-5)
+
+    def train(ws, x):
+        loss_fn = lambda y, t: jnp.mean((y - t) ** 2)
+        return execute_1f1b(
+            RingStage(ws[0]), loss_fn, x, x, num_microbatches=2, model_axis_name="pipe"
+        )[0]
+
+    with pytest.raises(ValueError, match=r"the stage uses `lax\.ppermute`"):
+        jax.shard_map(train, mesh=mesh, in_specs=(P("pipe"), P(None, "ctx")), out_specs=P())(ws, x)

@@ -332,7 +332,8 @@ def test_constraint_matches_the_unconstrained_twin_with_gradients():
     serial_value, serial_grads = jax.jit(jax.value_and_grad(_mlp))(params, x)
     np.testing.assert_allclose(value, serial_value, rtol=1e-5)
     for g, s in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(serial_grads)):
-        np.testing.assert_allclose(g, s, rtol=1e-5, atol=1e-6)
+        # error relative to the leaf's largest entry: summed in another order on older JAX
+        np.testing.assert_allclose(g, s, rtol=1e-5, atol=1e-5 * float(np.max(np.abs(s))))
 
 
 def test_constraint_sets_the_sharding_on_a_multi_device_mesh():

@@ -16,6 +16,7 @@ import lm
 import train_lm
 
 import eqpar
+from eqpar.nn import ContextParallelAttention
 
 TINY = lm.LMConfig(vocab_size=32, seq_len=16, d_model=32, num_heads=8, d_hidden=64, num_layers=4)
 STEPS = 3
@@ -53,6 +54,9 @@ def arrays(model):
         ("data=2,pipe=2,model=2", {"schedule": "zb-h1", "microbatches": 2}),
         ("data=8", {"fsdp": True, "microbatches": 4}),  # no pipe: a step is not cut up
         ("data=2,model=4", {"fsdp": True, "microbatches": 2}),
+        ("data=2,context=4", {}),  # the sequence split over 4: ring attention, balanced
+        ("data=2,context=2,model=2", {}),  # and the heads over model
+        ("pipe=2,context=2,model=2", {"schedule": "1f1b", "microbatches": 2}),
     ],
     ids=[
         "dp-pp-tp-gpipe",
@@ -61,6 +65,9 @@ def arrays(model):
         "dp-pp-tp-zb-h1",
         "fsdp8",
         "fsdp-tp",
+        "dp-cp",
+        "dp-cp-tp",
+        "pp-cp-tp-1f1b",
     ],
 )
 def test_parallel_training_equals_one_device(serial, mesh, options):
@@ -69,6 +76,15 @@ def test_parallel_training_equals_one_device(serial, mesh, options):
     losses, model = train_lm.train(run, config=TINY, progress=False, show_layout=False)
     pipe = run.mesh["pipe"] > 1
     assert model.body.num_microbatches == (options["microbatches"] if pipe else 1)
+    attention = model.body.stages.layers.attention
+    if "context" in run.mesh:  # causal attention over the balanced split sequence
+        assert isinstance(attention, ContextParallelAttention)
+        strategy = "all_gather" if pipe else "ring"  # the ring does not run in a stage yet
+        assert (attention.causal, attention.layout, attention.strategy) == (
+            True, "balanced", strategy,
+        )  # fmt: skip
+    else:
+        assert not isinstance(attention, ContextParallelAttention)
     np.testing.assert_allclose(losses, serial_losses, rtol=1e-5)
     assert losses[-1] < losses[0]
     for got, want in zip(arrays(model), arrays(serial_model), strict=True):
@@ -130,6 +146,10 @@ def test_cli_errors_name_the_problem(capsys):
     with pytest.raises(SystemExit, match=r"batch_size=4 must divide by data = 8: use a "
                        r"--batch-size that is a multiple of 8 \(e.g. 8\)\.$"):  # fmt: skip
         train_lm.check_sizes(TINY, dataclasses.replace(run_config("data=8"), batch_size=4))
+    with pytest.raises(SystemExit, match=r"seq_len=12 must divide by 2 x context = 8 .*: use a "
+                       r"--seq-len that is a multiple of 8 \(e.g. 16\) or context=1, 2, 3 or 6 "
+                       r"in --mesh\.$"):  # fmt: skip
+        train_lm.check_sizes(dataclasses.replace(TINY, seq_len=12), run_config("data=2,context=4"))
     with pytest.raises(SystemExit) as exit_info:
         train_lm.main(["--check", "--optimizer", "adam"])
     assert exit_info.value.code == 2
@@ -155,6 +175,8 @@ def test_help_shows_the_defaults():
         assert default in text
     assert "(default: None)" not in text and "(default: False)" not in text
     assert "default: data=2,pipe=2,model=2 on 8 devices" in text
+    assert "a context axis (e.g. data=2,context=4) splits every sequence" in text
+    assert "--seq-len SEQ_LEN tokens per sequence (default: the --size's: 32 for small" in text
 
 
 def test_run_described_in_words():
@@ -163,6 +185,10 @@ def test_run_described_in_words():
         "mesh data=2,pipe=2,model=2 | circular x 2 repeats schedule, 2 microbatches | FSDP"
     )
     assert train_lm.describe(run_config("data=8")) == "mesh data=8,pipe=1,model=1"
+    # a context axis where it is asked for, between pipe and model as in the mesh
+    run = run_config("model=2,context=2,data=2")
+    assert train_lm.describe(run) == "mesh data=2,pipe=1,context=2,model=2"
+    assert train_lm.make_mesh(run.mesh).axis_names == ("data", "pipe", "context", "model")
 
 
 @pytest.mark.parametrize("flag", ["--microbatches", "--batch-size", "--steps"])

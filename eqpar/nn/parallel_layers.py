@@ -138,7 +138,10 @@ def _gather_replicated(x: Array, axis_name: Hashable, axis: int) -> Array:
     `out_specs=P()` would refuse; newer JAX can state the result is replicated.
     """
     if _GATHER_TAKES_TO:
-        return lax.all_gather(x, axis_name, axis=axis, tiled=True, to="invarying")  # type: ignore[call-arg]
+        try:
+            return lax.all_gather(x, axis_name, axis=axis, tiled=True, to="invarying")  # type: ignore[call-arg]
+        except ValueError:  # JAX 0.9 takes `to`, but only "varying" or "reduced"
+            pass
     gather_invariant = getattr(lax, "all_gather_invariant", None)
     if gather_invariant is not None:
         return gather_invariant(x, axis_name, axis=axis, tiled=True)

@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# The tests again at the oldest releases pyproject.toml allows (the pins of
+# .ci/constraints-floor.txt), in their own environment .venv-floor, so that the floors users are
+# promised are floors CI has run. A subset, to stay within CI's time: every module of eqpar/
+# is run by at least one test below, chosen among the serial-twin and round-trip tests.
+#     bash scripts/test_floor.sh            # the subset
+#     bash scripts/test_floor.sh tests/x.py # other tests, at the floor
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+PYTHON="${PYTHON:-python3}"
+VENV=.venv-floor
+CONSTRAINTS=.ci/constraints-floor.txt
+if [ ! -x "$VENV/bin/python" ]; then
+    "$PYTHON" -m venv "$VENV"
+fi
+STAMP="$VENV/.eqpar-installed"
+if [ ! -f "$STAMP" ] || [ pyproject.toml -nt "$STAMP" ] || [ "$CONSTRAINTS" -nt "$STAMP" ]; then
+    echo "installing eqpar[test] into $VENV at the floor ($CONSTRAINTS)" >&2
+    "$VENV/bin/python" -m pip install --quiet --upgrade pip
+    "$VENV/bin/python" -m pip install --quiet -e ".[test]" -c "$CONSTRAINTS"
+    touch "$STAMP"
+fi
+# The floor run means something only if the pins are what got installed.
+"$VENV/bin/python" - "$CONSTRAINTS" <<'PY'
+import re, sys
+from importlib.metadata import version
+pins = [l.split("#")[0].strip() for l in open(sys.argv[1])]
+wrong = [
+    f"{name} {version(name)} (pinned {want})"
+    for name, want in (p.split("==") for p in pins if p)
+    if version(name) != want
+]
+if wrong:
+    sys.exit(f"test_floor.sh: not the floor: {', '.join(wrong)}")
+PY
+# Each test (or test file) and the modules of eqpar/ it runs: every module is in some line.
+SUBSET=(
+    tests/test_spmd.py  # spmd, _specs, layout, _paths, mesh
+    tests/test_layout.py  # layout, _declare, _matching (LayoutMap)
+    "tests/test_pipeline.py::test_matches_serial_twin[gpipe-4-4]"  # pipeline, nn/pipeline, _vma
+    "tests/test_pipeline.py::test_matches_serial_twin[circular-4-4]"  # pipeline, nn/pipeline
+    "tests/test_pipeline.py::test_matches_serial_twin[1f1b-4-4]"  # pipeline, nn/pipeline
+    tests/test_pipeline_schedule.py::test_one_f_one_b_bubble_order_and_memory  # schedule
+    "tests/test_execute_schedule.py::test_execute_schedule_matches_serial_twin[zb-h1 S=4]"  # _program, schedule
+    tests/test_checkpoint.py::test_round_trip_keeps_values_types_and_static_leaves  # checkpoint
+    tests/test_checkpoint.py::test_restore_onto_another_mesh_is_bitwise_equal  # checkpoint
+    tests/test_checkpoint.py::test_damaged_checkpoint_errors_and_falls_back  # checkpoint
+    tests/test_tensor_parallel.py::test_forward_and_gradients_match_linear  # nn/tensor_parallel
+    tests/test_blocks.py::test_block_matches_serial_twin  # nn/blocks
+    "tests/test_plan.py::test_sgd_step_with_dropout_equals_serial[dp2xtp4]"  # plan, nn/parallel_layers
+    tests/test_distribution.py::test_three_optax_steps_match_single_device  # distributions
+    tests/test_collectives.py::test_gather_gradients_equal_all_gather  # collectives
+    tests/test_context_parallel.py::test_attention_matches_serial  # context
+    tests/test_precision.py::test_data_parallel_equals_serial_under_bfloat16  # precision
+    tests/test_placement.py::test_full_round_trip_gives_the_rows_back  # placement
+    tests/test_ragged.py::test_pack_splits_sharded_over_a_mesh_matches_the_serial_split  # ragged
+    tests/test_inspect.py  # inspect, _hlo
+    tests/test_hlo_axes.py  # _hlo
+    tests/test_package.py  # __init__, _typing (the public names import)
+)
+[ "$#" -eq 0 ] && set -- "${SUBSET[@]}"
+"$VENV/bin/python" -m pytest -n 2 --durations=10 "$@"
