@@ -90,6 +90,38 @@ def _send_patterns(sends: list[set]) -> tuple[np.ndarray, tuple]:
     return index, tuple(patterns)
 
 
+def _check_order(
+    schedule: PipelineSchedule, forward_at: dict, backward_at: dict, last_use: dict, training: bool
+) -> None:
+    """Every microbatch passes every stage, each action after what it needs: a table that
+    breaks this would run, but on values that are not there yet."""
+    owner = type(schedule).__name__
+    num_stages = schedule.num_devices * schedule._num_trips()
+    for m in range(schedule.num_microbatches):
+        for stage in range(num_stages):
+            key = (m, stage)
+            needs = []
+            if key not in forward_at:
+                needs.append("no forward")
+            elif stage > 0 and forward_at[key] <= forward_at.get((m, stage - 1), forward_at[key]):
+                needs.append("its forward does not come after the previous stage's")
+            if training and key not in backward_at:
+                needs.append("no backward")
+            elif training:
+                if backward_at[key] <= forward_at.get(key, -1):
+                    needs.append("its backward does not come after its forward")
+                if stage < num_stages - 1 and backward_at[key] <= backward_at.get(
+                    (m, stage + 1), -1
+                ):
+                    needs.append("its backward does not come after the next stage's")
+            if needs:
+                raise ValueError(
+                    f"{owner}: microbatch {m}, stage {stage}: {'; '.join(needs)}. A schedule "
+                    f"table must give every microbatch a forward (and, for training, a "
+                    f"backward) on every stage, each after the action whose result it uses."
+                )
+
+
 def compile_schedule(schedule: PipelineSchedule, *, store_residuals: bool) -> Program:
     """The executor's tables for `schedule` (see `Program`).
 
@@ -112,12 +144,23 @@ def compile_schedule(schedule: PipelineSchedule, *, store_residuals: bool) -> Pr
     forward_at: dict[tuple[int, int], int] = {}
     backward_at: dict[tuple[int, int], int] = {}
     last_use: dict[tuple[int, int], int] = {}
+    seen: set[tuple] = set()
     for t, row in enumerate(table):
         for d, action in enumerate(row):
             if action.kind == "idle":
                 continue
             assert action.microbatch is not None and action.stage is not None
             key = (action.microbatch, action.stage)
+            if action.stage % num_devices != d or (action.kind, *key) in seen:
+                raise ValueError(
+                    f"{type(schedule).__name__}: step {t}, device {d}: {action} is "
+                    + (
+                        "not on its stage's device (stage % num_devices)."
+                        if action.stage % num_devices != d
+                        else "the second of its kind for that microbatch and stage."
+                    )
+                )
+            seen.add((action.kind, *key))
             kind[t, d] = _KINDS[(action.kind, action.stage == last_stage)]
             microbatch[t, d] = action.microbatch
             repeat[t, d] = action.stage // num_devices
@@ -125,8 +168,14 @@ def compile_schedule(schedule: PipelineSchedule, *, store_residuals: bool) -> Pr
                 forward_at[key] = t
             elif action.kind in ("backward", "backward_input"):
                 backward_at[key] = t
+            elif key not in backward_at:  # a weight gradient needs its input gradient's pass
+                raise ValueError(
+                    f"{type(schedule).__name__}: step {t}, device {d}: {action} comes before "
+                    f"the input-gradient backward of that microbatch and stage."
+                )
             last_use[key] = max(last_use.get(key, t), t)
     training = bool(backward_at)
+    _check_order(schedule, forward_at, backward_at, last_use, training)
     if training and not store_residuals:  # the last stage's forward happens in its backward
         kind[kind == FORWARD_LAST] = IDLE
 

@@ -387,3 +387,38 @@ def test_ring_collectives_inside_stages():
 
     with pytest.raises(ValueError, match=r"the stage uses `lax\.ppermute`"):
         jax.shard_map(train, mesh=mesh, in_specs=(P("pipe"), P(None, "ctx")), out_specs=P())(ws, x)
+
+
+def test_a_table_out_of_order_is_refused():
+    """A table whose actions come before what they use would run on values not there yet."""
+    import dataclasses
+
+    from eqpar.schedule import Action
+
+    def broken(schedule, step, device, action):
+        rows = [list(row) for row in schedule.actions]
+        rows[step][device] = action
+        schedule._table = tuple(tuple(row) for row in rows)
+        return schedule
+
+    swapped = GPipeSchedule(2, 2)  # stage 1 runs microbatch 0 before stage 0 has
+    rows = [list(row) for row in swapped.actions]
+    rows[0][1], rows[1][1] = rows[1][1], Action("idle")
+    swapped._table = tuple(tuple(row) for row in rows)
+    with pytest.raises(ValueError, match="does not come after the previous stage's"):
+        _program.compile_schedule(swapped, store_residuals=False)
+    missing = broken(GPipeSchedule(2, 2), 0, 0, Action("idle"))
+    with pytest.raises(ValueError, match="microbatch 0, stage 0: no forward"):
+        _program.compile_schedule(missing, store_residuals=False)
+    elsewhere = broken(GPipeSchedule(2, 2), 0, 1, Action("forward", microbatch=1, stage=0))
+    with pytest.raises(ValueError, match="not on its stage's device"):
+        _program.compile_schedule(elsewhere, store_residuals=False)
+    zero_bubble = ZeroBubbleH1Schedule(2, 2)
+    first_w = next(
+        (t, d) for t, row in enumerate(zero_bubble.actions) for d, a in enumerate(row)
+        if a.kind == "backward_weight"
+    )  # fmt: skip
+    w = zero_bubble.actions[first_w[0]][first_w[1]]
+    early = broken(zero_bubble, 0, first_w[1], dataclasses.replace(w))
+    with pytest.raises(ValueError, match="comes before the input-gradient backward"):
+        _program.compile_schedule(early, store_residuals=True)
