@@ -12,6 +12,9 @@ microbatches. The functions here know nothing of Equinox modules beyond "a calla
   device.
 - `execute_1f1b`: a whole training step (loss and gradients) in the one-forward-one-backward
   order, holding at most `S` microbatch inputs per device.
+- `execute_schedule`: a whole training step in the order of any training schedule of
+  `eqpar.schedule` (1F1B, zero-bubble ZB-H1, GPipe or circular with their backward). Every
+  executor here runs the same loop, `_run_schedule`, from the table its schedule gives.
 - `Microbatched`: marks an extra stage argument (an attention mask, positions) as per-example,
   so that every stage call gets the rows of the microbatch it is working on.
 """
@@ -188,16 +191,6 @@ def _merge_microbatches(tree: Any) -> Any:
 def _take(tree: Any, index: Any) -> Any:
     """Row `index` (traced) of every array leaf of `tree`."""
     return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, index, keepdims=False), tree)
-
-
-def _put(tree: Any, index: Any, value: Any, when: Any) -> Any:
-    """`tree` with row `index` replaced by `value` where `when` holds (otherwise unchanged)."""
-
-    def put(a: Array, v: Array) -> Array:
-        old = lax.dynamic_index_in_dim(a, index, keepdims=False)
-        return lax.dynamic_update_index_in_dim(a, jnp.where(when, v, old), index, 0)
-
-    return jax.tree.map(put, tree, value)
 
 
 def _zeros_like(tree: Any) -> Any:

@@ -5,9 +5,10 @@ axis. Each cell is an `Action`: a forward or a backward pass of one microbatch t
 stage, or nothing (a bubble). Every action lasts one step; real backward passes cost about
 twice a forward pass, which shifts the wall time but not the order or the bubble count.
 
-The timing rules live in small functions (`_circular_slot`, `_one_f_one_b_slot`) written with
-array arithmetic only, so the executors in `eqpar.pipeline` evaluate the very same rules on
-traced step counters inside `lax.scan` that these schedule objects evaluate with NumPy. A
+The table is also the program: `eqpar.pipeline.execute_schedule` (and the forward executors)
+compile it into per-device lookup tables and run it as one `lax.scan`, so what the chart shows
+is what runs. The GPipe/circular and 1F1B timings are closed-form rules (`_circular_slot`,
+`_one_f_one_b_slot`); ZB-H1's table comes from priority rules applied step by step. A
 backward half that autodiff of a forward `lax.scan` runs is the forward table read backwards
 (`_mirrored_backward`).
 """
