@@ -429,6 +429,33 @@ def _local_heads(
     return heads, lax.axis_index(axis_name) * heads
 
 
+def _project_heads(
+    attention: eqx.nn.MultiheadAttention,
+    query: Array,
+    key_: Array,
+    value: Array,
+    heads: int,
+    process_heads: Callable | None,
+    owner: str,
+) -> tuple[Array, Array, Array]:
+    """Query, key and value projected into `heads` heads each (`[seq, heads, size]`), then
+    through `process_heads`, which must keep their shapes: the step the converted attention
+    layers share with `eqx.nn.MultiheadAttention`."""
+
+    def project(linear: eqx.nn.Linear, x: Array) -> Array:
+        return jax.vmap(linear)(x).reshape(x.shape[0], heads, -1)
+
+    query_heads = project(attention.query_proj, query)
+    key_heads = project(attention.key_proj, key_)
+    value_heads = project(attention.value_proj, value)
+    if process_heads is not None:
+        shapes = (query_heads.shape, key_heads.shape, value_heads.shape)
+        query_heads, key_heads, value_heads = process_heads(query_heads, key_heads, value_heads)
+        if (query_heads.shape, key_heads.shape, value_heads.shape) != shapes:
+            raise ValueError(f"{owner}: process_heads must not change the heads' shapes.")
+    return query_heads, key_heads, value_heads
+
+
 class HeadParallelAttention(eqx.nn.MultiheadAttention):
     """`eqx.nn.MultiheadAttention` with its heads split over a mesh axis.
 
@@ -552,17 +579,9 @@ class HeadParallelAttention(eqx.nn.MultiheadAttention):
             )
         _check_sequences(owner, query.shape[0], key_.shape[0])
 
-        def project(linear: eqx.nn.Linear, x: Array) -> Array:
-            return jax.vmap(linear)(x).reshape(x.shape[0], heads, -1)
-
-        query_heads = project(self.query_proj, query)
-        key_heads = project(self.key_proj, key_)
-        value_heads = project(self.value_proj, value)
-        if process_heads is not None:
-            shapes = (query_heads.shape, key_heads.shape, value_heads.shape)
-            query_heads, key_heads, value_heads = process_heads(query_heads, key_heads, value_heads)
-            if (query_heads.shape, key_heads.shape, value_heads.shape) != shapes:
-                raise ValueError(f"{owner}: process_heads must not change the heads' shapes.")
+        query_heads, key_heads, value_heads = _project_heads(
+            self, query, key_, value, heads, process_heads, owner
+        )
         if mask is not None and mask.ndim == 3:
             if mask.shape[0] != self.num_heads:
                 raise ValueError(
@@ -1147,17 +1166,9 @@ class ContextParallelAttention(eqx.nn.MultiheadAttention):
                     varying[id(x)] = cast_varying(x, frozenset({self.head_axis_name}))
             query, key_, value = (varying[id(x)] for x in (query, key_, value))
 
-        def project(linear: eqx.nn.Linear, x: Array) -> Array:
-            return jax.vmap(linear)(x).reshape(x.shape[0], heads, -1)
-
-        query_heads = project(self.query_proj, query)
-        key_heads = project(self.key_proj, key_)
-        value_heads = project(self.value_proj, value)
-        if process_heads is not None:
-            shapes = (query_heads.shape, key_heads.shape, value_heads.shape)
-            query_heads, key_heads, value_heads = process_heads(query_heads, key_heads, value_heads)
-            if (query_heads.shape, key_heads.shape, value_heads.shape) != shapes:
-                raise ValueError(f"{owner}: process_heads must not change the heads' shapes.")
+        query_heads, key_heads, value_heads = _project_heads(
+            self, query, key_, value, heads, process_heads, owner
+        )
         attend = ring_attention if self.strategy == "ring" else all_gather_attention
         attn = attend(
             query_heads,
