@@ -396,6 +396,7 @@ class _Work(NamedTuple):
     grads: Any
     loss_grads: Any
     loss: Any
+    loss_cotangent: Any  # the output cotangent from `loss_everywhere` (else None)
 
 
 class _Done(NamedTuple):
@@ -425,6 +426,7 @@ def _run_schedule(
     axis_name: AxisName,
     loss_dtype: Any = None,
     return_all_grads: bool = False,
+    loss_on_every_device: bool = False,
 ) -> _Carry:
     """Run `program` (a compiled schedule table) in one `lax.scan` on this device.
 
@@ -436,6 +438,12 @@ def _run_schedule(
     outputs (differentiate through it); otherwise a training table, each backward computed
     with `jax.vjp` from the residuals its forward stored (`program.num_residual_slots > 0`)
     or by recomputing the forward (none stored).
+
+    With `loss_on_every_device` (a loss function split over the pipeline axis, such as a
+    vocabulary-parallel head), the loss of each microbatch runs outside the branches, on
+    every device at the step its last stage's backward starts: the last stage's output goes
+    to every device (one `psum`), each computes the loss and the gradient of its own part
+    of the loss function, and the output's cotangent comes back summed to the last stage.
     """
     training = loss_fn is not None
     store = program.num_residual_slots > 0
@@ -449,7 +457,8 @@ def _run_schedule(
     microbatches = _cast_tree(microbatches, pipe)
     first = _take(microbatches, 0)
     loss_params, loss_static = eqx.partition(loss_fn, eqx.is_inexact_array)
-    loss_params = _cast_tree(loss_params, pipe)
+    if not loss_on_every_device:  # it runs inside the branches, which must agree on types
+        loss_params = _cast_tree(loss_params, pipe)
     targets = _cast_tree(target_microbatches, pipe)
 
     def stage_params(p: Any, repeat: Any) -> Any:
@@ -539,25 +548,67 @@ def _run_schedule(
             done = done._replace(grads=add(w.grads, d_params, w.repeat))
         return done._replace(sent_back=d_h) if inputs else done
 
-    def backward_last(w: _Work, *, weights: bool = True) -> _Done:
-        pullback, out_axes, out = pullback_of(w)
-        if out is None:  # the forward kept the output's inexact leaves; the others are the
-            # input's (a stage passes integer leaves such as masks through unchanged)
-            out = eqx.combine(_take(w.cotangents, w.cotangent_slot), _integer_leaves(w.h))
-        out_diff, out_rest = eqx.partition(out, eqx.is_inexact_array)
-        target = _take(targets, w.microbatch)
+    def loss_and_pullback(out_diff: Any, out_rest: Any, microbatch: Any) -> tuple:
+        """The cotangent of one microbatch's output, the gradient of `loss_fn`'s parameters
+        and the microbatch's share of the mean loss."""
+        target = _take(targets, microbatch)
 
         def loss_of(od: Any, lp: Any) -> Any:
             return eqx.combine(lp, loss_static)(eqx.combine(od, out_rest), target)
 
         value, loss_pullback = jax.vjp(loss_of, out_diff, loss_params)
         d_out, d_loss_params = loss_pullback(_cast_varying(scale, _varying_axes(value)))
+        return d_out, d_loss_params, value * scale
+
+    # The steps at which a last stage's backward starts: the device that runs it, its
+    # microbatch and the slot where its forward kept the output (-1: none at that step).
+    last_stage = np.isin(program.kind, (_program.BACKWARD_LAST, _program.BACKWARD_INPUT_LAST))
+    if (last_stage.sum(axis=1) > 1).any():  # one device holds the last stage
+        raise AssertionError("a step starts two last-stage backwards")
+    loss_device = np.where(last_stage.any(axis=1), last_stage.argmax(axis=1), -1)
+    steps = np.arange(len(program.kind))
+    at_loss_device = (steps, np.maximum(loss_device, 0))
+    loss_steps = jnp.asarray(np.stack([
+        loss_device, program.microbatch[at_loss_device], program.cotangent_slot[at_loss_device]
+    ], axis=-1))  # fmt: skip
+
+    def loss_everywhere(cotangents: Any, t: Array) -> tuple:
+        """At a step where a last stage's backward starts: every device's part of its loss
+        (`loss_on_every_device`); zeros at the other steps."""
+        owner, microbatch, slot = loss_steps[t]
+
+        def run(cotangents: Any) -> tuple:
+            kept = _take(cotangents, jnp.maximum(slot, 0))  # the output, on its device
+            out_diff = jax.tree.map(
+                lambda a: lax.psum(jnp.where(device == owner, a, jnp.zeros_like(a)), axis_name),
+                kept,
+            )
+            # Integer leaves (masks) pass through the stages unchanged: the microbatch's own.
+            out_rest = _integer_leaves(_take(microbatches, microbatch))
+            return loss_and_pullback(out_diff, out_rest, microbatch)
+
+        def skip(cotangents: Any) -> tuple:
+            shapes = jax.eval_shape(run, cotangents)
+            return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+        # The step, not the device, picks the branch: every device runs the same one.
+        return _switch((owner >= 0).astype(jnp.int32), [skip, run], cotangents)
+
+    def backward_last(w: _Work, *, weights: bool = True) -> _Done:
+        pullback, out_axes, out = pullback_of(w)
+        if out is None:  # the forward kept the output's inexact leaves; the others are the
+            # input's (a stage passes integer leaves such as masks through unchanged)
+            out = eqx.combine(_take(w.cotangents, w.cotangent_slot), _integer_leaves(w.h))
+        if loss_on_every_device:  # the loss ran before the branches (`loss_everywhere`)
+            d_out, done = w.loss_cotangent, nothing(w)
+        else:
+            out_diff, out_rest = eqx.partition(out, eqx.is_inexact_array)
+            d_out, d_loss_params, part = loss_and_pullback(out_diff, out_rest, w.microbatch)
+            done = nothing(w)._replace(
+                loss_grads=_add(w.loss_grads, d_loss_params), loss=w.loss + part
+            )
         d_params, d_h = pullback(_cast_tree(d_out, out_axes))
-        done = nothing(w)._replace(
-            sent_back=d_h,
-            loss_grads=_add(w.loss_grads, d_loss_params),
-            loss=w.loss + value * scale,
-        )
+        done = done._replace(sent_back=d_h)
         if weights:
             return done._replace(grads=add(w.grads, d_params, w.repeat))
         return done._replace(kept_cotangent=d_out)  # for the weight gradient, later
@@ -612,9 +663,13 @@ def _run_schedule(
         fresh = _take(microbatches, microbatch)
         waiting = _take(inputs, jnp.maximum(input_slot, 0))
         h = jax.tree.map(lambda f, s: jnp.where(input_slot < 0, f, s), fresh, waiting)
+        loss_grads, loss, loss_cotangent = carry.loss_grads, carry.loss, None
+        if training and loss_on_every_device:
+            loss_cotangent, d_loss_params, part = loss_everywhere(cotangents, t)
+            loss_grads, loss = _add(loss_grads, d_loss_params), loss + part
         work = _Work(
             h, microbatch, repeat, cotangents, cotangent_slot, carry.residuals, residual_slot,
-            carry.grads, carry.loss_grads, carry.loss,
+            carry.grads, loss_grads, loss, loss_cotangent,
         )  # fmt: skip
         if training:
             done = _switch(branch, branches, work) if len(branches) > 1 else branches[0](work)
@@ -1280,6 +1335,24 @@ def _execute_schedule(
             f"circular schedule), or use a collective without `ppermute` in the stage "
             f"(`strategy='all_gather'` attention, `TPDense`)."
         )
+    # A loss function with parameters split over the pipeline axis (a vocabulary-parallel
+    # head) runs on every device of it, outside the per-device branches; otherwise on the
+    # last stage's device alone, where it cannot use that axis.
+    loss_on_every_device = any(
+        model_axis_name in axes for axes in jax.tree.leaves(replicated_axes[1])
+    )
+    target = _take(target_microbatches, 0)
+    loss_axes = _collective_axes(jax.make_jaxpr(lambda h, t: loss_fn(h, t))(first, target))
+    if model_axis_name in loss_axes and not loss_on_every_device:
+        raise ValueError(
+            f"{caller}: `loss_fn` uses a collective over the pipeline axis "
+            f"{model_axis_name!r}, but none of its parameters is split over that axis, so it "
+            f"runs on the last stage's device alone, where such a collective cannot run. "
+            f"Split its parameters over {model_axis_name!r} too (e.g. "
+            f"`eqpar.ColumnParallel(('model', {model_axis_name!r}))` on the output head with "
+            f"`eqpar.nn.vocab_parallel_cross_entropy`): it then runs on every device of the "
+            f"axis; or remove the collective."
+        )
     program = _program.compile_schedule(schedule, store_residuals=not recompute)
     carry = _run_schedule(
         program,
@@ -1291,6 +1364,7 @@ def _execute_schedule(
         axis_name=model_axis_name,
         loss_dtype=loss_shape.dtype,
         return_all_grads=return_all_grads,
+        loss_on_every_device=loss_on_every_device,
     )
     device = lax.axis_index(model_axis_name)
     is_first, is_last = device == 0, device == num_stages - 1
@@ -1301,9 +1375,11 @@ def _execute_schedule(
     loss = lax.psum(jnp.where(is_last, carry.loss, jnp.zeros_like(carry.loss)), model_axis_name)
     if not return_all_grads:
         return loss, grads
-    loss_grads = jax.tree.map(
-        lambda g: lax.psum(jnp.where(is_last, g, jnp.zeros_like(g)), model_axis_name), loss_grads
-    )
+    if not loss_on_every_device:  # they are on the last stage's device: copy them to all
+        loss_grads = jax.tree.map(
+            lambda g: lax.psum(jnp.where(is_last, g, jnp.zeros_like(g)), model_axis_name),
+            loss_grads,
+        )
     x_grads = jax.tree.map(
         lambda g: lax.psum(jnp.where(is_first, g[:num_microbatches], 0), model_axis_name),
         carry.x_grads,
@@ -1311,18 +1387,37 @@ def _execute_schedule(
     return loss, (grads, loss_grads, _merge_microbatches(x_grads))
 
 
-def _uses_primitive(jaxpr: Any, name: str) -> bool:
-    """Whether `name` is a primitive of `jaxpr` or of any jaxpr nested in its equations."""
+def _equations(jaxpr: Any) -> Any:
+    """Every equation of `jaxpr` and of the jaxprs nested in its equations."""
     inner = getattr(jaxpr, "jaxpr", jaxpr)
     for eqn in getattr(inner, "eqns", ()):
-        if eqn.primitive.name == name:
-            return True
+        yield eqn
         for value in eqn.params.values():
             for item in value if isinstance(value, list | tuple) else (value,):
                 if hasattr(item, "eqns") or hasattr(getattr(item, "jaxpr", None), "eqns"):
-                    if _uses_primitive(item, name):
-                        return True
-    return False
+                    yield from _equations(item)
+
+
+def _uses_primitive(jaxpr: Any, name: str) -> bool:
+    """Whether `name` is a primitive of `jaxpr` or of any jaxpr nested in its equations."""
+    return any(eqn.primitive.name == name for eqn in _equations(jaxpr))
+
+
+# Primitives that move data between the devices of the mesh axes they name.
+_COLLECTIVES = frozenset({
+    "psum", "psum_invariant", "pmax", "pmin", "all_gather", "all_gather_invariant",
+    "reduce_scatter", "ppermute", "all_to_all",
+})  # fmt: skip
+
+
+def _collective_axes(jaxpr: Any) -> frozenset:
+    """The mesh axes the collectives of `jaxpr` (nested jaxprs included) run over."""
+    axes: set = set()
+    for eqn in _equations(jaxpr):
+        if eqn.primitive.name in _COLLECTIVES:
+            named = eqn.params.get("axes", eqn.params.get("axis_name", ()))
+            axes.update(named if isinstance(named, tuple | list) else (named,))
+    return frozenset(axes)
 
 
 def _first_of_stack(stages: Any) -> Any:

@@ -10,6 +10,7 @@ original classes back.
 """
 
 import dataclasses
+import math
 import warnings
 from collections.abc import Hashable, Mapping
 from typing import Any
@@ -477,12 +478,15 @@ def parallelize(
 
 def _check_axis(style: Style, layer: Any, where: str, axis_sizes: dict) -> None:
     axis = style.axis
-    if axis not in axis_sizes:
+    # A tuple of axes splits over all of them at once (their product), as in a PartitionSpec.
+    names = axis if isinstance(axis, tuple) else (axis,)
+    missing = [name for name in names if name not in axis_sizes]
+    if missing:
         raise ValueError(
-            f"parallelize: {style!r} for the layer at {where!r} names axis {axis!r}, which "
-            f"the mesh {tuple(axis_sizes)} does not have."
+            f"parallelize: {style!r} for the layer at {where!r} names axis "
+            f"{missing[0]!r}, which the mesh {tuple(axis_sizes)} does not have."
         )
-    n = axis_sizes[axis]
+    n = math.prod(axis_sizes[name] for name in names)
     for label, size in style.split_sizes(layer).items():
         if size % n:
             raise ValueError(

@@ -43,7 +43,12 @@ from jax import lax
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 import eqpar
-from eqpar.nn import ContextParallelAttention, PipelineModule
+from eqpar.nn import (
+    ColumnParallelLinear,
+    ContextParallelAttention,
+    PipelineModule,
+    vocab_parallel_cross_entropy,
+)
 
 DATA, PIPE, CONTEXT, MODEL = "data", "pipe", "context", "model"
 SCHEDULES = ("gpipe", "circular", "1f1b", "zb-h1")
@@ -151,14 +156,20 @@ class Head(eqx.Module):
     """Final norm, unembedding and the mean next-token cross entropy."""
 
     norm: eqx.nn.LayerNorm
-    unembed: eqx.nn.Linear
+    unembed: eqx.nn.Linear | ColumnParallelLinear
 
     def __call__(
         self, h: Float[Array, "batch seq d_model"], targets: Int[Array, "batch seq"]
     ) -> Float[Array, ""]:
         logits = jax.vmap(jax.vmap(lambda x: self.unembed(self.norm(x))))(h)
-        # The softmax and the loss in float32 whatever the compute dtype (a no-op in float32):
-        # bfloat16's 8-bit mantissa would round the log-probabilities of a 64-token vocabulary.
+        # The softmax and the loss in float32 whatever the compute dtype (inside
+        # `vocab_parallel_cross_entropy` too): bfloat16's 8-bit mantissa would round the
+        # log-probabilities.
+        if isinstance(self.unembed, ColumnParallelLinear):
+            # The plan split the vocabulary (`VOCAB`): these are this device's logits only;
+            # the loss takes the softmax over all of them without gathering them.
+            losses = vocab_parallel_cross_entropy(logits, targets, axis_name=self.unembed.axis_name)
+            return jnp.mean(losses)
         log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
         return -jnp.mean(jnp.take_along_axis(log_probs, targets[..., None], axis=-1))
 
@@ -241,12 +252,17 @@ class LM(eqx.Module):
 # --- parallelization -----------------------------------------------------------------------
 
 ATTENTION = "body/stages/layers/attention"  # the plan key of the blocks' attention
+# The vocabulary of the embedding and of the head is split over `pipe` as well as `model`:
+# they are the largest layers (at GPT-2 size 45% of the parameters), and on a pipe axis they
+# would otherwise be whole on every stage. Every stage then takes part in the embedding
+# lookup and in the loss, of every microbatch.
+VOCAB = (MODEL, PIPE)
 PLAN = {
-    "embed": eqpar.VocabParallel(MODEL),
+    "embed": eqpar.VocabParallel(VOCAB),
     ATTENTION: eqpar.HeadParallel(MODEL),
     "body/stages/layers/up": eqpar.ColumnParallel(MODEL),
     "body/stages/layers/down": eqpar.RowParallel(MODEL),
-    "unembed": eqpar.ColumnParallel(MODEL, gather_output=True),
+    "unembed": eqpar.ColumnParallel(VOCAB),
 }
 
 
