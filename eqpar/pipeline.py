@@ -427,6 +427,7 @@ def _run_schedule(
     loss_dtype: Any = None,
     return_all_grads: bool = False,
     loss_on_every_device: bool = False,
+    stage_policy: Callable | None = None,
 ) -> _Carry:
     """Run `program` (a compiled schedule table) in one `lax.scan` on this device.
 
@@ -444,6 +445,11 @@ def _run_schedule(
     every device at the step its last stage's backward starts: the last stage's output goes
     to every device (one `psum`), each computes the loss and the gradient of its own part
     of the loss function, and the output's cotangent comes back summed to the last stage.
+
+    A forward run of several stages per device calls each stage under `jax.checkpoint`
+    with `stage_policy` (default: keep everything but the stage's slice of the stacked
+    weights), its slice of the stacked weights taken inside, so that autodiff of the loop
+    keeps no copy of the slice per step and the stage's own remat policy holds.
     """
     training = loss_fn is not None
     store = program.num_residual_slots > 0
@@ -472,6 +478,20 @@ def _run_schedule(
         call_args, call_kwargs = arguments_at(microbatch)
         rest = static if others is None else eqx.combine(_take(others, repeat), static)
         return eqx.combine(p, rest)(h, *call_args, **call_kwargs)
+
+    def forward_run(h: Any, microbatch: Any, repeat: Any) -> Any:
+        """A forward run's stage call (outside the per-device branches)."""
+        if num_repeats == 1:
+            return run_stage(params, h, microbatch, repeat)
+        # One checkpoint whose policy is the stage's own: a policy around an inner
+        # `jax.checkpoint` decides for it too (it would keep what the inner one drops).
+        policy = stage_policy or jax.checkpoint_policies.save_anything_except_these_names(
+            _STAGE_WEIGHTS
+        )
+        call = jax.checkpoint(
+            lambda p, h, m, r: run_stage(stage_params(p, r), h, m, r), policy=policy
+        )
+        return call(params, h, microbatch, repeat)
 
     def stage_vjp(p: Any, h: Any, microbatch: Any, repeat: Any = 0) -> tuple:
         """`jax.vjp` of the stage in its inexact leaves: `(pullback, output)`. Only the
@@ -677,7 +697,7 @@ def _run_schedule(
             # Every device runs its stage at every step, bubbles included, rather than inside
             # a `lax.switch` whose branch differs by device: collectives inside the stage over
             # other mesh axes then run on every device alike (see `execute_schedule`).
-            out = run_stage(stage_params(params, repeat), h, microbatch, repeat)
+            out = forward_run(h, microbatch, repeat)
             done = nothing(work)._replace(sent_forward=out, output=out)
         is_forward = (kind == _program.FORWARD) | (kind == _program.FORWARD_LAST)
         keeps_cotangent = (kind == _program.FORWARD_LAST) | (kind == _program.BACKWARD_INPUT_LAST)
@@ -729,13 +749,7 @@ def _run_schedule(
         loss=_cast_varying(jnp.zeros((), scale.dtype), pipe) if training else None,
         x_grads=buffer(zero_cotangent, num_microbatches + 1) if return_all_grads else None,
     )
-    body = step
-    if not training and num_repeats > 1:
-        # Autodiff of the scan would keep each step's slice of the stacked weights; recompute
-        # it from the weights (a loop constant) in the backward pass instead.
-        policy = jax.checkpoint_policies.save_anything_except_these_names(_STAGE_WEIGHTS)
-        body = jax.checkpoint(step, policy=policy)
-    carry, _ = _scan(body, init, _steps(len(program.kind)))
+    carry, _ = _scan(step, init, _steps(len(program.kind)))
     return carry
 
 
@@ -982,6 +996,25 @@ def execute_circular_pipeline(
     assert jnp.allclose(f(factors, jnp.ones((4, 2))), 24.0)
     ```
     """
+    return _circular_forward(
+        stages, x, args, kwargs, num_microbatches=num_microbatches,
+        model_axis_name=model_axis_name, broadcast_output=broadcast_output,
+    )  # fmt: skip
+
+
+def _circular_forward(
+    stages: Any,
+    x: Any,
+    args: tuple,
+    kwargs: dict,
+    *,
+    num_microbatches: int,
+    model_axis_name: AxisName,
+    broadcast_output: bool,
+    stage_policy: Callable | None = None,
+) -> Any:
+    """`execute_circular_pipeline`; `stage_policy` is the `jax.checkpoint` policy of each
+    stage call (`None`: keep everything but the stage's slice of the stacked weights)."""
     caller = "execute_circular_pipeline"
     num_microbatches = _check_microbatches(num_microbatches, caller)
     num_stages = _axis_size(model_axis_name, caller)
@@ -1010,8 +1043,9 @@ def execute_circular_pipeline(
 
     program = _forward_program(num_stages, num_microbatches, num_repeats)
     carry = _run_schedule(
-        program, stages, None, microbatches, None, arguments_at, axis_name=model_axis_name
-    )
+        program, stages, None, microbatches, None, arguments_at, axis_name=model_axis_name,
+        stage_policy=stage_policy,
+    )  # fmt: skip
     outputs = jax.tree.map(lambda o: o[:num_microbatches], carry.outputs)
     return _gather_output(_merge_microbatches(outputs), model_axis_name, broadcast_output)
 

@@ -30,9 +30,9 @@ from ..mesh import DeviceMesh, as_jax_mesh
 from ..pipeline import (
     _axis_size,
     _batch_size,
+    _circular_forward,
     _scan,
     _unwrap_microbatched,
-    execute_circular_pipeline,
     execute_pipeline,
     execute_schedule,
 )
@@ -399,6 +399,15 @@ class ScannedLayers(eqx.Module):
                 entries[1 + dim] = self.gather_axis
                 specs[path] = PartitionSpec(*entries)
         return prefixed("layers", specs)
+
+
+def _layers_remat(stages: Any) -> RematPolicy:
+    """The remat policy of the first `ScannedLayers` inside `stages` ("none" if none)."""
+    is_layers = lambda node: isinstance(node, ScannedLayers)
+    for node in jax.tree.leaves(stages, is_leaf=is_layers):
+        if is_layers(node) and node.remat != "none":
+            return node.remat
+    return "none"
 
 
 def _call_stage(stage: Any, x: Any, *args: Any, **kwargs: Any) -> Any:
@@ -804,15 +813,20 @@ class PipelineModule(eqx.Module):
         **Returns:** the outputs in batch order on the last device of the axis and zeros on
         the others (on every device with `broadcast_output=True`).
         """
-        local = _StageCall(self._local_stages("PipelineModule"), self.remat)
+        stages = self._local_stages("PipelineModule")
         options = dict(
             num_microbatches=self.num_microbatches,
             model_axis_name=self.axis_name,
             broadcast_output=self.broadcast_output,
         )
         if self.num_repeats == 1:
-            return execute_pipeline(local, x, *args, **options, **kwargs)
-        return execute_circular_pipeline(local, x, *args, **options, **kwargs)
+            return execute_pipeline(_StageCall(stages, self.remat), x, *args, **options, **kwargs)
+        # The executor checkpoints each stage call itself, with the stage's slice of the
+        # stacked weights taken inside, under the policy of `remat`, or else that of the
+        # layers inside the stage (a policy around an inner `jax.checkpoint` overrides it).
+        remat = self.remat if self.remat != "none" else _layers_remat(self.stages)
+        policy = _REMAT_POLICIES[remat]
+        return _circular_forward(stages, x, args, kwargs, **options, stage_policy=policy)
 
     def value_and_grad(
         self,
