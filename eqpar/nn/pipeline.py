@@ -814,19 +814,21 @@ class PipelineModule(eqx.Module):
         the others (on every device with `broadcast_output=True`).
         """
         stages = self._local_stages("PipelineModule")
-        options = dict(
-            num_microbatches=self.num_microbatches,
-            model_axis_name=self.axis_name,
-            broadcast_output=self.broadcast_output,
-        )
         if self.num_repeats == 1:
-            return execute_pipeline(_StageCall(stages, self.remat), x, *args, **options, **kwargs)
+            return execute_pipeline(
+                _StageCall(stages, self.remat), x, *args, num_microbatches=self.num_microbatches,
+                model_axis_name=self.axis_name, broadcast_output=self.broadcast_output, **kwargs,
+            )  # fmt: skip
         # The executor checkpoints each stage call itself, with the stage's slice of the
         # stacked weights taken inside, under the policy of `remat`, or else that of the
         # layers inside the stage (a policy around an inner `jax.checkpoint` overrides it).
         remat = self.remat if self.remat != "none" else _layers_remat(self.stages)
         policy = _REMAT_POLICIES[remat]
-        return _circular_forward(stages, x, args, kwargs, **options, stage_policy=policy)
+        return _circular_forward(
+            stages, x, args, kwargs, num_microbatches=self.num_microbatches,
+            model_axis_name=self.axis_name, broadcast_output=self.broadcast_output,
+            stage_policy=policy,
+        )  # fmt: skip
 
     def value_and_grad(
         self,
