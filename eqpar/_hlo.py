@@ -75,7 +75,11 @@ class CollectiveOp:
 
     `array_bytes`: its result on one device (summed over a tuple result); `group_size`: devices
     in its replica group; `bytes_per_device`: what one device receives per execution;
-    `executions`: how often it runs per program run (the product of enclosing loop trip counts).
+    `executions`: how often it runs per program run (the product of enclosing loop trip counts);
+    `in_conditional`: whether it sits in a branch of a `conditional` (`lax.switch`, `lax.cond`),
+    at any depth. Such an op is counted as part of its conditional's busiest branch, as if that
+    branch ran at every execution (see `collective_ops`), so its `executions` is an upper bound;
+    an op with `in_conditional=False` runs exactly `executions` times.
     """
 
     kind: str
@@ -87,6 +91,7 @@ class CollectiveOp:
     # The devices (partition ids) that exchange data: its replica groups, or for a
     # collective-permute each source-target pair.
     groups: tuple[tuple[int, ...], ...] = dataclasses.field(default=(), compare=False, repr=False)
+    in_conditional: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -311,11 +316,15 @@ def _received(kind: str, result: int, group: int) -> float:
 
 
 def _parse(text: str):
-    """Computations as {name: (collectives, [(callees, multiplier)], unknown_loops)} and the
-    entry's name; `callees` is one name, or a conditional's branches (of which one runs)."""
+    """Computations as {name: (collectives, [(callees, multiplier, branches)], unknown_loops)}
+    and the entry's name; `callees` is one name, or with `branches` a conditional's branches
+    (of which one runs: `branch_computations`, or `true_computation` and
+    `false_computation`)."""
     partitions = re.search(r"num_partitions=(\d+)", text)
     num_partitions = int(partitions.group(1)) if partitions else 1
-    computations: dict[str, tuple[list[CollectiveOp], list[tuple[tuple[str, ...], int]], int]] = {}
+    computations: dict[
+        str, tuple[list[CollectiveOp], list[tuple[tuple[str, ...], int, bool]], int]
+    ] = {}
     entry = None
     current = None
     for line in text.splitlines():
@@ -356,14 +365,22 @@ def _parse(text: str):
                 multiplier = int(trip["n"])
             else:
                 unknown += 1
+        predicated = []  # a conditional on a predicate: its true and false computations
         for match in _CALLEE_SINGLE.finditer(line):
-            callees.append(((match["name"],), multiplier if match["attr"] == "body" else 1))
+            if match["attr"] in ("true_computation", "false_computation"):
+                predicated.append(match["name"])
+            else:
+                callees.append(
+                    ((match["name"],), multiplier if match["attr"] == "body" else 1, False)
+                )
+        if predicated:
+            callees.append((tuple(predicated), 1, True))
         for match in _CALLEE_LIST.finditer(line):
             names = [n.strip().lstrip("%") for n in match["names"].split(",") if n.strip()]
             if match["attr"] == "branch_computations":
-                callees.append((tuple(names), 1))
+                callees.append((tuple(names), 1, True))
             else:
-                callees.extend(((name,), 1) for name in names)
+                callees.extend(((name,), 1, False) for name in names)
         computations[current] = (ops, callees, unknown)
     if entry is None:
         raise ValueError("no ENTRY computation found: pass compiled.as_text() of a program.")
@@ -376,20 +393,28 @@ def collective_ops(compiled_or_text: Any) -> list[CollectiveOp]:
     A conditional runs one of its branches, which the program text does not say: its
     collectives are those of the branch that moves the most bytes (an upper bound). A loop
     whose steps take different branches (the pipeline executors send only what each step's
-    actions need) is therefore counted as if every step took the busiest one."""
+    actions need) is therefore counted as if every step took the busiest one; the ops so
+    counted have `in_conditional=True`, the others run exactly as often as counted."""
     computations, entry = _parse(_text(compiled_or_text))
 
-    def visit(name: str, executions: int, path: tuple[str, ...]) -> list[CollectiveOp]:
+    def visit(
+        name: str, executions: int, path: tuple[str, ...], in_branch: bool
+    ) -> list[CollectiveOp]:
         if name not in computations or name in path:
             return []
         ops, callees, _ = computations[name]
-        found = [dataclasses.replace(op, executions=executions) for op in ops]
-        for names, multiplier in callees:
-            branches = [visit(n, executions * multiplier, (*path, name)) for n in names]
-            found.extend(max(branches, key=_moved))
+        found = [
+            dataclasses.replace(op, executions=executions, in_conditional=in_branch) for op in ops
+        ]
+        for names, multiplier, branches in callees:
+            reached = [
+                visit(n, executions * multiplier, (*path, name), in_branch or branches)
+                for n in names
+            ]
+            found.extend(max(reached, key=_moved))
         return found
 
-    return visit(entry, 1, ())
+    return visit(entry, 1, (), False)
 
 
 def _moved(ops: list[CollectiveOp]) -> float:
