@@ -693,13 +693,15 @@ def _run_schedule(
         )  # fmt: skip
         if training:
             done = _switch(branch, branches, work) if len(branches) > 1 else branches[0](work)
-        else:
+        is_forward = (kind == _program.FORWARD) | (kind == _program.FORWARD_LAST)
+        if not training:
             # Every device runs its stage at every step, bubbles included, rather than inside
             # a `lax.switch` whose branch differs by device: collectives inside the stage over
-            # other mesh axes then run on every device alike (see `execute_schedule`).
+            # other mesh axes then run on every device alike (see `execute_schedule`), and
+            # autodiff of the loop keeps what the stage's remat policy says (a conditional
+            # there made XLA keep up to 4x more temp in a measured trial).
             out = forward_run(h, microbatch, repeat)
             done = nothing(work)._replace(sent_forward=out, output=out)
-        is_forward = (kind == _program.FORWARD) | (kind == _program.FORWARD_LAST)
         keeps_cotangent = (kind == _program.FORWARD_LAST) | (kind == _program.BACKWARD_INPUT_LAST)
         spare_cotangent = program.num_cotangent_slots
         if training:
@@ -1089,7 +1091,11 @@ def execute_1f1b(
       taken with respect to its inexact array leaves.
     - `loss_fn`: `loss_fn(outputs, targets) -> scalar` for one microbatch, e.g. a mean over
       its rows; a callable pytree whose array leaves (say an output head) get gradients with
-      `return_all_grads=True`. It must not use collectives over `model_axis_name`.
+      `return_all_grads=True`. It runs on the last stage's device, and cannot use
+      collectives over `model_axis_name` there, unless some of its parameters are split over
+      that axis (a vocabulary-parallel head, `eqpar.ColumnParallel(("model", axis))` with
+      `eqpar.nn.vocab_parallel_cross_entropy`): it then runs on every device of the axis on
+      the last stage's output, and each device gets the gradient of its own part.
     - `x`: the batch entering the first stage, a pytree with a leading batch axis.
     - `targets`: the matching targets (a pytree with the same leading batch size, or `None`).
     - `*args`, `**kwargs`: passed to every stage call unchanged, except `Microbatched`
@@ -1210,7 +1216,11 @@ def execute_schedule(
       to its inexact array leaves.
     - `loss_fn`: `loss_fn(outputs, targets) -> scalar` for one microbatch, e.g. a mean over
       its rows; a callable pytree whose array leaves (say an output head) get gradients with
-      `return_all_grads=True`. It must not use collectives over `model_axis_name`.
+      `return_all_grads=True`. It runs on the last stage's device, and cannot use
+      collectives over `model_axis_name` there, unless some of its parameters are split over
+      that axis (a vocabulary-parallel head, `eqpar.ColumnParallel(("model", axis))` with
+      `eqpar.nn.vocab_parallel_cross_entropy`): it then runs on every device of the axis on
+      the last stage's output, and each device gets the gradient of its own part.
     - `x`: the batch entering the first stage, a pytree with a leading batch axis, the same
       on every device of the pipeline axis.
     - `targets`: the matching targets (a pytree with the same leading batch size, or `None`).

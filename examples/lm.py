@@ -7,13 +7,15 @@ one example and a `jax.vmap` over the batch. The only eqpar piece inside it is `
 `eqpar.nn.PipelineModule` holding the `num_layers` blocks as one stack in model order.
 
 `PLAN` says how the layers split over the `model` mesh axis (Megatron style: heads of the
-attention, hidden units of the MLP, the vocabulary of the embedding and of the output head);
-`build` applies it with `eqpar.parallelize`. Inside `eqpar.shard_map` over a
-`("data", "pipe", "model")` mesh, or `("data", "pipe", "context", "model")`, `LM.loss` is then
-the same code as on one device:
+attention, hidden units of the MLP) and the vocabulary of the embedding and of the output
+head over `model` and `pipe` together (`VOCAB`); `build` applies it with
+`eqpar.parallelize`. Inside `eqpar.shard_map` over a `("data", "pipe", "model")` mesh, or
+`("data", "pipe", "context", "model")`, `LM.loss` is then the same code as on one device:
 
 - `data`: the batch rows are split over it;
-- `pipe`: `body` runs its stages with the GPipe or circular schedule;
+- `pipe`: `body` runs its stages with the GPipe or circular schedule (or, in the trainer,
+  1F1B and ZB-H1); every stage holds its block of the embedding's and the head's
+  vocabulary and takes part in the lookup and the loss;
 - `context`: the sequence is split over it (context parallelism): `build` converts the
   blocks' attention with `eqpar.ContextParallel(causal=True, layout="balanced")` (ring
   attention over the whole sequence), the token arrays are stored in
