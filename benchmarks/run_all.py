@@ -39,6 +39,12 @@ BENCHMARKS: list[tuple[str, str, list[str], list[str]]] = [
         [],
         ["--microbatches", "4", "8", "32", "--compiles", "1", "--repeats", "3"],
     ),
+    (
+        "linear_stage",
+        "A pipeline stage of eqx.nn.Linear layers against direct math",
+        [],
+        ["--quick"],
+    ),
     ("distribution", "Distributions (DataParallel, FSDP, ModelParallel)", [], []),
     ("full_model", "Full model: the language model of examples/train_lm.py", [], ["--quick"]),
     ("precision", "Mixed precision: bfloat16 against float32", [], ["--quick"]),
