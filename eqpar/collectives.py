@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import PyTree
 
+from ._axes import axis_size
 from ._paths import path_to_str
 from ._typing import AxisName
 
@@ -35,17 +36,6 @@ __all__ = [
     "async_scatter_split",
     "ring_shift",
 ]
-
-
-def _axis_size(axis_name: AxisName) -> int:
-    try:
-        return lax.axis_size(axis_name)
-    except NameError as error:
-        raise ValueError(
-            f"axis_name={axis_name!r} is not a mesh axis bound here. Ring collectives run inside "
-            "`jax.shard_map` (or `eqpar.shard_map`) over a mesh that has this axis; check the "
-            "name and that the call happens inside the mapped function."
-        ) from error
 
 
 def _shift(tree: PyTree, axis_name: AxisName, n: int, up: bool) -> PyTree:
@@ -80,7 +70,7 @@ def ring_shift(x: PyTree, axis_name: AxisName, *, up: bool = True) -> PyTree:
     assert out.tolist() == [3.0, 0.0, 1.0, 2.0]
     ```
     """
-    return _shift(x, axis_name, _axis_size(axis_name), up)
+    return _shift(x, axis_name, axis_size(axis_name, "ring_shift"), up)
 
 
 def _source_offsets(n: int, shift_up: bool) -> list[int]:
@@ -127,7 +117,7 @@ def async_gather(x: PyTree, axis_name: AxisName, shift_up: bool = True) -> list[
     assert out.reshape(4, 4)[2].tolist() == [2.0, 1.0, 0.0, 3.0]
     ```
     """
-    n = _axis_size(axis_name)
+    n = axis_size(axis_name, "async_gather")
     return _ring_walk(x, axis_name, n, shift_up, n - 1)
 
 
@@ -161,7 +151,7 @@ def async_gather_bidirectional(
     assert out.reshape(4, 4)[2].tolist() == [2.0, 1.0, 0.0, 3.0]
     ```
     """
-    n = _axis_size(axis_name)
+    n = axis_size(axis_name, "async_gather_bidirectional")
     steps_forward = n // 2  # items 1..n//2 in the requested direction
     steps_backward = n - 1 - steps_forward
     forward = _ring_walk(x, axis_name, n, shift_up, steps_forward)
@@ -220,7 +210,7 @@ def async_gather_split(x: PyTree, axis_name: AxisName, shift_up: bool = True) ->
     assert out.reshape(4, 4, 3)[1, 1].tolist() == x[0].tolist()
     ```
     """
-    n = _axis_size(axis_name)
+    n = axis_size(axis_name, "async_gather_split")
     first, second = _split_tree(x, "async_gather_split")
     along = _ring_walk(first, axis_name, n, shift_up, n - 1)
     against = _ring_walk(second, axis_name, n, not shift_up, n - 1)
@@ -313,7 +303,7 @@ def async_scatter(xs: Sequence[PyTree], axis_name: AxisName, shift_up: bool = Tr
     assert float(abs(err).max()) == 0.0
     ```
     """
-    n = _axis_size(axis_name)
+    n = axis_size(axis_name, "async_scatter")
     _check_chunks(xs, n, "async_scatter")
     return _ring_reduce(lambda t: xs[t], axis_name, n, shift_up, n - 1)
 
@@ -349,7 +339,7 @@ def async_scatter_split(xs: Sequence[PyTree], axis_name: AxisName) -> PyTree:
     assert float(abs(err).max()) < 1e-6
     ```
     """
-    n = _axis_size(axis_name)
+    n = axis_size(axis_name, "async_scatter_split")
     _check_chunks(xs, n, "async_scatter_split")
     halves = [_split_tree(chunk, "async_scatter_split") for chunk in xs]
     up = _ring_reduce(lambda t: halves[t][0], axis_name, n, True, n - 1)
@@ -390,7 +380,7 @@ def async_scatter_bidirectional(xs: Sequence[PyTree], axis_name: AxisName) -> Py
     assert float(abs(err).max()) < 1e-5
     ```
     """
-    n = _axis_size(axis_name)
+    n = axis_size(axis_name, "async_scatter_bidirectional")
     _check_chunks(xs, n, "async_scatter_bidirectional")
     if n == 1:
         return xs[0]

@@ -53,6 +53,7 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, ArrayLike, Bool, Float, Int, Shaped
 
+from ._axes import axis_size
 from ._typing import AxisName
 from ._vma import cast_varying, varying_axes
 from .collectives import ring_shift
@@ -67,17 +68,6 @@ __all__ = [
 
 Layout = Literal["contiguous", "balanced"]
 _LAYOUTS = ("contiguous", "balanced")
-
-
-def _axis_size(axis_name: AxisName, owner: str) -> int:
-    try:
-        return int(lax.axis_size(axis_name))
-    except NameError as error:
-        raise ValueError(
-            f"{owner}: axis_name={axis_name!r} is not a mesh axis bound here. Call it inside "
-            f"`jax.shard_map` (or `eqpar.shard_map`) over a mesh with that axis, with the "
-            f"sequence split over it."
-        ) from error
 
 
 def _check_layout(owner: str, layout: str) -> None:
@@ -205,7 +195,7 @@ def sequence_positions(
     """
     owner = "sequence_positions"
     _check_layout(owner, layout)
-    n = _axis_size(axis_name, owner)
+    n = axis_size(axis_name, owner)
     if layout == "balanced" and block_length % 2:
         raise ValueError(
             f"{owner}: with layout='balanced' each device holds two equal chunks, so "
@@ -383,7 +373,7 @@ def _source(t: Array | int, n: int, axis_name: Hashable) -> tuple[Array, Array]:
 
 
 def _ring_forward(config: _Config, q, k, v, key_mask):
-    n = _axis_size(config.axis_name, "ring_attention")
+    n = axis_size(config.axis_name, "ring_attention")
     batch, q_len, heads, _ = q.shape
     kv_len = k.shape[1]
     me = lax.axis_index(config.axis_name)
@@ -451,7 +441,7 @@ def _ring_fwd(config: _Config, q, k, v, key_mask):
 
 def _ring_bwd(config: _Config, residuals, d_out):
     q, k, v, key_mask, out, lse = residuals
-    n = _axis_size(config.axis_name, "ring_attention")
+    n = axis_size(config.axis_name, "ring_attention")
     q_len, kv_len = q.shape[1], k.shape[1]
     me = lax.axis_index(config.axis_name)
     q_pos = _positions(me, q_len, n, config.layout)
@@ -521,7 +511,7 @@ def _prepare(
     """Checked inputs, typed as varying alike, with their batch dimensions flattened into one
     (one added where there are none)."""
     _check_inputs(owner, query, key, value, key_mask, causal, layout)
-    n = _axis_size(axis_name, owner)
+    n = axis_size(axis_name, owner)
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
     # Every input typed as varying over the same axes (the context axis at least), so the

@@ -32,6 +32,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, PyTree, Scalar
 
 from . import _program
+from ._axes import axis_size
 from ._typing import AxisName
 from ._vma import cast_varying as _cast_varying
 from ._vma import varying_axes as _varying_axes
@@ -114,18 +115,6 @@ def _switch(index: Any, branches: list[Callable], *operands: Any) -> Any:
 
 # --------------------------------------------------------------------------------------
 # Small shared helpers.
-
-
-def _axis_size(axis_name: AxisName, caller: str) -> int:
-    try:
-        size = lax.axis_size(axis_name) if hasattr(lax, "axis_size") else lax.psum(1, axis_name)
-    except NameError as error:
-        raise ValueError(
-            f"{caller}: `model_axis_name={axis_name!r}` is not a mesh axis in scope. Call it "
-            f"inside `jax.shard_map` (or `eqpar.shard_map`) over a mesh with an axis named "
-            f"{axis_name!r}."
-        ) from error
-    return int(size)
 
 
 def _check_microbatches(num_microbatches: object, caller: str) -> int:
@@ -818,7 +807,7 @@ def execute_pipeline_step(
     """
     caller = "execute_pipeline_step"
     _reject_microbatched(args, kwargs, caller)
-    num_stages = _axis_size(model_axis_name, caller)
+    num_stages = axis_size(model_axis_name, caller, argument="model_axis_name")
     index = lax.axis_index(model_axis_name)
     stage_input = jax.tree.map(lambda i, s: jnp.where(index == 0, i, s), input, state)
     out = module(stage_input, *args, **kwargs)
@@ -889,7 +878,7 @@ def execute_pipeline(
     """
     caller = "execute_pipeline"
     num_microbatches = _check_microbatches(num_microbatches, caller)
-    num_stages = _axis_size(model_axis_name, caller)
+    num_stages = axis_size(model_axis_name, caller, argument="model_axis_name")
     batch = _batch_size(x, "x", caller)
     if batch is None:
         raise ValueError(f"{caller}: `x` has no array leaves; pass the batch to pipeline.")
@@ -1019,7 +1008,7 @@ def _circular_forward(
     stage call (`None`: keep everything but the stage's slice of the stacked weights)."""
     caller = "execute_circular_pipeline"
     num_microbatches = _check_microbatches(num_microbatches, caller)
-    num_stages = _axis_size(model_axis_name, caller)
+    num_stages = axis_size(model_axis_name, caller, argument="model_axis_name")
     num_repeats = _stack_size(stages, caller)
     batch = _batch_size(x, "x", caller)
     if batch is None:
@@ -1160,7 +1149,9 @@ def execute_1f1b(
     """
     caller = "execute_1f1b"
     num_microbatches = _check_microbatches(num_microbatches, caller)
-    schedule = OneFOneBSchedule(_axis_size(model_axis_name, caller), num_microbatches)
+    schedule = OneFOneBSchedule(
+        axis_size(model_axis_name, caller, argument="model_axis_name"), num_microbatches
+    )
     options = dict(return_all_grads=return_all_grads, recompute=recompute)
     return _execute_schedule(
         caller, schedule, module, loss_fn, x, targets, args, kwargs, model_axis_name, **options
@@ -1303,7 +1294,7 @@ def _execute_schedule(
             f"`ZeroBubbleH1Schedule(S, M)` or `GPipeSchedule(S, M, include_backward=True)`; "
             f"got {schedule!r}. For a forward pass use `execute_pipeline`."
         )
-    num_stages = _axis_size(model_axis_name, caller)
+    num_stages = axis_size(model_axis_name, caller, argument="model_axis_name")
     if schedule.num_devices != num_stages:
         raise ValueError(
             f"{caller}: the schedule is for {schedule.num_devices} devices but the pipeline "

@@ -83,7 +83,7 @@ def test_unknown_axis_name_is_a_clear_error():
     def fn(x):
         return jnp.stack(C.async_gather(x, "model"))[None]
 
-    with pytest.raises(ValueError, match="'model' is not a mesh axis"):
+    with pytest.raises(ValueError, match="async_gather: `axis_name='model'` is not a mesh axis"):
         run(fn, 2, jnp.zeros((2, 1)))
 
 

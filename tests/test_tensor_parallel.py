@@ -185,7 +185,7 @@ def test_validation_errors():
         r"size of axis 'model' \(4\)",
     ):
         sharded_apply(layer, jnp.ones((2, 8)), mesh_of(4), P(None, "model"), P(None, "model"))
-    with pytest.raises(ValueError, match="model_axis_name='tp' is not bound"):
+    with pytest.raises(ValueError, match="model_axis_name='tp'` is not a mesh axis bound here"):
         bad = TPDense(8, 8, tp_mode="gather", model_axis_name="tp", key=key)
         jax.shard_map(
             lambda x: bad(x), mesh=mesh_of(2), in_specs=P(None, "model"), out_specs=P(None, "model")

@@ -14,7 +14,8 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, PRNGKeyArray
 
-from .tensor_parallel import TPAsyncDense, TPDense, _axis_size
+from .._axes import axis_size
+from .tensor_parallel import TPAsyncDense, TPDense
 
 __all__ = ["TPAttentionBlock", "TPLayerNorm", "TPMLPBlock"]
 
@@ -168,7 +169,7 @@ class TPAttentionBlock(eqx.Module):
     ) -> Float[Array, "*batch seq features"]:
         """Attend over this device's heads; `x` is `[..., seq, d_model / n]`."""
         del key
-        n = _axis_size(self.model_axis_name, "TPAttentionBlock")
+        n = axis_size(self.model_axis_name, "TPAttentionBlock", argument="model_axis_name")
         if self.num_heads % n:
             raise ValueError(
                 f"TPAttentionBlock: num_heads={self.num_heads} does not divide by the size of "
@@ -259,7 +260,7 @@ class TPLayerNorm(eqx.Module):
         """Normalise this device's feature block `[..., d_model / n]`."""
         del key
         axis = self.model_axis_name
-        n = _axis_size(axis, "TPLayerNorm")
+        n = axis_size(axis, "TPLayerNorm", argument="model_axis_name")
         if x.shape[-1] * n != self.d_model:
             raise ValueError(
                 f"TPLayerNorm: expected a feature block of d_model / n = {self.d_model} / {n}; "

@@ -39,6 +39,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray, Shaped
 
+from .._axes import axis_size
 from .._vma import cast_varying, varies_over
 from ..context import all_gather_attention, ring_attention
 
@@ -67,17 +68,6 @@ def _rebuilt(layer: eqx.Module, cls: type) -> Any:
     new = object.__new__(cls)
     _copy_fields(layer, new, cls)
     return new
-
-
-def _axis_size(axis_name: Hashable, owner: str) -> int:
-    try:
-        return int(lax.axis_size(axis_name))
-    except NameError as error:
-        raise ValueError(
-            f"{owner}: the mesh axis {axis_name!r} is not bound. Call the model inside "
-            f"`eqpar.shard_map` over a mesh with that axis, passing the model with the specs "
-            f"of `eqpar.partition_specs(model)`; outside shard_map use `eqpar.unparallelize`."
-        ) from error
 
 
 def _check_divides(owner: str, label: str, size: int, n: int, axis_name: Hashable) -> None:
@@ -263,7 +253,7 @@ class ColumnParallelLinear(eqx.nn.Linear):
         `[n, out_features / n]` with `sequence_parallel=True`.
         """
         owner = type(self).__name__
-        n = _axis_size(self.axis_name, owner)
+        n = axis_size(self.axis_name, owner)
         assert isinstance(self.out_features, int) and isinstance(self.in_features, int)
         _check_divides(owner, "out_features", self.out_features, n, self.axis_name)
         _check_block(owner, "weight", self.weight.shape, (self.out_features // n, self.in_features))
@@ -358,7 +348,7 @@ class RowParallelLinear(eqx.nn.Linear):
         """
         del key
         owner = type(self).__name__
-        n = _axis_size(self.axis_name, owner)
+        n = axis_size(self.axis_name, owner)
         assert isinstance(self.out_features, int) and isinstance(self.in_features, int)
         _check_divides(owner, "in_features", self.in_features, n, self.axis_name)
         _check_block(owner, "weight", self.weight.shape, (self.out_features, self.in_features // n))
@@ -409,7 +399,7 @@ def _local_heads(
     attention: eqx.nn.MultiheadAttention, axis_name: Hashable, owner: str
 ) -> tuple[int, Array]:
     """This device's number of heads and its first head, heads split over `axis_name`."""
-    n = _axis_size(axis_name, owner)
+    n = axis_size(axis_name, owner)
     _check_divides(owner, "num_heads", attention.num_heads, n, axis_name)
     heads = attention.num_heads // n
     for name, size, inputs in (
@@ -684,7 +674,7 @@ def scatter_sequence(
     ```
     """
     owner = "scatter_sequence"
-    n = _axis_size(axis_name, owner)
+    n = axis_size(axis_name, owner)
     if x.ndim == 0 or x.shape[0] % n:
         raise ValueError(
             f"{owner}: x must have a sequence axis first whose length divides by the size of "
@@ -729,7 +719,7 @@ def gather_sequence(
     assert (whole == x).all()
     ```
     """
-    _axis_size(axis_name, "gather_sequence")
+    axis_size(axis_name, "gather_sequence")
     if x.ndim == 0:
         raise ValueError("gather_sequence: x must have a sequence axis first; got a scalar.")
     if varies_over(x, axis_name) is False:
@@ -799,7 +789,7 @@ class VocabParallelEmbedding(_SplitEmbedding):
         """
         del key
         owner = type(self).__name__
-        n = _axis_size(self.axis_name, owner)
+        n = axis_size(self.axis_name, owner)
         _check_divides(owner, "num_embeddings", self.num_embeddings, n, self.axis_name)
         rows = self.num_embeddings // n
         _check_block(owner, "weight", self.weight.shape, (rows, self.embedding_size))
@@ -866,7 +856,7 @@ def vocab_parallel_cross_entropy(
         raise TypeError(
             f"{owner}: `targets` must be integer token ids, got {jnp.result_type(targets).name}."
         )
-    _axis_size(axis_name, owner)
+    axis_size(axis_name, owner)
     logits = logits.astype(jnp.float32)
     block = logits.shape[-1]
     # The shift only keeps exp() in range; it cancels in the result, so it needs no gradient.
@@ -923,7 +913,7 @@ class FeatureParallelEmbedding(_SplitEmbedding):
         """
         del key
         owner = type(self).__name__
-        n = _axis_size(self.axis_name, owner)
+        n = axis_size(self.axis_name, owner)
         _check_divides(owner, "embedding_size", self.embedding_size, n, self.axis_name)
         _check_block(
             owner, "weight", self.weight.shape, (self.num_embeddings, self.embedding_size // n)
@@ -1003,7 +993,7 @@ class SequenceParallelDropout(eqx.nn.Dropout):
             return x
         if key is None:
             raise RuntimeError(f"{owner} requires a key when running in non-deterministic mode.")
-        n = _axis_size(self.axis_name, owner)
+        n = axis_size(self.axis_name, owner)
         if x.ndim == 0:
             raise ValueError(f"{owner}: x must have a sequence axis first; got a scalar.")
         _check_sequence_layout(owner, "x", x, self.axis_name, True)
@@ -1125,7 +1115,7 @@ class ContextParallelAttention(eqx.nn.MultiheadAttention):
         del key
         if deterministic is not None:
             inference = deterministic
-        _axis_size(self.axis_name, owner)
+        axis_size(self.axis_name, owner)
         heads = self._heads(owner)
         if inference is None:
             inference = self.dropout.inference

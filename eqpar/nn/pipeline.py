@@ -22,13 +22,13 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, PartitionSpec
 from jaxtyping import Array, PRNGKeyArray, PyTree
 
+from .._axes import axis_size
 from .._declare import declared_partition_specs, prefixed, stacked_partition_specs
 from .._paths import path_to_str
 from .._specs import entry_names, fsdp_dim
 from .._typing import AxisName
 from ..mesh import DeviceMesh, as_jax_mesh
 from ..pipeline import (
-    _axis_size,
     _batch_size,
     _circular_forward,
     _scan,
@@ -766,7 +766,7 @@ class PipelineModule(eqx.Module):
 
     def _local_stages(self, caller: str) -> Any:
         """This device's stage (`V == 1`) or its `[V, ...]` stack of stages `d, S + d, ...`."""
-        size = _axis_size(self.axis_name, caller)
+        size = axis_size(self.axis_name, caller)
         if size != self.num_stages:
             raise ValueError(
                 f"{caller}: the module has num_stages={self.num_stages} but the mesh axis "
@@ -868,7 +868,9 @@ class PipelineModule(eqx.Module):
         **Arguments:**
 
         - `loss_fn`: `loss_fn(outputs, targets) -> scalar` for one microbatch (a callable
-          pytree, e.g. a module holding an output head).
+          pytree, e.g. a module holding an output head). A head whose parameters are split
+          over the pipeline axis too (its vocabulary, say) runs on every device of it (see
+          `eqpar.pipeline.execute_schedule`).
         - `x`, `targets`: the batch and its targets (leading batch axis); `targets` may be a
           pytree, e.g. `(labels, mask)`, and is split into microbatches with `x`.
         - `*args`, `**kwargs`: passed to every stage call; `Microbatched` values are split

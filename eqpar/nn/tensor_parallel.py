@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from .. import collectives
+from .._axes import axis_size as _bound_axis_size
 from .._declare import prefixed, stacked_partition_specs
 
 __all__ = ["ModelParallelismWrapper", "TPAsyncDense", "TPDense", "scale_init"]
@@ -57,17 +58,6 @@ def scale_init(init_fn: Initializer, scale_factor: float = 1.0) -> Initializer:
         return init_fn(key, shape, dtype) * jnp.asarray(scale_factor, dtype=dtype)
 
     return scaled
-
-
-def _axis_size(axis_name: Hashable, owner: str) -> int:
-    try:
-        return lax.axis_size(axis_name)
-    except NameError as error:
-        raise ValueError(
-            f"{owner}: model_axis_name={axis_name!r} is not bound. Call the layer inside "
-            "`jax.shard_map`/`eqpar.shard_map` over a mesh with that axis, with the parameter "
-            "specs from `eqpar.partition_specs(model)`."
-        ) from error
 
 
 class TPDense(eqx.Module):
@@ -330,7 +320,13 @@ class TPDense(eqx.Module):
         partial sums `[..., out_features]` in scatter mode with `skip_communication=True`).
         """
         del key
-        n = 1 if self.tp_mode == "none" else _axis_size(self.model_axis_name, type(self).__name__)
+        n = (
+            1
+            if self.tp_mode == "none"
+            else _bound_axis_size(
+                self.model_axis_name, type(self).__name__, argument="model_axis_name"
+            )
+        )
         self._check_local(x, n)
         y = self._forward(x, n)
         if self.bias is not None:
@@ -737,7 +733,9 @@ class ModelParallelismWrapper(eqx.Module):
         **Returns:** the copy's output, zeroed on all devices but `mask_except_model_idx` if
         that is set.
         """
-        n = _axis_size(self.model_axis_name, "ModelParallelismWrapper")
+        n = _bound_axis_size(
+            self.model_axis_name, "ModelParallelismWrapper", argument="model_axis_name"
+        )
         if n != self.axis_size:
             raise ValueError(
                 f"ModelParallelismWrapper: built with axis_size={self.axis_size} but axis "
