@@ -23,10 +23,12 @@ def varying_axes(x: Any) -> frozenset:
 
 def varies_over(x: Any, axis_name: Hashable) -> bool | None:
     """Whether `x` differs over the mesh axis `axis_name` (inside `shard_map`); `None` when
-    JAX does not track it (`check_vma=False`, where even the device index looks replicated)."""
-    if axis_name not in varying_axes(jax.lax.axis_index(axis_name)):
+    JAX does not track it (`check_vma=False`, where even the device index looks replicated).
+    For a tuple of axes: whether it differs over any of them."""
+    names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+    if any(name not in varying_axes(jax.lax.axis_index(name)) for name in names):
         return None
-    return axis_name in varying_axes(x)
+    return bool(set(names) & varying_axes(x))
 
 
 def cast_varying(x: Any, axes: frozenset) -> Any:

@@ -401,6 +401,12 @@ class _Done(NamedTuple):
     loss: Any
 
 
+def _without_stage_weights(policy: Callable) -> Callable:
+    """`policy`, except that it never saves the values named `_STAGE_WEIGHTS`."""
+    exclude = jax.checkpoint_policies.save_anything_except_these_names(_STAGE_WEIGHTS)
+    return lambda *args, **params: exclude(*args, **params) and policy(*args, **params)
+
+
 _STAGE_WEIGHTS = "eqpar_pipeline_stage_weights"
 
 
@@ -468,19 +474,36 @@ def _run_schedule(
         rest = static if others is None else eqx.combine(_take(others, repeat), static)
         return eqx.combine(p, rest)(h, *call_args, **call_kwargs)
 
-    def forward_run(h: Any, microbatch: Any, repeat: Any) -> Any:
-        """A forward run's stage call (outside the per-device branches)."""
-        if num_repeats == 1:
-            return run_stage(params, h, microbatch, repeat)
-        # One checkpoint whose policy is the stage's own: a policy around an inner
-        # `jax.checkpoint` decides for it too (it would keep what the inner one drops).
-        policy = stage_policy or jax.checkpoint_policies.save_anything_except_these_names(
-            _STAGE_WEIGHTS
-        )
-        call = jax.checkpoint(
-            lambda p, h, m, r: run_stage(stage_params(p, r), h, m, r), policy=policy
-        )
-        return call(params, h, microbatch, repeat)
+    def forward_run(h: Any, microbatch: Any, repeat: Any, runs: Any = None) -> Any:
+        """A forward run's stage call; with `runs` (1 or 0, by device) skipped where 0."""
+
+        def call(p: Any, h: Any, m: Any, r: Any, runs: Any) -> Any:
+            def stage(h: Any, m: Any, r: Any) -> Any:
+                return run_stage(stage_params(p, r), h, m, r)
+
+            if runs is None:
+                return stage(h, m, r)
+            return _switch(runs, [lambda h, m, r: _zeros_like(h), stage], h, m, r)
+
+        if stage_policy is None and num_repeats == 1:  # a caller's stage, called as it is
+            return call(params, h, microbatch, repeat, None)
+        # One checkpoint around the stage (and the skip), whose policy is the stage's own: a
+        # policy around an inner `jax.checkpoint` decides for it too (it would keep what the
+        # inner one drops), and without it autodiff of the loop keeps more (the residuals of
+        # both branches of the skip, a circular stage's slice of the weights at every step).
+        policy = _without_stage_weights(stage_policy or jax.checkpoint_policies.everything_saveable)
+        return jax.checkpoint(call, policy=policy)(params, h, microbatch, repeat, runs)
+
+    # A forward run skips the stage in a device's idle (bubble) steps, in a `lax.switch` whose
+    # branch differs by device (the devices of a collective over another mesh axis share
+    # their pipeline position, so they take the same branch), when its stage policy is known
+    # (see `forward_run`). A `ppermute` in such a branch gives wrong values (see
+    # `execute_schedule`): a stage with one runs at every step, bubbles included.
+    skips_bubbles = (
+        not training
+        and (stage_policy is not None or num_repeats > 1)
+        and not _uses_primitive(jax.make_jaxpr(lambda h: forward_run(h, 0, 0))(first), "ppermute")
+    )
 
     def stage_vjp(p: Any, h: Any, microbatch: Any, repeat: Any = 0) -> tuple:
         """`jax.vjp` of the stage in its inexact leaves: `(pullback, output)`. Only the
@@ -578,16 +601,22 @@ def _run_schedule(
     steps = np.arange(len(program.kind))
     at_loss_device = (steps, np.maximum(loss_device, 0))
     loss_steps = jnp.asarray(np.stack([
-        loss_device, program.microbatch[at_loss_device], program.cotangent_slot[at_loss_device]
+        loss_device, program.microbatch[at_loss_device], program.cotangent_slot[at_loss_device],
+        program.repeat[at_loss_device],
     ], axis=-1))  # fmt: skip
 
-    def loss_everywhere(cotangents: Any, t: Array) -> tuple:
+    def loss_everywhere(cotangents: Any, h: Any, t: Array) -> tuple:
         """At a step where a last stage's backward starts: every device's part of its loss
-        (`loss_on_every_device`); zeros at the other steps."""
-        owner, microbatch, slot = loss_steps[t]
+        (`loss_on_every_device`); zeros at the other steps. `h` is this device's stage input
+        at the step: on the last stage's device, the input of that stage's backward."""
+        owner, microbatch, slot, repeat = loss_steps[t]
 
         def run(cotangents: Any) -> tuple:
-            kept = _take(cotangents, jnp.maximum(slot, 0))  # the output, on its device
+            if store:  # the last stage's forward kept its output
+                kept = _take(cotangents, jnp.maximum(slot, 0))
+            else:  # it left its forward to its backward: run it here, on every device alike
+                out = run_stage(stage_params(params, repeat), h, microbatch, repeat)
+                kept = eqx.filter(out, eqx.is_inexact_array)
             out_diff = jax.tree.map(
                 lambda a: lax.psum(jnp.where(device == owner, a, jnp.zeros_like(a)), axis_name),
                 kept,
@@ -674,7 +703,7 @@ def _run_schedule(
         h = jax.tree.map(lambda f, s: jnp.where(input_slot < 0, f, s), fresh, waiting)
         loss_grads, loss, loss_cotangent = carry.loss_grads, carry.loss, None
         if training and loss_on_every_device:
-            loss_cotangent, d_loss_params, part = loss_everywhere(cotangents, t)
+            loss_cotangent, d_loss_params, part = loss_everywhere(cotangents, h, t)
             loss_grads, loss = _add(loss_grads, d_loss_params), loss + part
         work = _Work(
             h, microbatch, repeat, cotangents, cotangent_slot, carry.residuals, residual_slot,
@@ -684,12 +713,9 @@ def _run_schedule(
             done = _switch(branch, branches, work) if len(branches) > 1 else branches[0](work)
         is_forward = (kind == _program.FORWARD) | (kind == _program.FORWARD_LAST)
         if not training:
-            # Every device runs its stage at every step, bubbles included, rather than inside
-            # a `lax.switch` whose branch differs by device: collectives inside the stage over
-            # other mesh axes then run on every device alike (see `execute_schedule`), and
-            # autodiff of the loop keeps what the stage's remat policy says (a conditional
-            # there made XLA keep up to 4x more temp in a measured trial).
-            out = forward_run(h, microbatch, repeat)
+            out = forward_run(
+                h, microbatch, repeat, is_forward.astype(jnp.int32) if skips_bubbles else None
+            )
             done = nothing(work)._replace(sent_forward=out, output=out)
         keeps_cotangent = (kind == _program.FORWARD_LAST) | (kind == _program.BACKWARD_INPUT_LAST)
         spare_cotangent = program.num_cotangent_slots
@@ -876,6 +902,25 @@ def execute_pipeline(
     assert jnp.allclose(f(scales, x), x * 24.0)
     ```
     """
+    return _gpipe_forward(
+        module, x, args, kwargs, num_microbatches=num_microbatches,
+        model_axis_name=model_axis_name, broadcast_output=broadcast_output,
+    )  # fmt: skip
+
+
+def _gpipe_forward(
+    module: Any,
+    x: Any,
+    args: tuple,
+    kwargs: dict,
+    *,
+    num_microbatches: int,
+    model_axis_name: AxisName,
+    broadcast_output: bool,
+    stage_policy: Callable | None = None,
+) -> Any:
+    """`execute_pipeline`; `stage_policy` is the `jax.checkpoint` policy of each stage call
+    (`None`: the stage is called as it is, at every step)."""
     caller = "execute_pipeline"
     num_microbatches = _check_microbatches(num_microbatches, caller)
     num_stages = axis_size(model_axis_name, caller, argument="model_axis_name")
@@ -896,8 +941,9 @@ def execute_pipeline(
     _check_stage_keeps_shape(module, _take(microbatches, 0), *arguments_at(0), caller)
     program = _forward_program(num_stages, num_microbatches, 1)
     carry = _run_schedule(
-        program, module, None, microbatches, None, arguments_at, axis_name=model_axis_name
-    )
+        program, module, None, microbatches, None, arguments_at, axis_name=model_axis_name,
+        stage_policy=stage_policy,
+    )  # fmt: skip
     outputs = jax.tree.map(lambda o: o[:num_microbatches], carry.outputs)
     return _gather_output(_merge_microbatches(outputs), model_axis_name, broadcast_output)
 
@@ -1005,7 +1051,8 @@ def _circular_forward(
     stage_policy: Callable | None = None,
 ) -> Any:
     """`execute_circular_pipeline`; `stage_policy` is the `jax.checkpoint` policy of each
-    stage call (`None`: keep everything but the stage's slice of the stacked weights)."""
+    stage call (`None`: keep everything), which never keeps the stage's slice of the stacked
+    weights."""
     caller = "execute_circular_pipeline"
     num_microbatches = _check_microbatches(num_microbatches, caller)
     num_stages = axis_size(model_axis_name, caller, argument="model_axis_name")
@@ -1337,14 +1384,26 @@ def _execute_schedule(
     )
     stages = _vary_like_input(stages, x, model_axis_name)
     loss_fn = _vary_like_input(loss_fn, x, model_axis_name)
+    # A loss function with parameters split over the pipeline axis (a vocabulary-parallel
+    # head) runs on every device of it, outside the per-device branches, on the last
+    # stage's output handed to every device (a `psum`); otherwise on the last stage's device
+    # alone, where it cannot use that axis.
+    loss_on_every_device = any(
+        model_axis_name in axes for axes in jax.tree.leaves(replicated_axes[1])
+    )
     first = _take(microbatches, 0)
     stage = stages if num_repeats == 1 else _first_of_stack(stages)
     _check_stage_keeps_shape(stage, first, *arguments_at(0), caller)
-    loss_shape = jax.eval_shape(
-        lambda h, t: loss_fn(stage(h, *arguments_at(0)[0], **arguments_at(0)[1]), t),
-        first,
-        _take(target_microbatches, 0),
-    )
+
+    def first_loss(h: Any, t: Any) -> Any:
+        out = stage(h, *arguments_at(0)[0], **arguments_at(0)[1])
+        if loss_on_every_device:  # as the run hands it over: the same on every device
+            out = jax.tree.map(
+                lambda a: lax.psum(a, model_axis_name) if eqx.is_inexact_array(a) else a, out
+            )
+        return loss_fn(out, t)
+
+    loss_shape = jax.eval_shape(first_loss, first, _take(target_microbatches, 0))
     if not isinstance(loss_shape, jax.ShapeDtypeStruct) or loss_shape.shape != ():
         raise ValueError(
             f"{caller}: `loss_fn(outputs, targets)` must return one scalar per microbatch "
@@ -1370,12 +1429,6 @@ def _execute_schedule(
             f"circular schedule), or use a collective without `ppermute` in the stage "
             f"(`strategy='all_gather'` attention, `TPDense`)."
         )
-    # A loss function with parameters split over the pipeline axis (a vocabulary-parallel
-    # head) runs on every device of it, outside the per-device branches; otherwise on the
-    # last stage's device alone, where it cannot use that axis.
-    loss_on_every_device = any(
-        model_axis_name in axes for axes in jax.tree.leaves(replicated_axes[1])
-    )
     target = _take(target_microbatches, 0)
     loss_axes = _collective_axes(jax.make_jaxpr(lambda h, t: loss_fn(h, t))(first, target))
     if model_axis_name in loss_axes and not loss_on_every_device:

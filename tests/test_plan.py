@@ -423,6 +423,57 @@ def test_embeddings_and_their_gradients(style):
     np.testing.assert_allclose(got.weight, eqx.filter_grad(serial_loss)(table).weight)
 
 
+def test_a_style_splits_over_a_tuple_of_axes():
+    """`VocabParallel(("model", "pipe"))` and `ColumnParallel(("model", "pipe"))` split over
+    both axes at once, as a PartitionSpec does; the lookup and the vocabulary-parallel loss
+    agree with the serial layers."""
+    from eqpar.nn import vocab_parallel_cross_entropy
+
+    axes = ("model", "pipe")
+    mesh = eqpar.DeviceMesh((2, 2), ("pipe", "model"), devices=jax.devices()[:4])
+    k1, k2 = jax.random.split(jax.random.key(0))
+    model = {"embed": eqx.nn.Embedding(16, 8, key=k1), "head": eqx.nn.Linear(8, 16, key=k2)}
+    plan = {"embed": eqpar.VocabParallel(axes), "head": eqpar.ColumnParallel(axes)}
+    parallel = eqpar.parallelize(model, plan, mesh=mesh)
+    assert type(parallel["embed"]) is VocabParallelEmbedding
+    assert type(parallel["head"]) is ColumnParallelLinear
+    specs = eqpar.partition_specs(parallel)
+    assert specs["embed"].weight == P(axes, None)
+    assert specs["head"].weight == P(axes, None) and specs["head"].bias == P(axes)
+    ids = jnp.array([0, 5, 11, 15])
+
+    def loss(m, ids):
+        logits = jax.vmap(lambda i: m["head"](m["embed"](i)))(ids)
+        return jnp.mean(vocab_parallel_cross_entropy(logits, ids[::-1], axis_name=axes))
+
+    def serial_loss(m, ids):
+        logits = jax.vmap(lambda i: m["head"](m["embed"](i)))(ids)
+        log_probs = jax.nn.log_softmax(logits, axis=-1)
+        return -jnp.mean(jnp.take_along_axis(log_probs, ids[::-1, None], axis=-1))
+
+    np.testing.assert_allclose(run(mesh, loss, parallel, ids), serial_loss(model, ids), rtol=1e-5)
+
+
+def test_a_tuple_of_axes_must_be_on_the_mesh_and_divide_by_their_product():
+    model = {"embed": eqx.nn.Embedding(12, 8, key=jax.random.key(0))}
+    style = eqpar.VocabParallel(("model", "pipe"))
+    with pytest.raises(ValueError, match=r"names axis 'pipe', which the mesh \('data', 'model'\)"):
+        eqpar.parallelize(model, {"embed": style}, mesh=mesh_of(2, 4))
+    # 12 divides by each of 2 and 4, not by their product.
+    mesh = eqpar.DeviceMesh((2, 4), ("pipe", "model"))
+    with pytest.raises(
+        ValueError, match=r"num_embeddings=12, .* size of axis \('model', 'pipe'\) \(8\)"
+    ):
+        eqpar.parallelize(model, {"embed": style}, mesh=mesh)
+    head = {"head": eqx.nn.Linear(8, 12, key=jax.random.key(0))}
+    with pytest.raises(ValueError, match=r"out_features=12, .*\('model', 'pipe'\) \(8\)"):
+        eqpar.parallelize(head, {"head": eqpar.ColumnParallel(("model", "pipe"))}, mesh=mesh)
+    # 12 divides by 2 x 2: accepted on a mesh with a third axis the style does not name.
+    mesh = eqpar.DeviceMesh((2, 2, 2), ("data", "pipe", "model"))
+    parallel = eqpar.parallelize(model, {"embed": style}, mesh=mesh)
+    assert eqpar.partition_specs(parallel)["embed"].weight == P(("model", "pipe"), None)
+
+
 # --- errors ---------------------------------------------------------------------------------
 
 
@@ -456,7 +507,9 @@ def test_plan_errors_name_the_key_the_path_and_the_fix(setup):
     with pytest.raises(TypeError, match="plan"):
         eqpar.parallelize(model, [("pooler", eqpar.RowParallel())])  # type: ignore[arg-type]
     parallel = eqpar.parallelize(model, PLAN)
-    with pytest.raises(ValueError, match=r"axis 'model' is not bound.*eqpar\.unparallelize"):
+    with pytest.raises(
+        ValueError, match=r"axis_name='model'` is not a mesh axis bound here.*eqpar\.unparallelize"
+    ):
         parallel.classifier(jnp.ones(bert.DIM))
 
 

@@ -31,9 +31,9 @@ from ..mesh import DeviceMesh, as_jax_mesh
 from ..pipeline import (
     _batch_size,
     _circular_forward,
+    _gpipe_forward,
     _scan,
     _unwrap_microbatched,
-    execute_pipeline,
     execute_schedule,
 )
 from ..schedule import (
@@ -814,20 +814,16 @@ class PipelineModule(eqx.Module):
         the others (on every device with `broadcast_output=True`).
         """
         stages = self._local_stages("PipelineModule")
-        if self.num_repeats == 1:
-            return execute_pipeline(
-                _StageCall(stages, self.remat), x, *args, num_microbatches=self.num_microbatches,
-                model_axis_name=self.axis_name, broadcast_output=self.broadcast_output, **kwargs,
-            )  # fmt: skip
-        # The executor checkpoints each stage call itself, with the stage's slice of the
-        # stacked weights taken inside, under the policy of `remat`, or else that of the
-        # layers inside the stage (a policy around an inner `jax.checkpoint` overrides it).
+        # The executor checkpoints each stage call itself, under the policy of `remat`, or
+        # else that of the layers inside the stage (a policy around an inner
+        # `jax.checkpoint` overrides it): it then skips the stage in each device's idle
+        # steps, and takes a circular stage's slice of the stacked weights inside.
         remat = self.remat if self.remat != "none" else _layers_remat(self.stages)
-        policy = _REMAT_POLICIES[remat]
-        return _circular_forward(
+        forward = _gpipe_forward if self.num_repeats == 1 else _circular_forward
+        return forward(
             stages, x, args, kwargs, num_microbatches=self.num_microbatches,
             model_axis_name=self.axis_name, broadcast_output=self.broadcast_output,
-            stage_policy=policy,
+            stage_policy=_REMAT_POLICIES[remat] or jax.checkpoint_policies.everything_saveable,
         )  # fmt: skip
 
     def value_and_grad(
