@@ -496,12 +496,14 @@ def _run_schedule(
 
     # A forward run skips the stage in a device's idle (bubble) steps, in a `lax.switch` whose
     # branch differs by device (the devices of a collective over another mesh axis share
-    # their pipeline position, so they take the same branch), when its stage policy is known
-    # (see `forward_run`). A `ppermute` in such a branch gives wrong values (see
-    # `execute_schedule`): a stage with one runs at every step, bubbles included.
+    # their pipeline position, so they take the same branch), when a remat policy is in
+    # force (`stage_policy`; without one, autodiff of the skip keeps more than the bubbles
+    # save). A `ppermute` in such a branch gives wrong values (see `execute_schedule`): a
+    # stage with one runs at every step, bubbles included.
     skips_bubbles = (
         not training
-        and (stage_policy is not None or num_repeats > 1)
+        and stage_policy is not None
+        and bool((program.kind == _program.IDLE).any())
         and not _uses_primitive(jax.make_jaxpr(lambda h: forward_run(h, 0, 0))(first), "ppermute")
     )
 

@@ -600,7 +600,7 @@ def test_outside_shard_map():
     x, _, shift = batch(2)
     with pytest.raises(
         ValueError,
-        match=r"model_axis_name='pipe'` is not a mesh axis bound here.*inside `eqpar.shard_map`",
+        match=r"axis_name='pipe'` is not a mesh axis bound here.*inside `eqpar.shard_map`",
     ):
         module(x, shift, scale=SCALE)
 

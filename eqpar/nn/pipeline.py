@@ -344,16 +344,23 @@ class ScannedLayers(eqx.Module):
             call = _rematerialized(_call_stage, self.remat)
 
             def apply(h: Any, layer_arrays: Any) -> tuple[Any, None]:
+                h = self._named_input(h)
                 return call(eqx.combine(layer_arrays, static), h, *args, **kwargs), None
 
         else:
             gathered = self._gathered_call(static)
 
             def apply(h: Any, layer_arrays: Any) -> tuple[Any, None]:
-                return gathered(layer_arrays, h, *args, **kwargs), None
+                return gathered(layer_arrays, self._named_input(h), *args, **kwargs), None
 
         out, _ = _scan(apply, x, arrays)
         return out
+
+    def _named_input(self, h: Any) -> Any:
+        """A layer's input, named for a checkpoint around the stack (`_AROUND_LAYERS`)."""
+        if self.remat == "none":
+            return h
+        return jax.tree.map(lambda a: checkpoint_name(a, _LAYER_INPUT), h)
 
     def _gathered_call(self, static: Any) -> Callable:
         """One layer's call that first all-gathers its parameters over `gather_axis`.
@@ -399,6 +406,20 @@ class ScannedLayers(eqx.Module):
                 entries[1 + dim] = self.gather_axis
                 specs[path] = PartitionSpec(*entries)
         return prefixed("layers", specs)
+
+
+_LAYER_INPUT = "eqpar_layer_input"
+
+# The policy of a `jax.checkpoint` around `ScannedLayers` whose layers have their own: an
+# outer policy decides for the checkpoints inside it too, so it keeps what theirs keep (each
+# layer's input, named `_LAYER_INPUT`, and with "matmuls" the matmul outputs) and no more.
+_AROUND_LAYERS: dict[str, Callable] = {
+    "full": jax.checkpoint_policies.save_only_these_names(_LAYER_INPUT),
+    "matmuls": jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+        jax.checkpoint_policies.save_only_these_names(_LAYER_INPUT),
+    ),
+}
 
 
 def _layers_remat(stages: Any) -> RematPolicy:
@@ -818,12 +839,18 @@ class PipelineModule(eqx.Module):
         # else that of the layers inside the stage (a policy around an inner
         # `jax.checkpoint` overrides it): it then skips the stage in each device's idle
         # steps, and takes a circular stage's slice of the stacked weights inside.
-        remat = self.remat if self.remat != "none" else _layers_remat(self.stages)
+        layers_remat = _layers_remat(self.stages)
+        if self.remat != "none":  # the stage's own policy, around the whole stage
+            policy = _REMAT_POLICIES[self.remat]
+        elif layers_remat != "none":  # the layers' policies, kept as they are
+            policy = _AROUND_LAYERS[layers_remat]
+        else:  # none: the stage is called as it is (a skip would cost memory here)
+            policy = None
         forward = _gpipe_forward if self.num_repeats == 1 else _circular_forward
         return forward(
             stages, x, args, kwargs, num_microbatches=self.num_microbatches,
             model_axis_name=self.axis_name, broadcast_output=self.broadcast_output,
-            stage_policy=_REMAT_POLICIES[remat] or jax.checkpoint_policies.everything_saveable,
+            stage_policy=policy,
         )  # fmt: skip
 
     def value_and_grad(
