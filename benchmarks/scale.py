@@ -143,11 +143,9 @@ import eqpar
 from eqpar import _program
 from eqpar._hlo import (
     CollectiveOp,
-    _received,
-    collective_bytes_by_axes,
+    bytes_by_axes_of,
     collective_ops,
     format_bytes,
-    group_axes,
     memory_figures,
 )
 from eqpar.distributions import match_param_specs
@@ -323,22 +321,6 @@ def _whole_bytes(tree: Any) -> int:
     return sum(_nbytes(leaf) for leaf in jax.tree.leaves(tree) if _is_abstract(leaf))
 
 
-def _bytes_by_axes(ops: list[CollectiveOp], sizes: dict[str, int]) -> dict[tuple[str, ...], float]:
-    """`collective_bytes_by_axes` of some of a program's ops (same ring model)."""
-    count = math.prod(sizes.values())
-    totals: dict[tuple[str, ...], float] = {}
-    for op in ops:
-        axes = group_axes(op.groups, sizes)
-        if op.kind == "collective-permute":
-            moving = sum(1 for pair in op.groups if pair[0] != pair[1])
-            received = op.array_bytes * min(1.0, moving / count) if axes else 0.0
-        else:
-            group = max((len(g) for g in op.groups), default=count)
-            received = _received(op.kind, op.array_bytes, group)
-        totals[axes] = totals.get(axes, 0.0) + op.executions * received
-    return totals
-
-
 def pipe_bytes(
     ops: list[CollectiveOp],
     sizes: dict[str, int],
@@ -391,8 +373,8 @@ def pipe_bytes(
     outside = [op for op in ops if not op.in_conditional]
     inside = [op for op in ops if op.in_conditional]
     return PipeBytes(
-        outside=split_by_axis(_bytes_by_axes(outside, sizes), sizes)[lm.PIPE],
-        in_conditionals=split_by_axis(_bytes_by_axes(inside, sizes), sizes)[lm.PIPE],
+        outside=split_by_axis(bytes_by_axes_of(outside, sizes), sizes)[lm.PIPE],
+        in_conditionals=split_by_axis(bytes_by_axes_of(inside, sizes), sizes)[lm.PIPE],
         sends=sends,
         loss=loss,
         busiest=busiest,
@@ -439,7 +421,7 @@ def compile_layout(
     sizes = {axis: run.mesh[axis] for axis in AXES}
     ops = collective_ops(compiled)
     in_conditionals = split_by_axis(
-        _bytes_by_axes([op for op in ops if op.in_conditional], sizes), sizes
+        bytes_by_axes_of([op for op in ops if op.in_conditional], sizes), sizes
     )
     pipe, stage_fraction = None, None
     if sizes[lm.PIPE] > 1 and run.schedule in ("gpipe", "circular"):
@@ -460,7 +442,7 @@ def compile_layout(
         params=_shard_bytes(arrays),
         opt_state=_shard_bytes(opt_state),
         memory=memory_figures(compiled),
-        axis_bytes=collective_bytes_by_axes(compiled, sizes),
+        axis_bytes=bytes_by_axes_of(ops, sizes),
         compile_s=compile_s,
         in_conditionals=in_conditionals,
         pipe=pipe,

@@ -288,11 +288,16 @@ def collective_bytes_by_axes(
 
     **Returns:** `{axes: bytes}` for every set of axes some collective spans.
     """
+    return bytes_by_axes_of(collective_ops(compiled_or_text), axis_sizes)
+
+
+def bytes_by_axes_of(ops: list[CollectiveOp], axis_sizes: dict[str, int]) -> dict:
+    """`collective_bytes_by_axes` of some of a program's collectives (`collective_ops`)."""
     totals: dict[tuple[str, ...], float] = {}
     count = 1
     for size in axis_sizes.values():
         count *= size
-    for op in collective_ops(compiled_or_text):
+    for op in ops:
         axes = group_axes(op.groups, axis_sizes)
         if op.kind == "collective-permute":
             moving = sum(1 for pair in op.groups if pair[0] != pair[1])
