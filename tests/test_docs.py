@@ -23,6 +23,11 @@
   block's output on any page, put the ```text block right under it; when it differs, the
   failure message gives what the block printed. A ```text block with prose before it is not
   an output and is not checked.
+- A block that prints shows it: every ```python block that printed anything (other than blank
+  lines) when the page ran has its ```text output block under it, so that a reader sees what
+  the code does without running it. The failure names the page, the block's line and what it
+  printed; the fix is to paste that under the block, or to stop the block printing. A block
+  whose output cannot be the same on every run prints something deterministic instead.
 - ```bash blocks are shown, not run; ```py blocks (code of *other* libraries, shown for
   comparison) are allowed only on the pages listed in `SHOWN_ONLY_PAGES`.
 - Every ```python example in the docstring of a public module or name (see
@@ -238,6 +243,22 @@ def stale_outputs(page: Path, run: PageRun) -> list[str]:
     return problems
 
 
+def unshown_outputs(page: Path, run: PageRun) -> list[str]:
+    """A message for every block of `page` that printed something but shows no output."""
+    name = page.relative_to(ROOT) if page.is_relative_to(ROOT) else page
+    problems = []
+    for example, printed in zip(page_examples(page.read_text()), run.printed, strict=False):
+        if example.output is None and _normalised(printed):
+            problems.append(
+                f"{name}:{example.code.line}: the block of line {example.code.line} prints, "
+                f"but the page does not show what. Put a ```{OUTPUT_LANGUAGE} block right under "
+                "it (nothing but blank lines between) with its output (`...` for text that "
+                "changes from run to run, floats rounded in the block itself), or make it "
+                f"print nothing.\n--- printed:\n{printed}"
+            )
+    return problems
+
+
 def _has_python(page: Path) -> bool:
     try:
         return any(b.language == "python" for b in code_blocks(page.read_text()))
@@ -258,7 +279,7 @@ def test_page_code_runs(page, tmp_path):
         f"interpreter (the traceback's line numbers are the page's):\n{run.stderr}"
         f"\n--- stdout:\n{run.stdout}"
     )
-    problems = stale_outputs(page, run)
+    problems = stale_outputs(page, run) + unshown_outputs(page, run)
     assert not problems, "\n\n".join(problems)
 
 
@@ -372,6 +393,13 @@ def test_outputs_shown_on_a_page_are_checked(tmp_path):
     (problem,) = stale_outputs(page, result)
     assert ":30: the output shown under the block of line 26" in problem
     assert "--- shown:\nloud\n--- printed:\nquiet\n" in problem
+    (unshown,) = unshown_outputs(page, result)  # the last block prints and shows nothing
+    assert f"{page}:33: the block of line 33 prints, but the page does not show what" in unshown
+    assert "Put a ```text block right under it" in unshown
+    assert unshown.endswith("--- printed:\nnot shown\n")
+    quiet = tmp_path / "quiet.md"  # blocks that print nothing, or blank lines, need no output
+    quiet.write_text("```python\nx = 1\n```\n\n```python\nprint()\nprint('  ')\n```\n")
+    assert unshown_outputs(quiet, run_page(quiet, tmp_path)) == []
 
     assert output_matches("a\nb  \n\n", "a\nb\n")  # trailing whitespace is ignored
     assert output_matches("x = ...", "x = 1\n2\n3") and output_matches("...", "")
