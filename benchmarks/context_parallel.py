@@ -88,10 +88,10 @@ def measure(seq: int) -> list[dict]:
     return rows
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="4k and 16k tokens only")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     lengths = [4096, 16384] if args.quick else [4096, 8192, 16384, 32768, 65536]
     print(f"attention, causal, heads={HEADS}, head size={HEAD_SIZE}, float32, fwd + bwd")
     header = (
