@@ -441,10 +441,11 @@ def _run_schedule(
     to every device (one `psum`), each computes the loss and the gradient of its own part
     of the loss function, and the output's cotangent comes back summed to the last stage.
 
-    A forward run of several stages per device calls each stage under `jax.checkpoint`
-    with `stage_policy` (default: keep everything but the stage's slice of the stacked
-    weights), its slice of the stacked weights taken inside, so that autodiff of the loop
-    keeps no copy of the slice per step and the stage's own remat policy holds.
+    A forward run given the stage's remat policy (`stage_policy`, as `PipelineModule`
+    passes it), or of several stages per device, calls each stage under one
+    `jax.checkpoint` with that policy (default: keep everything), never keeping a circular
+    stage's slice of the stacked weights; with a policy it also skips the stage in each
+    device's idle steps (see `skips_bubbles`).
     """
     training = loss_fn is not None
     store = program.num_residual_slots > 0
