@@ -931,6 +931,9 @@ def _gpipe_forward(
     if batch is None:
         raise ValueError(f"{caller}: `x` has no array leaves; pass the batch to pipeline.")
     _check_replicated(x, "x", model_axis_name, caller)
+    if num_stages == 1 and num_microbatches == 1:
+        out = _single_step(module, x, args, kwargs, batch=batch, stage_policy=stage_policy)
+        return _gather_output(out, model_axis_name, broadcast_output)
     module = _vary_like_input(module, x, model_axis_name)
     microbatches = _split_microbatches(x, num_microbatches, batch, "x", caller)
     arguments_at = _microbatch_arguments(
@@ -949,6 +952,28 @@ def _gpipe_forward(
     )  # fmt: skip
     outputs = jax.tree.map(lambda o: o[:num_microbatches], carry.outputs)
     return _gather_output(_merge_microbatches(outputs), model_axis_name, broadcast_output)
+
+
+def _single_step(
+    stage: Any, x: Any, args: tuple, kwargs: dict, *, batch: int, stage_policy: Callable | None
+) -> Any:
+    """A one-stage, one-microbatch pipeline: the stage called once on the whole batch.
+
+    No schedule loop, so parameters replicated over a data axis are not cast to vary over
+    it up front (`_vary_like_input`, there to keep the gradient sum out of the loop): they
+    become varying where each layer uses them, and autodiff sums each layer's gradient
+    inside the backward scan of a `ScannedLayers`. The stacked gradients are then written
+    reduced, instead of held whole and unreduced until one sum at the end (as much memory
+    again as the layers' parameters)."""
+    args, kwargs = _unwrap_microbatched(args, kwargs, batch, "execute_pipeline")
+    call = _call_stage
+    if stage_policy is not None:
+        call = eqx.filter_checkpoint(_call_stage, policy=stage_policy)
+    return call(stage, x, *args, **kwargs)
+
+
+def _call_stage(stage: Any, x: Any, *args: Any, **kwargs: Any) -> Any:
+    return stage(x, *args, **kwargs)
 
 
 @functools.lru_cache(maxsize=64)

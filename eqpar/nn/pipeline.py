@@ -30,6 +30,7 @@ from .._typing import AxisName
 from ..mesh import DeviceMesh, as_jax_mesh
 from ..pipeline import (
     _batch_size,
+    _call_stage,
     _circular_forward,
     _gpipe_forward,
     _scan,
@@ -429,10 +430,6 @@ def _layers_remat(stages: Any) -> RematPolicy:
         if is_layers(node) and node.remat != "none":
             return node.remat
     return "none"
-
-
-def _call_stage(stage: Any, x: Any, *args: Any, **kwargs: Any) -> Any:
-    return stage(x, *args, **kwargs)
 
 
 class _StageCall(eqx.Module):
