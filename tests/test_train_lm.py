@@ -105,7 +105,8 @@ def test_parameters_live_where_their_layout_says():
     # [stage, layer in stage, out, in]: stages over pipe, heads over model, FSDP over data
     query = placed.body.stages.layers.attention.query_proj.weight
     assert query.sharding.spec == P("pipe", None, "model", "data")
-    assert placed.embed.weight.sharding.spec == P("model", None)  # the vocabulary split
+    # the vocabulary split over model and pipe
+    assert placed.embed.weight.sharding.spec == P(("model", "pipe"), None)
     # the optimizer's momentum mirrors the parameters' layout
     momentum = opt_state[0].trace.body.stages.layers.attention.query_proj.weight
     assert momentum.sharding.spec == query.sharding.spec
