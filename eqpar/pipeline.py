@@ -932,7 +932,10 @@ def _gpipe_forward(
         raise ValueError(f"{caller}: `x` has no array leaves; pass the batch to pipeline.")
     _check_replicated(x, "x", model_axis_name, caller)
     if num_stages == 1 and num_microbatches == 1:
-        out = _single_step(module, x, args, kwargs, batch=batch, stage_policy=stage_policy)
+        out = _single_step(
+            module, x, args, kwargs, batch=batch, axis_name=model_axis_name,
+            stage_policy=stage_policy,
+        )  # fmt: skip
         return _gather_output(out, model_axis_name, broadcast_output)
     module = _vary_like_input(module, x, model_axis_name)
     microbatches = _split_microbatches(x, num_microbatches, batch, "x", caller)
@@ -955,20 +958,29 @@ def _gpipe_forward(
 
 
 def _single_step(
-    stage: Any, x: Any, args: tuple, kwargs: dict, *, batch: int, stage_policy: Callable | None
+    stage: Any,
+    x: Any,
+    args: tuple,
+    kwargs: dict,
+    *,
+    batch: int,
+    axis_name: AxisName,
+    stage_policy: Callable | None,
 ) -> Any:
     """A one-stage, one-microbatch pipeline: the stage called once on the whole batch.
 
-    No schedule loop, so parameters replicated over a data axis are not cast to vary over
-    it up front (`_vary_like_input`, there to keep the gradient sum out of the loop): they
-    become varying where each layer uses them, and autodiff sums each layer's gradient
-    inside the backward scan of a `ScannedLayers`. The stacked gradients are then written
-    reduced, instead of held whole and unreduced until one sum at the end (as much memory
-    again as the layers' parameters)."""
+    With a remat policy the parameters replicated over a data axis are left as they are:
+    they become varying where each layer uses them, so autodiff sums each layer's gradient
+    over that axis inside the backward scan of a `ScannedLayers`, and the stacked gradients
+    are written reduced instead of held whole and unreduced until one sum at the end (as
+    much memory again as the layers' parameters). Without one they are cast up front
+    (`_vary_like_input`) as in the schedule loop: a layer that keeps everything for its
+    backward pass would otherwise keep its varying copy of the weights too, which costs
+    more than the unreduced gradients."""
     args, kwargs = _unwrap_microbatched(args, kwargs, batch, "execute_pipeline")
-    call = _call_stage
-    if stage_policy is not None:
-        call = eqx.filter_checkpoint(_call_stage, policy=stage_policy)
+    if stage_policy is None:
+        return _call_stage(_vary_like_input(stage, x, axis_name), x, *args, **kwargs)
+    call = eqx.filter_checkpoint(_call_stage, policy=stage_policy)
     return call(stage, x, *args, **kwargs)
 
 
