@@ -497,9 +497,10 @@ def compile_gradients(config: lm.LMConfig, run: Any, devices: list[Any]) -> dict
 
     Parameters are its arguments and gradients its outputs, so its `temp` is what the
     forward and backward passes need beyond both: the activations each layer keeps, the
-    recomputed forward of a remat layer, the logits, and in a pipeline the sum of the stage's
-    gradients over the microbatches before its reduction over `data` (without a pipe axis
-    each layer's gradient is reduced inside the backward scan, straight into the outputs). The
+    recomputed forward of a remat layer, the logits, and the gradients before their reduction
+    over `data`: in a pipeline the sum of the stage's gradients over the microbatches; without
+    a pipe axis and with a remat policy none (each layer's gradient is reduced inside the
+    backward scan, straight into the outputs), with remat `none` all the layers'. The
     compiler may place buffers that die before the outputs are written (the saved layer
     inputs, say) in the output buffers, where they do not count as temp."""
     train_lm.check_sizes(config, run)
@@ -838,7 +839,7 @@ def targets(
             "would need the optimizer applied per layer inside the backward pass, which eqpar "
             "does not do."
         )
-        if activation > 1.5 and high.sizes[lm.PIPE] > 1:
+        if activation > 1.5 and high.sizes[lm.PIPE] > 1 and high.run.schedule == "gpipe":
             lines.append("  - " + _pipeline_growth(sweep, series, depths, width))
     return lines
 
@@ -846,8 +847,9 @@ def targets(
 def _pipeline_growth(
     sweep: dict[tuple[str, int], Figures], series: str, depths: list[int], width: lm.LMConfig
 ) -> str:
-    """Why a pipeline series' activation temp grows by more than the saved layer inputs, with
-    the ratio it would have with only those, and with one gradient sum besides."""
+    """Why a GPipe series' activation temp grows by more than the saved layer inputs, with
+    the ratio it would have with only those, and with one gradient sum besides. Per device,
+    one layer's share is a `1 / pipe` of it (a device holds `L / pipe` layers)."""
     low, previous, high = (
         sweep[series, depths[0]],
         sweep[series, depths[-2]],
@@ -866,12 +868,13 @@ def _pipeline_growth(
         f"{high.run.microbatches} microbatches in a buffer the size of the stage's "
         f"parameters (reduced over `data` once, after the last microbatch), and autodiff of "
         f"the schedule's loop holds each step's stage gradients before adding them in: per "
-        f"added layer, one layer's saved input ({format_bytes(saved)}) plus {extra:.2f}x one "
-        f"layer's parameters ({format_bytes(layer_params)}). With the saved inputs alone the "
-        f"ratio would be {inputs_only:.2f}x; with the sum besides, which accumulating over "
-        f"microbatches needs, {with_sum:.2f}x (the best that a backward adding each layer's "
-        f"gradient into the sum in place would give). Meeting 1.5x would take reducing each "
-        f"microbatch's gradients over `data` as they are made, so that no sum is held, for "
+        f"added layer, one layer's saved input A/pipe ({format_bytes(saved)}) plus "
+        f"{extra:.2f}x one layer's parameters / pipe ({format_bytes(layer_params)}). With the "
+        f"saved inputs alone the ratio would be {inputs_only:.2f}x; with the sum besides, "
+        f"which accumulating over microbatches needs, {with_sum:.2f}x (the best that a "
+        f"backward adding each layer's gradient into the sum in place would give). Meeting "
+        f"1.5x would take reducing each microbatch's gradients over `data` as they are made, "
+        f"into the gradient outputs (not temp) instead of a sum held in temp, for "
         f"{high.run.microbatches}x that axis's bytes, a trade eqpar does not make."
     )
 

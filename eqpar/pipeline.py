@@ -49,8 +49,9 @@ def _cast_tree(tree: Any, axes: Any) -> Any:
     return jax.tree.map(_cast_varying, tree, axes)
 
 
-def _vary_like_input(tree: Any, x: Any, axis_name: AxisName) -> Any:
-    """`tree`'s inexact arrays marked varying over the mesh axes the batch `x` varies over.
+def _vary_like_input(tree: Any, x: Any, axis_name: AxisName | None) -> Any:
+    """`tree`'s inexact arrays marked varying over the mesh axes the batch `x` varies over
+    (but `axis_name`).
 
     Parameters replicated over, say, a data axis would otherwise become varying only inside
     the pipeline's scan, and autodiff would then sum their gradients over that axis at every
@@ -866,7 +867,8 @@ def execute_pipeline(
     one step apart; after `num_microbatches + S - 1` steps of one `lax.scan` (`S` the axis
     size) every microbatch has passed every stage. Differentiate through it for training
     (the backward pass runs the same steps in reverse); see `execute_1f1b` for a schedule that
-    holds fewer activations.
+    holds fewer activations. With one device and one microbatch there is no loop: the stage
+    is called once on the batch.
 
     **Arguments:**
 
@@ -921,9 +923,11 @@ def _gpipe_forward(
     model_axis_name: AxisName,
     broadcast_output: bool,
     stage_policy: Callable | None = None,
+    reduce_in_layers: bool = False,
 ) -> Any:
     """`execute_pipeline`; `stage_policy` is the `jax.checkpoint` policy of each stage call
-    (`None`: the stage is called as it is, at every step)."""
+    (`None`: the stage is called as it is, at every step); `reduce_in_layers`: see
+    `_single_step`, which runs a pipeline of one stage and one microbatch."""
     caller = "execute_pipeline"
     num_microbatches = _check_microbatches(num_microbatches, caller)
     num_stages = axis_size(model_axis_name, caller, argument="model_axis_name")
@@ -934,7 +938,7 @@ def _gpipe_forward(
     if num_stages == 1 and num_microbatches == 1:
         out = _single_step(
             module, x, args, kwargs, batch=batch, axis_name=model_axis_name,
-            stage_policy=stage_policy,
+            stage_policy=stage_policy, reduce_in_layers=reduce_in_layers,
         )  # fmt: skip
         return _gather_output(out, model_axis_name, broadcast_output)
     module = _vary_like_input(module, x, model_axis_name)
@@ -966,26 +970,45 @@ def _single_step(
     batch: int,
     axis_name: AxisName,
     stage_policy: Callable | None,
+    reduce_in_layers: bool,
 ) -> Any:
     """A one-stage, one-microbatch pipeline: the stage called once on the whole batch.
 
-    With a remat policy the parameters replicated over a data axis are left as they are:
-    they become varying where each layer uses them, so autodiff sums each layer's gradient
-    over that axis inside the backward scan of a `ScannedLayers`, and the stacked gradients
-    are written reduced instead of held whole and unreduced until one sum at the end (as
-    much memory again as the layers' parameters). Without one they are cast up front
-    (`_vary_like_input`) as in the schedule loop: a layer that keeps everything for its
-    backward pass would otherwise keep its varying copy of the weights too, which costs
-    more than the unreduced gradients."""
-    args, kwargs = _unwrap_microbatched(args, kwargs, batch, "execute_pipeline")
-    if stage_policy is None:
-        return _call_stage(_vary_like_input(stage, x, axis_name), x, *args, **kwargs)
-    call = eqx.filter_checkpoint(_call_stage, policy=stage_policy)
+    The parameters replicated over a data axis are cast to vary over it up front
+    (`_vary_like_input`, as in the schedule loop), so that autodiff sums their gradients
+    once, at the end; unless `reduce_in_layers` (the stage's `ScannedLayers` rematerialise
+    each layer and cast that layer's parameters inside it, `_call_varying`): each layer's
+    gradient is then summed inside the backward scan and the stacked gradients are written
+    reduced, instead of held whole and unreduced until that one sum (as much memory again
+    as the layers' parameters). Layers that keep everything for the backward pass keep the
+    up-front cast: casting inside them would keep each layer's varying copy of its weights,
+    which costs more than the unreduced gradients."""
+    caller = "execute_pipeline"
+    for path, leaf in jax.tree_util.tree_flatten_with_path(
+        (args, kwargs), is_leaf=_is_microbatched
+    )[0]:
+        if _is_microbatched(leaf):  # the executor checks these as it splits them
+            _check_replicated(leaf.value, _argument_name(path), axis_name, caller)
+    args, kwargs = _unwrap_microbatched(args, kwargs, batch, caller)
+    # One stage could change the shape, but then more stages could not: refuse it alike.
+    _check_stage_keeps_shape(stage, x, args, kwargs, caller)
+    if not reduce_in_layers:
+        stage = _vary_like_input(stage, x, axis_name)
+    call = _call_stage
+    if stage_policy is not None:
+        call = eqx.filter_checkpoint(_call_stage, policy=stage_policy)
     return call(stage, x, *args, **kwargs)
 
 
 def _call_stage(stage: Any, x: Any, *args: Any, **kwargs: Any) -> Any:
     return stage(x, *args, **kwargs)
+
+
+def _call_varying(stage: Any, x: Any, *args: Any, **kwargs: Any) -> Any:
+    """`stage(x, ...)` with the stage's parameters first cast to vary over every mesh axis
+    `x` varies over: autodiff then sums each parameter's gradient over those axes once, at
+    this call, however often the stage uses the parameter."""
+    return _vary_like_input(stage, x, None)(x, *args, **kwargs)
 
 
 @functools.lru_cache(maxsize=64)

@@ -16,6 +16,7 @@ from eqpar._declare import declared_partition_specs
 from eqpar._paths import path_to_str
 from eqpar.nn.pipeline import PipelineModule, ScannedLayers
 from eqpar.pipeline import (
+    Microbatched,
     execute_1f1b,
     execute_circular_pipeline,
     execute_pipeline,
@@ -538,19 +539,40 @@ def test_batch_not_divisible_by_microbatches():
         fn(jnp.ones((6, 3)))
 
 
-def test_stage_that_changes_shape():
+# One device and one microbatch call the stage directly, outside the schedule loop: the
+# same checks hold there.
+@pytest.mark.parametrize(("size", "microbatches"), [(4, 2), (1, 1)])
+def test_stage_that_changes_shape(size, microbatches):
     stage = lambda h: jnp.concatenate([h, h], axis=-1)
     fn = _in_pipe(
         lambda x: execute_pipeline(
-            stage, x, num_microbatches=2, model_axis_name="pipe", broadcast_output=True
-        )
-    )
+            stage, x, num_microbatches=microbatches, model_axis_name="pipe",
+            broadcast_output=True,
+        ),
+        size=size,
+    )  # fmt: skip
+    rows = 4 // microbatches
     with pytest.raises(
         ValueError,
         match=r"must return exactly the shape and dtype it takes.*"
-        r"float32\[2, 3\].*float32\[2, 6\].*outside the pipeline",
+        rf"float32\[{rows}, 3\].*float32\[{rows}, 6\].*outside the pipeline",
     ):
         fn(jnp.ones((4, 3)))
+
+
+@pytest.mark.parametrize("size", [4, 1])
+def test_microbatched_argument_must_be_replicated_over_the_pipeline_axis(size):
+    stage = lambda h, scale: h * scale
+    fn = _in_pipe(
+        lambda x, scale: execute_pipeline(
+            stage, x, Microbatched(scale), num_microbatches=1, model_axis_name="pipe"
+        ),
+        size=size,
+        in_specs=(P(), P("pipe")),
+        out_specs=P(),
+    )
+    with pytest.raises(ValueError, match=r"varies over the pipeline axis 'pipe'"):
+        fn(jnp.ones((4, 3)), jnp.ones((4 * size, 3)))
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "circular", "1f1b"])
@@ -570,12 +592,14 @@ def test_batch_must_be_replicated_over_the_pipeline_axis(schedule):
         fn(jnp.ones((8, 3)))
 
 
-def test_stage_that_changes_dtype():
+@pytest.mark.parametrize("size", [4, 1])
+def test_stage_that_changes_dtype(size):
     stage = lambda h: h.astype(jnp.bfloat16)
     fn = _in_pipe(
         lambda x: execute_pipeline(
             stage, x, num_microbatches=1, model_axis_name="pipe", broadcast_output=True
-        )
+        ),
+        size=size,
     )
     with pytest.raises(ValueError, match=r"float32\[1, 3\].*bfloat16\[1, 3\]"):
         fn(jnp.ones((1, 3)))

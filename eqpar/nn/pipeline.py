@@ -31,6 +31,7 @@ from ..mesh import DeviceMesh, as_jax_mesh
 from ..pipeline import (
     _batch_size,
     _call_stage,
+    _call_varying,
     _circular_forward,
     _gpipe_forward,
     _scan,
@@ -342,7 +343,12 @@ class ScannedLayers(eqx.Module):
         """Apply every layer in order: `x -> layers[L-1](... layers[0](x, *args, **kwargs))`."""
         arrays, static = eqx.partition(self.layers, eqx.is_array)
         if self.gather_axis is None:
-            call = _rematerialized(_call_stage, self.remat)
+            # Under a policy each layer casts its parameters to vary like its input inside
+            # the checkpoint (recomputed, never kept): a pipeline of one stage then sums each
+            # layer's gradient over the data axes in the backward scan (`_single_step`).
+            call = _rematerialized(
+                _call_stage if self.remat == "none" else _call_varying, self.remat
+            )
 
             def apply(h: Any, layer_arrays: Any) -> tuple[Any, None]:
                 h = self._named_input(h)
@@ -835,7 +841,9 @@ class PipelineModule(eqx.Module):
         # The executor checkpoints each stage call itself, under the policy of `remat`, or
         # else that of the layers inside the stage (a policy around an inner
         # `jax.checkpoint` overrides it): it then skips the stage in each device's idle
-        # steps, and takes a circular stage's slice of the stacked weights inside.
+        # steps, and takes a circular stage's slice of the stacked weights inside. With one
+        # device and one microbatch the stage is called once, and layers that checkpoint
+        # themselves sum their gradients over the data axes layer by layer (`_single_step`).
         layers_remat = _layers_remat(self.stages)
         if self.remat != "none":  # the stage's own policy, around the whole stage
             policy = _REMAT_POLICIES[self.remat]
@@ -843,11 +851,16 @@ class PipelineModule(eqx.Module):
             policy = _AROUND_LAYERS[layers_remat]
         else:  # none: the stage is called as it is (a skip would cost memory here)
             policy = None
-        forward = _gpipe_forward if self.num_repeats == 1 else _circular_forward
-        return forward(
+        if self.num_repeats > 1:
+            return _circular_forward(
+                stages, x, args, kwargs, num_microbatches=self.num_microbatches,
+                model_axis_name=self.axis_name, broadcast_output=self.broadcast_output,
+                stage_policy=policy,
+            )  # fmt: skip
+        return _gpipe_forward(
             stages, x, args, kwargs, num_microbatches=self.num_microbatches,
             model_axis_name=self.axis_name, broadcast_output=self.broadcast_output,
-            stage_policy=policy,
+            stage_policy=policy, reduce_in_layers=layers_remat != "none",
         )  # fmt: skip
 
     def value_and_grad(
