@@ -147,6 +147,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=defaults.lr)
     parser.add_argument("--optimizer", choices=("adam", "sgd"), default=defaults.optimizer)
     parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument("--precision", choices=lm.PRECISIONS, default=defaults.precision)
+    parser.add_argument(
+        "--remat", choices=("none", "full", "matmuls"), default=defaults.remat,
+        help="what each layer keeps for the backward pass (as in train_lm.py)",
+    )  # fmt: skip
     parser.add_argument("--smallest", action="store_true", help="the SMALLEST model (tests)")
     parser.add_argument("--json", type=pathlib.Path, help="write this process's losses here")
     return parser.parse_args(argv)
@@ -162,6 +167,8 @@ def run_config(args: argparse.Namespace) -> train_lm.RunConfig:
         lr=args.lr,
         optimizer=args.optimizer,
         seed=args.seed,
+        precision=args.precision,
+        remat=args.remat,
     )
 
 
