@@ -119,7 +119,7 @@ import os
 import pathlib
 import sys
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -708,6 +708,28 @@ def _saved_input(f: Figures, width: lm.LMConfig) -> float:
     return rows * width.seq_len * width.d_model * 4 / f.sizes[lm.PIPE]
 
 
+class AddedLayer(NamedTuple):
+    """What one more layer adds per device between the last two depths of a series."""
+
+    params: float  # its parameters (= gradients) on this device
+    saved_input: float  # its saved input, A / pipe
+    step_temp: float
+    activation_temp: float
+
+
+def added_layer(
+    sweep: dict[tuple[str, int], Figures], series: str, depths: list[int], width: lm.LMConfig
+) -> AddedLayer:
+    low, high = sweep[series, depths[-2]], sweep[series, depths[-1]]
+    layers = depths[-1] - depths[-2]
+    return AddedLayer(
+        params=(high.params - low.params) / layers,
+        saved_input=_saved_input(high, width),
+        step_temp=(high.memory["temp"] - low.memory["temp"]) / layers,
+        activation_temp=(_activation_temp(high) - _activation_temp(low)) / layers,
+    )
+
+
 def depth_table(
     sweep: dict[tuple[str, int], Figures], depths: list[int], width: lm.LMConfig
 ) -> list[str]:
@@ -748,12 +770,7 @@ def depth_table(
         low_depth, high_depth = depths[-2], depths[-1]
         lines += ["", f"Per added layer from {low_depth} to {high_depth} layers, per device:", ""]
         for name in series:
-            low, high = sweep[name, low_depth], sweep[name, high_depth]
-            layers = high_depth - low_depth
-            layer_params = (high.params - low.params) / layers
-            saved = _saved_input(high, width)
-            step = (high.memory["temp"] - low.memory["temp"]) / layers
-            activation = (_activation_temp(high) - _activation_temp(low)) / layers
+            layer_params, saved, step, activation = added_layer(sweep, name, depths, width)
             lines.append(
                 f"- {name}: step temp +{format_bytes(step)} "
                 f"({step / layer_params:.2f}x one layer's parameters), activation temp "
@@ -850,15 +867,9 @@ def _pipeline_growth(
     """Why a GPipe series' activation temp grows by more than the saved layer inputs, with
     the ratio it would have with only those, and with one gradient sum besides. Per device,
     one layer's share is a `1 / pipe` of it (a device holds `L / pipe` layers)."""
-    low, previous, high = (
-        sweep[series, depths[0]],
-        sweep[series, depths[-2]],
-        sweep[series, depths[-1]],
-    )
-    layers = depths[-1] - depths[-2]
-    layer_params = (high.params - previous.params) / layers
-    saved = _saved_input(high, width)
-    extra = ((_activation_temp(high) - _activation_temp(previous)) / layers - saved) / layer_params
+    low, high = sweep[series, depths[0]], sweep[series, depths[-1]]
+    layer_params, saved, _, activation = added_layer(sweep, series, depths, width)
+    extra = (activation - saved) / layer_params
     added = depths[-1] - depths[0]
     base = _activation_temp(low)
     inputs_only = (base + added * saved) / base

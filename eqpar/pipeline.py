@@ -304,15 +304,20 @@ def _check_microbatched_rows(value: Any, name: str, batch: int, caller: str) -> 
         )
 
 
-def _unwrap_microbatched(args: Any, kwargs: Any, batch: int | None, caller: str) -> tuple:
+def _unwrap_microbatched(
+    args: Any, kwargs: Any, batch: int | None, caller: str, axis_name: AxisName | None = None
+) -> tuple:
     """`(args, kwargs)` with every `Microbatched` replaced by its whole value (rows checked
-    against `batch` when it is known)."""
+    against `batch` when it is known; with `axis_name`, checked to be the same on every
+    device of that pipeline axis, as `_microbatch_arguments` checks them)."""
     flat, treedef = jax.tree_util.tree_flatten_with_path((args, kwargs), is_leaf=_is_microbatched)
     leaves = []
     for path, leaf in flat:
         if _is_microbatched(leaf):
             if batch is not None:
                 _check_microbatched_rows(leaf.value, _argument_name(path), batch, caller)
+            if axis_name is not None:
+                _check_replicated(leaf.value, _argument_name(path), axis_name, caller)
             leaf = leaf.value
         leaves.append(leaf)
     return jax.tree_util.tree_unflatten(treedef, leaves)
@@ -984,12 +989,7 @@ def _single_step(
     up-front cast: casting inside them would keep each layer's varying copy of its weights,
     which costs more than the unreduced gradients."""
     caller = "execute_pipeline"
-    for path, leaf in jax.tree_util.tree_flatten_with_path(
-        (args, kwargs), is_leaf=_is_microbatched
-    )[0]:
-        if _is_microbatched(leaf):  # the executor checks these as it splits them
-            _check_replicated(leaf.value, _argument_name(path), axis_name, caller)
-    args, kwargs = _unwrap_microbatched(args, kwargs, batch, caller)
+    args, kwargs = _unwrap_microbatched(args, kwargs, batch, caller, axis_name)
     # One stage could change the shape, but then more stages could not: refuse it alike.
     _check_stage_keeps_shape(stage, x, args, kwargs, caller)
     if not reduce_in_layers:
