@@ -31,10 +31,10 @@ if os.environ.get("JAX_PLATFORMS") == "cpu":
 
 import jax.numpy as jnp
 import numpy as np
+from _hlo import collective_bytes, format_bytes, memory_figures
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from eqpar._hlo import collective_bytes, format_bytes, memory_figures
 from eqpar.context import all_gather_attention, ring_attention
 
 HEADS, HEAD_SIZE = 4, 32

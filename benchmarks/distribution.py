@@ -32,10 +32,7 @@ import equinox as eqx
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
-
-from eqpar._hlo import (
+from _hlo import (
     collective_summary,
     compile_timed,
     format_bytes,
@@ -43,6 +40,9 @@ from eqpar._hlo import (
     paired_median_seconds,
     per_device_bytes,
 )
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
 from eqpar.distributions import FSDP, DataParallel, ModelParallel
 from eqpar.layout import LayoutMap
 from eqpar.mesh import DeviceMesh

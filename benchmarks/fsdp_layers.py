@@ -29,12 +29,12 @@ if os.environ.get("JAX_PLATFORMS") == "cpu":
 
 import equinox as eqx
 import jax.numpy as jnp
+from _hlo import collective_bytes, format_bytes, memory_figures
 from _layers import stacked_layers
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import eqpar
-from eqpar._hlo import collective_bytes, format_bytes, memory_figures
 from eqpar.nn import ScannedLayers, gather_layers
 
 DIM, HEADS, HIDDEN, SEQ, BATCH = 384, 6, 1536, 128, 16

@@ -19,7 +19,7 @@ they compute the same thing.
 Per device: parameter and optimizer-state bytes (the most any device holds of the arrays'
 shards after a step), temporaries (`memory_analysis().temp`: activations and other scratch),
 bytes received by collectives per step (compiled HLO, loops counted per iteration, see
-`eqpar/_hlo.py`), compile time, and the median step time measured alternately with its
+`benchmarks/_hlo.py`), compile time, and the median step time measured alternately with its
 baseline. Each figure also as a ratio to its baseline. The simulated CPU devices share the
 host's cores, so wall times show no overlap of communication and computation.
 
@@ -52,8 +52,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "example
 
 import lm  # pyright: ignore[reportMissingImports]
 import train_lm  # pyright: ignore[reportMissingImports]
-
-from eqpar._hlo import (
+from _hlo import (
     collective_summary,
     compile_timed,
     format_bytes,

@@ -30,11 +30,11 @@ if os.environ.get("JAX_PLATFORMS") == "cpu":
 import equinox as eqx
 import jax.numpy as jnp
 import numpy as np
+from _hlo import format_bytes, memory_figures, paired_median_seconds
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import eqpar
-from eqpar._hlo import format_bytes, memory_figures, paired_median_seconds
 from eqpar.nn import PipelineModule
 
 LAYERS, WIDTH, HIDDEN, STAGES, MICROBATCHES = 8, 512, 2048, 4, 4

@@ -37,13 +37,13 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+from _hlo import collective_summary
 from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from eqpar import _program
+from eqpar.pipeline import _program
 from eqpar._declare import declared_partition_specs
-from eqpar._hlo import collective_summary
 from eqpar._paths import path_to_str
 from eqpar.nn.pipeline import PipelineModule
 

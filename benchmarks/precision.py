@@ -8,7 +8,7 @@ backward passes), for the layouts `DP` (`data=8`), `DPxTP` (`data=2,model=4`) an
 
 **Gradient reduction** is the bytes one device receives per step in the all-reduces and
 reduce-scatters over the `data` axis (its groups are the only ones of that size here), read
-from the program JAX hands to XLA (`lowered.as_text(dialect="hlo")`, see `eqpar/_hlo.py` for
+from the program JAX hands to XLA (`lowered.as_text(dialect="hlo")`, see `benchmarks/_hlo.py` for
 the counting). That program is what GPU and TPU compilers get; XLA's CPU compiler promotes
 every bfloat16 all-reduce to float32 (its collectives have no bfloat16 reduction), so on CPU
 the compiled program moves float32 bytes either way. **temp** is the compiled program's
@@ -36,8 +36,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "example
 
 import lm  # pyright: ignore[reportMissingImports]
 import train_lm  # pyright: ignore[reportMissingImports]
-
-from eqpar._hlo import collective_ops, format_bytes, memory_figures
+from _hlo import collective_ops, format_bytes, memory_figures
 
 LAYOUTS = {
     "DP": {lm.DATA: 8, lm.PIPE: 1, lm.MODEL: 1},

@@ -19,9 +19,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+from _hlo import format_bytes, memory_figures
 from _layers import stacked_layers
 
-from eqpar._hlo import format_bytes, memory_figures
 from eqpar.nn import ScannedLayers
 
 DIM, HEADS, HIDDEN, SEQ, BATCH = 256, 8, 1024, 256, 2

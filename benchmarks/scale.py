@@ -24,7 +24,7 @@ Per device:
 - **temp** (`memory_analysis().temp_size_in_bytes`) and **peak** = argument + output + temp -
   alias (on CPU the reported peak ignores temp).
 - **collective bytes per mesh axis**: what one device receives per step (ring model of
-  `eqpar/_hlo.py`, loops counted per iteration), each collective assigned to the mesh axes its
+  `benchmarks/_hlo.py`, loops counted per iteration), each collective assigned to the mesh axes its
   device groups span (`collective_bytes_by_axes`). A collective over several axes is split
   among them as a hierarchical ring would move it (innermost axis first: a full ring over it,
   then the next axis on `1/g` of the data), which preserves its total.
@@ -33,11 +33,11 @@ Per device:
   uses, indexed by the step, and a training schedule whose loss is split over `pipe` (the
   vocabulary-parallel head) runs the loss in a `lax.switch` that computes it only at the
   steps where a last stage's backward starts. The program text does not say which branch a
-  step takes, so `eqpar/_hlo.py` counts every conditional at its busiest branch: the **HLO
+  step takes, so `benchmarks/_hlo.py` counts every conditional at its busiest branch: the **HLO
   bound**. The **exact** figure is `outside + sends + loss`, where `outside` is the bytes of
   the pipe-axis collectives outside any conditional (`CollectiveOp.in_conditional` false:
   exact from the HLO), and the conditional part is counted from the compiled schedule table
-  (`eqpar._program.compile_schedule(body.schedule(kind))`, the table the step runs: the
+  (`eqpar.pipeline._program.compile_schedule(body.schedule(kind))`, the table the step runs: the
   forward table for GPipe and circular, the training table for 1F1B): `sends` = the pairs
   of each step's pattern (`forward_pairs[forward_sends[t]]`, likewise backward), summed over
   the steps, x one microbatch's activation `A / M` / `S` (devices of the pipe axis; autodiff
@@ -138,16 +138,16 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "example
 
 import lm  # pyright: ignore[reportMissingImports]
 import train_lm  # pyright: ignore[reportMissingImports]
-
-import eqpar
-from eqpar import _program
-from eqpar._hlo import (
+from _hlo import (
     CollectiveOp,
     bytes_by_axes_of,
     collective_ops,
     format_bytes,
     memory_figures,
 )
+
+import eqpar
+from eqpar.pipeline import _program
 from eqpar.distributions import match_param_specs
 
 NUM_DEVICES = 8

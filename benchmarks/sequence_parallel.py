@@ -29,11 +29,11 @@ if os.environ.get("JAX_PLATFORMS") == "cpu":
 
 import equinox as eqx
 import jax.numpy as jnp
+from _hlo import collective_bytes, format_bytes, memory_figures, paired_median_seconds
 from _layers import Layer
 from jax.sharding import PartitionSpec as P
 
 import eqpar
-from eqpar._hlo import collective_bytes, format_bytes, memory_figures, paired_median_seconds
 
 DIM, HEADS, HIDDEN, LAYERS, BATCH = 256, 8, 1024, 4, 2
 

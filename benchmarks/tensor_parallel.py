@@ -35,12 +35,12 @@ if os.environ.get("JAX_PLATFORMS") == "cpu":
 import equinox as eqx
 import jax.numpy as jnp
 import numpy as np
+from _hlo import collective_bytes, compile_timed, memory_figures, paired_median_seconds
 from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import eqpar
-from eqpar._hlo import collective_bytes, compile_timed, memory_figures, paired_median_seconds
 from eqpar.nn import TPAsyncDense, TPMLPBlock
 
 D_MODEL, D_HIDDEN, TOKENS = 256, 1024, 512

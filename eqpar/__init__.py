@@ -35,7 +35,6 @@ from .layout import TensorLayout as TensorLayout
 from .layout import named_shardings as named_shardings
 from .layout import partition_specs as partition_specs
 from .mesh import DeviceMesh as DeviceMesh
-from .mesh import initialize as initialize
 from .mesh import list_devices as list_devices
 from .plan import ColumnParallel as ColumnParallel
 from .plan import ContextParallel as ContextParallel
@@ -49,6 +48,7 @@ from .plan import VocabParallel as VocabParallel
 from .plan import parallelize as parallelize
 from .plan import unparallelize as unparallelize
 from .precision import Precision as Precision
+from .runtime import initialize as initialize
 from .spmd import build_sharded as build_sharded
 from .spmd import shard_map as shard_map
 

@@ -93,3 +93,8 @@ def fsdp_dim(
         d for d in range(len(shape)) if not entry_names(entries[d]) and shape[d] % axis_size == 0
     ]
     return max(free, key=lambda d: shape[d]) if free else None  # max keeps the first on ties
+
+
+def is_spec_leaf(node: object) -> bool:
+    """Where a tree of specs stops: a `PartitionSpec`, or `None` (replicated / not an array)."""
+    return node is None or isinstance(node, PartitionSpec)

@@ -29,9 +29,7 @@ __all__ = [
 ]
 
 import contextlib
-import itertools
 import math
-import threading
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -43,6 +41,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array, Bool, PRNGKeyArray
 
+from . import _current
 from ._paths import path_to_str
 from ._specs import entry_names, fsdp_dim
 from ._typing import PyTree, Specs
@@ -385,11 +384,8 @@ class Distribution:
             assert eqpar.distribution() is outer
         ```
         """
-        token = _push(self)
-        try:
+        with _current.scoped(self):
             yield self
-        finally:
-            _pop(token)
 
 
 def match_param_specs(tree: PyTree, model: PyTree, param_specs: Specs) -> Specs:
@@ -778,27 +774,7 @@ def _is_spec_or_none(node: object) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------
-# The current distribution: one process-wide stack, so every thread sees the same one.
-
-_lock = threading.Lock()
-_base: Distribution | None = None
-_scopes: list[tuple[int, Distribution | None]] = []
-_tokens = itertools.count()
-
-
-def _push(d: Distribution) -> int:
-    token = next(_tokens)
-    with _lock:
-        _scopes.append((token, d))
-    return token
-
-
-def _pop(token: int) -> None:
-    with _lock:
-        for i in range(len(_scopes) - 1, -1, -1):
-            if _scopes[i][0] == token:
-                del _scopes[i]
-                return
+# The current distribution (held in `_current`, which `spmd.build_sharded` reads too).
 
 
 def set_distribution(value: Distribution | None) -> None:
@@ -819,17 +795,12 @@ def set_distribution(value: Distribution | None) -> None:
     eqpar.set_distribution(None)
     ```
     """
-    global _base
     if value is not None and not isinstance(value, Distribution):
         raise TypeError(
             f"set_distribution: expected a Distribution (DataParallel, ModelParallel, FSDP) or "
             f"None; got {type(value).__name__}."
         )
-    with _lock:
-        if _scopes:
-            _scopes[-1] = (_scopes[-1][0], value)
-        else:
-            _base = value
+    _current.set_current(value)
 
 
 def distribution() -> Distribution | None:
@@ -845,8 +816,9 @@ def distribution() -> Distribution | None:
         assert eqpar.distribution() is fsdp
     ```
     """
-    with _lock:
-        return _scopes[-1][1] if _scopes else _base
+    value = _current.current()
+    assert value is None or isinstance(value, Distribution)
+    return value
 
 
 def _resolve(given: Distribution | None, caller: str) -> Distribution:

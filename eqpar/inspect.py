@@ -12,6 +12,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from ._checks import check_int
 from ._matching import compile_key, unused_key_hints
 from ._paths import path_to_str
 from ._specs import show_spec
@@ -445,12 +446,8 @@ def plot_layout(
     """
     if leaves is not None and not isinstance(leaves, str):
         raise TypeError(f"plot_layout: `leaves` must be a regex string or None; got {leaves!r}.")
-    if max_rows is not None and (
-        isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1
-    ):
-        raise ValueError(
-            f"plot_layout: `max_rows` must be a positive int or None; got {max_rows!r}."
-        )
+    if max_rows is not None:
+        check_int(max_rows, name="max_rows", owner="plot_layout")
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure

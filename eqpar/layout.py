@@ -26,7 +26,7 @@ from jax.tree_util import keystr
 from ._declare import declared_partition_specs
 from ._matching import compile_key, matching_keys, single_match, unused_key_hints
 from ._paths import path_to_str
-from ._specs import check_spec, entry_names
+from ._specs import check_spec, entry_names, is_spec_leaf
 from ._typing import PyTree, Specs
 from .mesh import DeviceMesh, as_jax_mesh
 
@@ -445,10 +445,6 @@ def named_shardings(specs: Specs, mesh: DeviceMesh | Mesh) -> PyTree:
     )
 
 
-def _is_spec_leaf(node: object) -> bool:
-    return node is None or isinstance(node, PartitionSpec)
-
-
 def expand_specs(
     specs: Specs,
     tree: PyTree,
@@ -501,7 +497,7 @@ def expand_specs(
                 lambda path, pre, sub: expand(pre, sub, here + keystr(path)),
                 prefix,
                 subtree,
-                is_leaf=_is_spec_leaf,
+                is_leaf=is_spec_leaf,
             )
         except ValueError as error:
             if str(error).startswith(f"{caller}:"):

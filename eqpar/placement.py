@@ -24,16 +24,14 @@ every error names the leaf path (`/`-joined, as `LayoutMap` keys) and the fix.
 **Which mesh.** The functions take `mesh=` explicitly or read the mesh of the surrounding
 context. The context mesh is the one set by `jax.set_mesh(mesh)` (as a context manager or a
 global setter), read through the public `jax.sharding.get_mesh()` (outside `jax.jit`) and
-`jax.sharding.get_abstract_mesh()` (inside). The legacy `with mesh:` context has no public
-reader in recent JAX (it is deprecated since JAX 0.8.2); while JAX still provides
-`jax.interpreters.pxla.thread_resources` it is read from there as a fallback, so `with mesh:`
-keeps working, but new code should use `jax.set_mesh`.
+`jax.sharding.get_abstract_mesh()` (inside). The legacy `with mesh:` context (deprecated since
+JAX 0.8.2) has no public reader, so it is not read: under it the functions say that no mesh is
+set and name `jax.set_mesh` as the fix.
 """
 
 import enum
 import functools
 import json
-import warnings
 import zlib
 from typing import Any
 
@@ -81,21 +79,14 @@ class DataPartitionType(enum.Enum):
 
 def _context_mesh(function: str | None = None) -> Any:
     """The context mesh, concrete outside a trace and abstract inside one (an error naming
-    `function` when given); `None` when none is set. A deprecated `with mesh:` block has no
-    public reader: it is read, best effort, where JAX still records it."""
+    `function` when given); `None` when none is set."""
     try:
         mesh = jax.sharding.get_mesh()
     except ValueError:  # `get_mesh` refuses to run under a trace
         if function:
             raise ValueError(f"`{function}` must be called outside `jax.jit`.") from None
         mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)
-            pxla = getattr(getattr(jax, "interpreters", None), "pxla", None)
-            env = getattr(getattr(pxla, "thread_resources", None), "env", None)
-        mesh = getattr(env, "physical_mesh", None)
-    return mesh if mesh is not None and not mesh.empty else None
+    return None if mesh.empty else mesh
 
 
 def _resolve(mesh: Any, partition: object, function: str) -> tuple[Mesh, NamedSharding, int]:
@@ -105,7 +96,10 @@ def _resolve(mesh: Any, partition: object, function: str) -> tuple[Mesh, NamedSh
     if mesh is not None and not isinstance(mesh, Mesh):
         raise TypeError(f"`{function}`: `mesh` must be a concrete `jax.sharding.Mesh`: {mesh!r}")
     if (mesh := _context_mesh(function) if mesh is None else mesh) is None:
-        raise ValueError(f"`{function}`: no device mesh; pass `mesh=` or use `jax.set_mesh(mesh)`.")
+        raise ValueError(
+            f"`{function}`: no device mesh; pass `mesh=` or use `jax.set_mesh(mesh)` (a legacy "
+            "`with mesh:` block is not read: JAX has no public reader for it)."
+        )
     if not (local := sum(d.process_index == jax.process_index() for d in mesh.devices.flat)):
         raise ValueError(f"`{function}`: the mesh has no device of process {jax.process_index()}.")
     spec = PartitionSpec(*[tuple(mesh.axis_names)] * (partition is DataPartitionType.FULL))
@@ -279,7 +273,7 @@ def host_to_global_device_array(
       are accepted too).
     - `partition`: a `DataPartitionType`.
     - `mesh`: the `jax.sharding.Mesh` to place on; defaults to the mesh set with
-      `jax.set_mesh` (or a legacy `with mesh:` block).
+      `jax.set_mesh`.
 
     **Returns:** a pytree of the same structure whose leaves are global `jax.Array`s sharded on
     `mesh`.
@@ -344,7 +338,7 @@ def global_to_host_array(
     - `global_arrays`: a pytree of `jax.Array`s placed on `mesh`.
     - `partition`: a `DataPartitionType`; the one that was used to place the data.
     - `mesh`: the `jax.sharding.Mesh` of the arrays; defaults to the mesh set with
-      `jax.set_mesh` (or a legacy `with mesh:` block).
+      `jax.set_mesh`.
 
     **Returns:** a pytree of NumPy arrays: the local rows (`FULL`) or the whole array
     (`REPLICATED`) of every leaf.
@@ -419,7 +413,7 @@ def with_sharding_constraint(x: PyTree[ArrayLike], shardings: PyTree) -> PyTree[
     - `shardings`: a `PartitionSpec` or `jax.sharding.Sharding` (e.g. `NamedSharding`) for all
       of `x`, or a pytree of them that is a prefix of `x`'s structure; a `None` entry leaves
       that part of `x` unconstrained. A bare `PartitionSpec` refers to the mesh set with
-      `jax.set_mesh` (or a legacy `with mesh:`); a `NamedSharding` carries its own mesh.
+      `jax.set_mesh`; a `NamedSharding` carries its own mesh.
 
     **Returns:** `x`, with the sharding constraint applied when the mesh has several devices.
 

@@ -18,12 +18,13 @@ from typing import Any
 import equinox as eqx
 import jax
 
+from ._checks import check_column_options, check_context_options
 from ._matching import compile_key, single_match, unused_key_hints
 from ._paths import path_to_str
 from ._typing import PyTree
 from .mesh import DeviceMesh, as_jax_mesh
 from .nn.parallel_layers import (
-    _PARALLEL_LAYERS,
+    PARALLEL_LAYERS,
     ColumnParallelLinear,
     ContextParallelAttention,
     FeatureParallelEmbedding,
@@ -31,8 +32,6 @@ from .nn.parallel_layers import (
     RowParallelLinear,
     SequenceParallelDropout,
     VocabParallelEmbedding,
-    _check_column_options,
-    _check_context_options,
     to_serial_layer,
 )
 
@@ -116,7 +115,7 @@ class ColumnParallel(Style):
     accepts = (eqx.nn.Linear,)
 
     def __post_init__(self) -> None:
-        _check_column_options("ColumnParallel", self.gather_output, self.sequence_parallel)
+        check_column_options("ColumnParallel", self.gather_output, self.sequence_parallel)
 
     def convert(self, layer: Any) -> Any:
         return ColumnParallelLinear(
@@ -224,7 +223,7 @@ class ContextParallel(Style):
     accepts = (eqx.nn.MultiheadAttention,)
 
     def __post_init__(self) -> None:
-        _check_context_options(
+        check_context_options(
             "ContextParallel", self.layout, self.strategy, self.axis_name, self.head_axis_name
         )
 
@@ -515,5 +514,5 @@ def unparallelize(model: PyTree) -> PyTree:
     ```
     """
     return jax.tree.map(
-        to_serial_layer, model, is_leaf=lambda node: isinstance(node, _PARALLEL_LAYERS)
+        to_serial_layer, model, is_leaf=lambda node: isinstance(node, PARALLEL_LAYERS)
     )

@@ -29,6 +29,8 @@ import numpy as np
 from jax.core import Tracer
 from jaxtyping import Array, Bool, Int, Int64, Integer, Shaped
 
+from ._checks import check_int
+
 __all__ = [
     "PackedBatch",
     "RaggedSplit",
@@ -580,11 +582,7 @@ def balanced_splits(
     ```
     """
     _reject_traced("input_row_offsets", input_row_offsets, "balanced_splits")
-    if isinstance(num_devices, bool) or not isinstance(num_devices, int | np.integer):
-        raise TypeError(f"`num_devices` must be an int, got {type(num_devices).__name__}.")
-    num_devices = int(num_devices)
-    if num_devices < 1:
-        raise ValueError(f"`num_devices` must be at least 1, got {num_devices}.")
+    num_devices = check_int(num_devices, name="num_devices", owner="balanced_splits")
     offsets = _host_integers("input_row_offsets", input_row_offsets)
     _check_row_offsets("input_row_offsets", offsets, None)
     num_sequences = offsets.shape[0] - 1
@@ -686,11 +684,7 @@ def _static_size(name: str, value: object, minimum: int) -> int:
             f"value. Mark it static (`jax.jit(..., static_argnames=['{name}'])`) or close over "
             "it."
         )
-    if isinstance(value, bool) or not isinstance(value, int | np.integer):
-        raise TypeError(f"`{name}` must be an int, got {type(value).__name__}.")
-    if value < minimum:
-        raise ValueError(f"`{name}` must be at least {minimum}, got {value}.")
-    return int(value)
+    return check_int(value, name=name, owner="pack_splits", minimum=minimum)
 
 
 def _runtime_check(failed: Bool[Array, ""], message: str, dtype: np.dtype) -> Int[Array, ""]:

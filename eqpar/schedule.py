@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
+from ._checks import check_int
+
 if TYPE_CHECKING:
     from matplotlib.figure import Figure as _Figure
 else:  # matplotlib is optional: imported only when a chart is drawn
@@ -71,13 +73,6 @@ def _one_f_one_b_slot(
     backward = xp.where(has_backward, u // 2, _NO_MICROBATCH)
     return forward, backward
 
-
-def _positive_int(name: str, value: object, owner: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer):
-        raise TypeError(f"{owner}: `{name}` must be an int, got {type(value).__name__} {value!r}.")
-    if value < 1:
-        raise ValueError(f"{owner}: `{name}` must be at least 1, got {value}.")
-    return int(value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -476,9 +471,9 @@ class CircularSchedule(PipelineSchedule):
         include_backward: bool = False,
     ):
         owner = type(self).__name__
-        self.num_stages = _positive_int("num_stages", num_stages, owner)
-        self.num_microbatches = _positive_int("num_microbatches", num_microbatches, owner)
-        self.num_repeats = _positive_int("num_repeats", num_repeats, owner)
+        self.num_stages = check_int(num_stages, name="num_stages", owner=owner)
+        self.num_microbatches = check_int(num_microbatches, name="num_microbatches", owner=owner)
+        self.num_repeats = check_int(num_repeats, name="num_repeats", owner=owner)
         self.include_backward = bool(include_backward)
         s, m, v = self.num_stages, self.num_microbatches, self.num_repeats
         period = max(m, s)
@@ -564,8 +559,8 @@ class OneFOneBSchedule(PipelineSchedule):
 
     def __init__(self, num_stages: int, num_microbatches: int):
         owner = type(self).__name__
-        self.num_stages = _positive_int("num_stages", num_stages, owner)
-        self.num_microbatches = _positive_int("num_microbatches", num_microbatches, owner)
+        self.num_stages = check_int(num_stages, name="num_stages", owner=owner)
+        self.num_microbatches = check_int(num_microbatches, name="num_microbatches", owner=owner)
         s, m = self.num_stages, self.num_microbatches
         num_steps = 2 * (m + s - 1)
         steps = np.arange(num_steps)[:, None]
@@ -621,8 +616,8 @@ class ZeroBubbleH1Schedule(PipelineSchedule):
 
     def __init__(self, num_stages: int, num_microbatches: int):
         owner = type(self).__name__
-        self.num_stages = _positive_int("num_stages", num_stages, owner)
-        self.num_microbatches = _positive_int("num_microbatches", num_microbatches, owner)
+        self.num_stages = check_int(num_stages, name="num_stages", owner=owner)
+        self.num_microbatches = check_int(num_microbatches, name="num_microbatches", owner=owner)
         self._table = _zero_bubble_h1(self.num_stages, self.num_microbatches)
 
 

@@ -10,11 +10,11 @@ import equinox as eqx
 import jax
 from jax.sharding import Mesh
 
+from . import _current
 from ._paths import path_to_str
-from ._specs import check_spec
+from ._specs import check_spec, is_spec_leaf
 from ._typing import PyTree, Specs
 from .layout import (
-    _is_spec_leaf,
     expand_specs,
     is_array_like,
     named_shardings,
@@ -91,7 +91,7 @@ def shard_map(
                 f"them."
             )
         name = getattr(fn, "__name__", "fn")
-        if _is_spec_leaf(in_specs):
+        if is_spec_leaf(in_specs):
             arg_prefixes = (in_specs,) * len(args)
         elif isinstance(in_specs, tuple):
             if len(in_specs) != len(args):
@@ -145,7 +145,7 @@ def shard_map(
 
 def _check_argument_specs(arg: Any, specs: Any, axes: dict | None, source: str) -> None:
     """Every array of `arg` against its spec, through the one spec checker."""
-    flat_specs = jax.tree.leaves(specs, is_leaf=_is_spec_leaf)
+    flat_specs = jax.tree.leaves(specs, is_leaf=is_spec_leaf)
     flat_args = jax.tree_util.tree_flatten_with_path(arg, is_leaf=lambda x: x is None)[0]
     if len(flat_specs) != len(flat_args):
         return  # expand_specs gave the argument's structure; anything else JAX reports itself
@@ -196,10 +196,7 @@ def build_sharded(
     ```
     """
     if mesh is None:
-        # Imported here: eqpar.distributions builds on this module.
-        from .distributions import distribution
-
-        current = distribution()
+        current: Any = _current.current()  # a Distribution (distributions.py sets it)
         if current is None:
             raise ValueError(
                 "build_sharded: mesh is None and no distribution is current: pass mesh=... "
@@ -208,6 +205,7 @@ def build_sharded(
         mesh = current.device_mesh
         if specs is None:
             specs = current.partition_specs
+    assert mesh is not None
     abstract = eqx.filter_eval_shape(constructor, *args)
     if specs is None:
         spec_tree = partition_specs(abstract, mesh=mesh)

@@ -55,8 +55,8 @@ SUBSET=(
     tests/test_precision.py::test_data_parallel_equals_serial_under_bfloat16  # precision
     tests/test_placement.py::test_full_round_trip_gives_the_rows_back  # placement
     tests/test_ragged.py::test_pack_splits_sharded_over_a_mesh_matches_the_serial_split  # ragged
-    tests/test_inspect.py  # inspect, _hlo
-    tests/test_hlo_axes.py  # _hlo
+    tests/test_inspect.py  # inspect, benchmarks/_hlo
+    tests/test_hlo_axes.py  # benchmarks/_hlo
     tests/test_package.py  # __init__, _typing (the public names import)
 )
 [ "$#" -eq 0 ] && set -- "${SUBSET[@]}"

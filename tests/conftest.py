@@ -6,8 +6,13 @@ must therefore not import `eqpar` at module level.
 """
 
 import os
+import pathlib
+import sys
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The measuring tools (`_hlo`: collective bytes and memory read off compiled programs) are a
+# support module of benchmarks/, not part of the package; the tests import them from there.
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))
 
 import jax
 

@@ -4,12 +4,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _hlo import collective_ops
 from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from eqpar import collectives as C
-from eqpar._hlo import collective_ops
 
 SIZES = [1, 2, 4, 8]
 GATHERS = [C.async_gather, C.async_gather_bidirectional, C.async_gather_split]

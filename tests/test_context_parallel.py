@@ -10,12 +10,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _hlo import _ARRAY, collective_summary
 from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import eqpar
-from eqpar._hlo import _ARRAY, collective_summary
 from eqpar.context import (
     all_gather_attention,
     balance_sequence,

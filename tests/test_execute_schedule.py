@@ -11,8 +11,7 @@ import pytest
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from eqpar import _program
-from eqpar.pipeline import Microbatched, execute_schedule
+from eqpar.pipeline import Microbatched, _program, execute_schedule
 from eqpar.schedule import (
     CircularSchedule,
     GPipeSchedule,

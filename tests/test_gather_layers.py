@@ -6,12 +6,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _hlo import collective_summary, memory_figures
 from jax import lax
 from jax.sharding import PartitionSpec as P
 from residual_block import Block
 
 import eqpar
-from eqpar._hlo import collective_summary, memory_figures
 from eqpar.nn import PipelineModule, ScannedLayers, gather_layers
 
 DIM, TOKENS, DEPTH = 16, 8, 4  # the block is 16 wide (MLP 64)

@@ -3,11 +3,10 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+from _hlo import collective_bytes_by_axes, collective_ops, device_groups, group_axes
 from jax import lax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
-
-from eqpar._hlo import collective_bytes_by_axes, collective_ops, device_groups, group_axes
 
 SIZES = {"data": 2, "pipe": 2, "model": 2}
 
@@ -67,7 +66,7 @@ def test_bytes_by_axes_of_a_compiled_program():
 
 
 def test_group_size_of_mesh_groups_with_device_ids():
-    from eqpar._hlo import _group_size
+    from _hlo import _group_size
 
     line = (
         "x = f32[] all-reduce(y), replica_groups=mesh['a'=2,'b'=4], device_ids=([2,4]T(1,0)) {'b'}"

@@ -126,7 +126,7 @@ def test_print_layout_table_plain_when_piped_rich_in_a_terminal(mlp):
 
 
 def load_hlo_helpers():
-    from eqpar import _hlo
+    import _hlo
 
     return _hlo
 
@@ -285,7 +285,7 @@ def test_plot_layout_errors_name_the_problem(mlp):
         ValueError, match=r"plot_layout: `leaves` matches no leaf path: 'layers/9/.\*'"
     ):
         plot_layout(mlp, DataParallel(), leaves="layers/9/.*")
-    with pytest.raises(ValueError, match="`max_rows` must be a positive int or None; got 0"):
+    with pytest.raises(ValueError, match="`max_rows` must be at least 1, got 0"):
         plot_layout(mlp, DataParallel(), max_rows=0)
     with pytest.raises(ValueError, match="plot_layout: a specs pytree needs mesh="):
         plot_layout(mlp, partition_specs(mlp))

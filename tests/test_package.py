@@ -92,3 +92,91 @@ def test_readme_and_docs_give_the_same_install_line():
     readme = install_lines(ROOT / "README.md")
     assert len(readme) == 1
     assert install_lines(ROOT / "docs" / "index.md") == readme
+
+
+# --- the house's rules (DESIGN.md) ------------------------------------------------------------
+
+
+def eqpar_imports() -> dict[str, list[tuple[str, str | None]]]:
+    """Each module of eqpar (dotted) -> the eqpar modules it imports, at any depth (lazy
+    imports too), each with the name imported from it (`None` for a module import)."""
+    found: dict[str, list[tuple[str, str | None]]] = {}
+    for path in sorted((ROOT / "eqpar").rglob("*.py")):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        is_package = parts[-1] == "__init__"
+        module = ".".join(parts[:-1] if is_package else parts)
+        package = module.split(".") if is_package else module.split(".")[:-1]
+        edges: list[tuple[str, str | None]] = []
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package[: len(package) - node.level + 1]
+                    source = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    source = node.module or ""
+                if source.split(".")[0] != "eqpar":
+                    continue
+                for alias in node.names:
+                    submodule = f"{source}.{alias.name}"
+                    if (ROOT / (submodule.replace(".", "/") + ".py")).exists() or (
+                        ROOT / submodule.replace(".", "/") / "__init__.py"
+                    ).exists():
+                        edges.append((submodule, None))
+                    else:
+                        edges.append((source, alias.name))
+            elif isinstance(node, ast.Import):
+                edges += [(a.name, None) for a in node.names if a.name.split(".")[0] == "eqpar"]
+        found[module] = edges
+    return found
+
+
+def test_no_private_name_is_imported_from_another_public_file():
+    # What two files share lives in a private module both import (`_checks`, `_vma`,
+    # `pipeline/_loop`, ...): a private name of a public module is private to its file.
+    offenders = [
+        f"{module} imports {name} from {source}"
+        for module, edges in eqpar_imports().items()
+        for source, name in edges
+        if name is not None
+        and name.startswith("_")
+        and not source.rsplit(".", 1)[-1].startswith("_")
+    ]
+    assert offenders == []
+
+
+def test_no_import_cycle_between_modules():
+    # The top-level `eqpar/__init__.py` only re-exports; every other edge counts, lazy
+    # imports inside functions included.
+    graph = {
+        module: {source for source, _ in edges if source != module and source != "eqpar"}
+        for module, edges in eqpar_imports().items()
+        if module != "eqpar"
+    }
+    visiting: list[str] = []
+    done: set[str] = set()
+
+    def visit(module: str) -> None:
+        if module in visiting:
+            cycle = [*visiting[visiting.index(module) :], module]
+            raise AssertionError(f"import cycle: {' -> '.join(cycle)}")
+        if module in done or module not in graph:
+            return
+        visiting.append(module)
+        for source in sorted(graph[module]):
+            visit(source)
+        visiting.pop()
+        done.add(module)
+
+    for module in sorted(graph):
+        visit(module)
+
+
+def test_measuring_tools_are_not_in_the_package():
+    assert not (ROOT / "eqpar" / "_hlo.py").exists()
+    assert (ROOT / "benchmarks" / "_hlo.py").exists()
+    jax_internals = re.compile(r"jax\._src|jax\.interpreters|thread_resources")
+    assert [
+        str(path)
+        for path in (ROOT / "eqpar").rglob("*.py")
+        if jax_internals.search(path.read_text())
+    ] == []

@@ -1233,7 +1233,7 @@ def test_1f1b_stores_residuals_or_recomputes_with_the_same_gradients():
 
 def test_1f1b_does_not_store_what_it_keeps_anyway():
     """A linear stage's residuals are its weight and its input: nothing more is stored."""
-    from eqpar.pipeline import _Residuals
+    from eqpar.pipeline._loop import _Residuals
 
     linear = eqx.nn.Linear(FEATURES, FEATURES, key=jax.random.key(0))
     params, static = eqx.partition(linear, eqx.is_inexact_array)

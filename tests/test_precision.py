@@ -8,11 +8,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _hlo import collective_ops
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import eqpar
-from eqpar._hlo import collective_ops
 
 BF16 = eqpar.Precision.bfloat16()
 F32 = eqpar.Precision.float32()

@@ -6,10 +6,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _hlo import memory_figures
 from jax import lax
 from residual_block import Block
 
-from eqpar._hlo import memory_figures
 from eqpar.nn import PipelineModule, ScannedLayers
 
 DIM, TOKENS = 16, 32  # the block is 16 wide (MLP 64)

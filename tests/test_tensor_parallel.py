@@ -7,11 +7,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _hlo import collective_bytes, collective_ops, memory_figures
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from eqpar._declare import declared_partition_specs
-from eqpar._hlo import collective_bytes, collective_ops, memory_figures
 from eqpar._paths import path_to_str
 from eqpar.nn import ModelParallelismWrapper, TPAsyncDense, TPDense, scale_init
 
@@ -172,7 +172,7 @@ def test_validation_errors():
     key = jax.random.key(0)
     with pytest.raises(ValueError, match=r"tp_mode must be one of .* got 'column'"):
         TPDense(4, 4, tp_mode="column", key=key)
-    with pytest.raises(ValueError, match="in_features must be a positive integer; got 0"):
+    with pytest.raises(ValueError, match="`in_features` must be at least 1, got 0"):
         TPDense(0, 4, tp_mode="gather", key=key)
     with pytest.raises(ValueError, match="Pass use_bias=False"):
         TPDense(4, 4, tp_mode="scatter", skip_communication=True, key=key)

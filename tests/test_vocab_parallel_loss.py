@@ -9,11 +9,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _hlo import collective_bytes
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import eqpar
-from eqpar._hlo import collective_bytes
 from eqpar.nn import vocab_parallel_cross_entropy
 
 VOCAB, WIDTH, TOKENS = 32, 8, 6

@@ -197,15 +197,12 @@ def attend(qkv: Float[Array, "*batch seq heads 3 head_dim"], *, causal: bool) ->
     assert attend(jnp.ones((4, 2, 3, 5)), causal=True).shape == (4, 10)
     ```
     """
-    q, k, v = qkv[..., 0, :], qkv[..., 1, :], qkv[..., 2, :]
-    scores = jnp.einsum("...qhd,...khd->...hqk", q, k) / jnp.sqrt(q.shape[-1]).astype(q.dtype)
-    if causal:
-        seq = q.shape[-3]
-        allowed = jnp.tril(jnp.ones((seq, seq), dtype=bool))
-        scores = jnp.where(allowed, scores, jnp.finfo(scores.dtype).min)
-    weights = jax.nn.softmax(scores, axis=-1)
-    mixed = jnp.einsum("...hqk,...khd->...qhd", weights, v)
-    return mixed.reshape(*mixed.shape[:-2], -1)
+    # `jax.nn.dot_product_attention` does the attending; it takes one batch axis, so any
+    # leading axes are folded into one and restored.
+    batch, (seq, heads, _, head_dim) = qkv.shape[:-4], qkv.shape[-4:]
+    q, k, v = (qkv[..., i, :].reshape(-1, seq, heads, head_dim) for i in range(3))
+    mixed = jax.nn.dot_product_attention(q, k, v, is_causal=causal)
+    return mixed.reshape(*batch, seq, heads * head_dim)
 
 
 class TPLayerNorm(eqx.Module):

@@ -40,6 +40,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray, Shaped
 
 from .._axes import axis_size
+from .._checks import check_column_options, check_context_options
 from .._vma import cast_varying, varies_over
 from ..context import all_gather_attention, ring_attention
 
@@ -149,16 +150,6 @@ def _adopt(target: eqx.Module, source: Any, cls: type, axis_name: Hashable) -> N
     object.__setattr__(target, "axis_name", axis_name)
 
 
-def _check_column_options(owner: str, gather_output: bool, sequence_parallel: bool) -> None:
-    """Shared by `ColumnParallelLinear` and the `ColumnParallel` style."""
-    if gather_output and sequence_parallel:
-        raise ValueError(
-            f"{owner}: gather_output=True and sequence_parallel=True do not go together: under "
-            f"sequence parallelism the block ends in a RowParallelLinear (sequence_parallel="
-            f"True), which scatters the output back over the sequence."
-        )
-
-
 def _check_linear(linear: Any, owner: str) -> None:
     if not isinstance(linear, eqx.nn.Linear):
         raise TypeError(f"{owner}: expected an eqx.nn.Linear; got {type(linear).__name__}.")
@@ -225,7 +216,7 @@ class ColumnParallelLinear(eqx.nn.Linear):
         sequence_parallel: bool = False,
     ):
         _check_linear(linear, type(self).__name__)
-        _check_column_options(type(self).__name__, gather_output, sequence_parallel)
+        check_column_options(type(self).__name__, gather_output, sequence_parallel)
         _adopt(self, linear, eqx.nn.Linear, axis_name)
         self.gather_output = bool(gather_output)
         self.sequence_parallel = bool(sequence_parallel)
@@ -1072,7 +1063,7 @@ class ContextParallelAttention(eqx.nn.MultiheadAttention):
         strategy: str = "ring",
         head_axis_name: Hashable | None = None,
     ):
-        _check_context_options(type(self).__name__, layout, strategy, axis_name, head_axis_name)
+        check_context_options(type(self).__name__, layout, strategy, axis_name, head_axis_name)
         _adopt(self, attention, eqx.nn.MultiheadAttention, axis_name)
         self.causal = bool(causal)
         self.layout = layout
@@ -1176,22 +1167,8 @@ class ContextParallelAttention(eqx.nn.MultiheadAttention):
         return out if self.output_proj.bias is None else out + self.output_proj.bias
 
 
-def _check_context_options(
-    owner: str, layout: str, strategy: str, axis_name: Hashable, head_axis_name: Hashable | None
-) -> None:
-    """Shared by `ContextParallelAttention` and the `ContextParallel` style."""
-    if layout not in ("contiguous", "balanced"):
-        raise ValueError(f"{owner}: layout must be 'contiguous' or 'balanced'; got {layout!r}.")
-    if strategy not in ("ring", "all_gather"):
-        raise ValueError(f"{owner}: strategy must be 'ring' or 'all_gather'; got {strategy!r}.")
-    if head_axis_name is not None and head_axis_name == axis_name:
-        raise ValueError(
-            f"{owner}: head_axis_name={head_axis_name!r} is the context axis itself; heads and "
-            f"the sequence must be split over different mesh axes (e.g. 'model' and 'context')."
-        )
-
-
-_PARALLEL_LAYERS = (
+# Every layer class of this module (each has `to_serial()`).
+PARALLEL_LAYERS = (
     ColumnParallelLinear,
     RowParallelLinear,
     HeadParallelAttention,
@@ -1220,4 +1197,4 @@ def to_serial_layer(layer: Any) -> Any:
     assert to_serial_layer(3) == 3
     ```
     """
-    return layer.to_serial() if isinstance(layer, _PARALLEL_LAYERS) else layer
+    return layer.to_serial() if isinstance(layer, PARALLEL_LAYERS) else layer

@@ -23,21 +23,16 @@ from jax.sharding import Mesh, PartitionSpec
 from jaxtyping import Array, PRNGKeyArray, PyTree
 
 from .._axes import axis_size
+from .._checks import check_int
 from .._declare import declared_partition_specs, prefixed, stacked_partition_specs
 from .._paths import path_to_str
 from .._specs import entry_names, fsdp_dim
 from .._typing import AxisName
 from ..mesh import DeviceMesh, as_jax_mesh
-from ..pipeline import (
-    _batch_size,
-    _call_stage,
-    _call_varying,
-    _circular_forward,
-    _gpipe_forward,
-    _scan,
-    _unwrap_microbatched,
-    execute_schedule,
-)
+from ..pipeline import execute_schedule
+from ..pipeline._executors import call_stage, call_varying, circular_forward, gpipe_forward
+from ..pipeline._microbatch import batch_size, unwrap_microbatched
+from ..pipeline._tools import typed_scan
 from ..schedule import (
     CircularSchedule,
     GPipeSchedule,
@@ -75,13 +70,6 @@ def _common_leading_size(tree: Any, name: str, owner: str) -> int:
 def _map_arrays(fn: Callable[[Array], Array], tree: Any) -> Any:
     return jax.tree.map(lambda a: fn(a) if eqx.is_array(a) else a, tree)
 
-
-def _positive_int(name: str, value: object, owner: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{owner}: `{name}` must be an int, got {type(value).__name__} {value!r}.")
-    if value < 1:
-        raise ValueError(f"{owner}: `{name}` must be at least 1, got {value}.")
-    return value
 
 
 # What a layer (or stage) keeps for the backward pass; ScannedLayers' docstring says more.
@@ -345,9 +333,9 @@ class ScannedLayers(eqx.Module):
         if self.gather_axis is None:
             # Under a policy each layer casts its parameters to vary like its input inside
             # the checkpoint (recomputed, never kept): a pipeline of one stage then sums each
-            # layer's gradient over the data axes in the backward scan (`_single_step`).
+            # layer's gradient over the data axes in the backward scan (`single_step`).
             call = _rematerialized(
-                _call_stage if self.remat == "none" else _call_varying, self.remat
+                call_stage if self.remat == "none" else call_varying, self.remat
             )
 
             def apply(h: Any, layer_arrays: Any) -> tuple[Any, None]:
@@ -360,7 +348,7 @@ class ScannedLayers(eqx.Module):
             def apply(h: Any, layer_arrays: Any) -> tuple[Any, None]:
                 return gathered(layer_arrays, self._named_input(h), *args, **kwargs), None
 
-        out, _ = _scan(apply, x, arrays)
+        out, _ = typed_scan(apply, x, arrays)
         return out
 
     def _named_input(self, h: Any) -> Any:
@@ -445,7 +433,7 @@ class _StageCall(eqx.Module):
     remat: RematPolicy = eqx.field(static=True)
 
     def __call__(self, x: Any, *args: Any, **kwargs: Any) -> Any:
-        return _rematerialized(_call_stage, self.remat)(self.stage, x, *args, **kwargs)
+        return _rematerialized(call_stage, self.remat)(self.stage, x, *args, **kwargs)
 
 
 def _leading_shapes(tree: Any, ndim: int) -> dict[str, tuple[int, ...]]:
@@ -554,9 +542,9 @@ class PipelineModule(eqx.Module):
         broadcast_output: bool = False,
     ):
         owner = "PipelineModule"
-        self.num_stages = _positive_int("num_stages", num_stages, owner)
-        self.num_microbatches = _positive_int("num_microbatches", num_microbatches, owner)
-        self.num_repeats = _positive_int("num_repeats", num_repeats, owner)
+        self.num_stages = check_int(num_stages, name="num_stages", owner=owner)
+        self.num_microbatches = check_int(num_microbatches, name="num_microbatches", owner=owner)
+        self.num_repeats = check_int(num_repeats, name="num_repeats", owner=owner)
         self.axis_name = axis_name
         self.remat = _remat_policy(remat, owner)
         self.broadcast_output = bool(broadcast_output)
@@ -605,8 +593,8 @@ class PipelineModule(eqx.Module):
         assert model.serial_stages().weight.shape == (4, 3, 3)  # model order
         ```
         """
-        total = _positive_int("num_stages", num_stages, "PipelineModule.from_stage_fn")
-        total *= _positive_int("num_repeats", num_repeats, "PipelineModule.from_stage_fn")
+        total = check_int(num_stages, name="num_stages", owner="PipelineModule.from_stage_fn")
+        total *= check_int(num_repeats, name="num_repeats", owner="PipelineModule.from_stage_fn")
         stages = eqx.filter_vmap(stage_fn)(jax.random.split(key, total))
         return cls(
             stages,
@@ -657,8 +645,8 @@ class PipelineModule(eqx.Module):
         ```
         """
         owner = "PipelineModule.from_layers"
-        s = _positive_int("num_stages", num_stages, owner)
-        v = _positive_int("num_repeats", num_repeats, owner)
+        s = check_int(num_stages, name="num_stages", owner=owner)
+        v = check_int(num_repeats, name="num_repeats", owner=owner)
         num_layers = _common_leading_size(layers, "layers", owner)
         total = s * v
         if num_layers % total:
@@ -744,13 +732,13 @@ class PipelineModule(eqx.Module):
         **Returns:** what the pipeline returns on its last device.
         """
         caller = "PipelineModule.apply_serially"
-        args, kwargs = _unwrap_microbatched(args, kwargs, _batch_size(x, "x", caller), caller)
+        args, kwargs = unwrap_microbatched(args, kwargs, batch_size(x, "x", caller), caller)
         arrays, static = eqx.partition(self.serial_stages(), eqx.is_array)
 
         def apply(h: Any, stage_arrays: Any) -> tuple[Any, None]:
             return eqx.combine(stage_arrays, static)(h, *args, **kwargs), None
 
-        out, _ = _scan(apply, x, arrays)
+        out, _ = typed_scan(apply, x, arrays)
         return out
 
     def schedule(self, kind: str = "forward") -> PipelineSchedule:
@@ -843,7 +831,7 @@ class PipelineModule(eqx.Module):
         # `jax.checkpoint` overrides it): it then skips the stage in each device's idle
         # steps, and takes a circular stage's slice of the stacked weights inside. With one
         # device and one microbatch the stage is called once, and layers that checkpoint
-        # themselves sum their gradients over the data axes layer by layer (`_single_step`).
+        # themselves sum their gradients over the data axes layer by layer (`single_step`).
         layers_remat = _layers_remat(self.stages)
         if self.remat != "none":  # the stage's own policy, around the whole stage
             policy = _REMAT_POLICIES[self.remat]
@@ -852,12 +840,12 @@ class PipelineModule(eqx.Module):
         else:  # none: the stage is called as it is (a skip would cost memory here)
             policy = None
         if self.num_repeats > 1:
-            return _circular_forward(
+            return circular_forward(
                 stages, x, args, kwargs, num_microbatches=self.num_microbatches,
                 model_axis_name=self.axis_name, broadcast_output=self.broadcast_output,
                 stage_policy=policy,
             )  # fmt: skip
-        return _gpipe_forward(
+        return gpipe_forward(
             stages, x, args, kwargs, num_microbatches=self.num_microbatches,
             model_axis_name=self.axis_name, broadcast_output=self.broadcast_output,
             stage_policy=policy, reduce_in_layers=layers_remat != "none",
@@ -1068,14 +1056,7 @@ def gather_layers(
         raise ValueError(
             f"gather_layers: axis={axis!r} is not an axis of the mesh {tuple(jax_mesh.shape)}."
         )
-    if isinstance(min_size_bytes, bool) or not isinstance(min_size_bytes, int):
-        raise TypeError(
-            f"gather_layers: min_size_bytes must be an int; got {type(min_size_bytes).__name__}."
-        )
-    if min_size_bytes < 0:
-        raise ValueError(
-            f"gather_layers: min_size_bytes must be an int >= 0; got {min_size_bytes!r}."
-        )
+    check_int(min_size_bytes, name="min_size_bytes", owner="gather_layers", minimum=0)
     size = int(jax_mesh.shape[axis])
     found = []
 

@@ -20,6 +20,7 @@ from jaxtyping import Array, Float, PRNGKeyArray
 
 from .. import collectives
 from .._axes import axis_size as _bound_axis_size
+from .._checks import check_int
 from .._declare import prefixed, stacked_partition_specs
 
 __all__ = ["ModelParallelismWrapper", "TPAsyncDense", "TPDense", "scale_init"]
@@ -649,9 +650,8 @@ def _check_config(name: str, in_features: Any, out_features: Any, tp_mode: Any) 
             f"{name}: tp_mode must be one of {_MODES}; got {tp_mode!r}. Use 'gather' for a "
             "column-parallel layer, 'scatter' for a row-parallel one, 'none' to replicate."
         )
-    for label, size in (("in_features", in_features), ("out_features", out_features)):
-        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-            raise ValueError(f"{name}: {label} must be a positive integer; got {size!r}.")
+    check_int(in_features, name="in_features", owner=name)
+    check_int(out_features, name="out_features", owner=name)
 
 
 class ModelParallelismWrapper(eqx.Module):
@@ -705,10 +705,7 @@ class ModelParallelismWrapper(eqx.Module):
         split_keys: bool = True,
         mask_except_model_idx: int | None = None,
     ):
-        if not isinstance(axis_size, int) or isinstance(axis_size, bool) or axis_size < 1:
-            raise ValueError(
-                f"ModelParallelismWrapper: axis_size must be a positive integer; got {axis_size!r}."
-            )
+        check_int(axis_size, name="axis_size", owner="ModelParallelismWrapper")
         if mask_except_model_idx is not None and not 0 <= mask_except_model_idx < axis_size:
             raise ValueError(
                 "ModelParallelismWrapper: mask_except_model_idx must be in [0, axis_size) = "

@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .schedule import PipelineSchedule
+from ..schedule import PipelineSchedule
 
 # What a device does at a step: the executor's branch index.
 IDLE = 0

@@ -1,6 +1,8 @@
 """What a compiled program asks of the interconnect and of memory, read off the compiler.
 
-Private helpers shared by the tests and `benchmarks/`:
+A support module of `benchmarks/` and `tests/` (not part of the eqpar package: it measures
+programs, it does not build them). `tests/conftest.py` and every benchmark put this folder on
+`sys.path`, so both import it as `_hlo`:
 
 - `collective_ops(compiled_or_text)`: every collective of a compiled SPMD program with the bytes
   one device receives for it, counting ops inside `while` loops (`lax.scan`, `fori_loop`) once
@@ -25,7 +27,7 @@ pipeline's shift that leaves out the wrap-around moves `(S-1)/S` of a full ring'
 ```python
 import jax, jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
-from eqpar._hlo import collective_summary, memory_figures
+from _hlo import collective_summary, memory_figures
 mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
 f = jax.jit(lambda w: w.sum(0), in_shardings=NamedSharding(mesh, P("data")))
 compiled = f.lower(jnp.ones((64, 128))).compile()

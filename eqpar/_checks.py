@@ -1,0 +1,47 @@
+"""Argument checks shared by every public function: one rule, one wording.
+
+An integer argument is a Python `int` or a NumPy integer, never a `bool` (`True` is an `int` to
+Python, and a flag passed where a count belongs is a mistake, not the count 1).
+"""
+
+from collections.abc import Hashable
+
+import numpy as np
+
+
+def check_int(value: object, *, name: str, owner: str, minimum: int | None = 1) -> int:
+    """`value` as an `int`: a `TypeError` unless it is one, a `ValueError` below `minimum`.
+
+    Messages name the owner (the public function or class) and the argument:
+    "`owner`: \\`name\\` must be an int, got float 2.0." / "... must be at least 1, got 0."
+    """
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        raise TypeError(f"{owner}: `{name}` must be an int, got {type(value).__name__} {value!r}.")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{owner}: `{name}` must be at least {minimum}, got {value}.")
+    return int(value)
+
+
+def check_column_options(owner: str, gather_output: bool, sequence_parallel: bool) -> None:
+    """Shared by `ColumnParallelLinear` and the `ColumnParallel` style."""
+    if gather_output and sequence_parallel:
+        raise ValueError(
+            f"{owner}: gather_output=True and sequence_parallel=True do not go together: under "
+            f"sequence parallelism the block ends in a RowParallelLinear (sequence_parallel="
+            f"True), which scatters the output back over the sequence."
+        )
+
+
+def check_context_options(
+    owner: str, layout: str, strategy: str, axis_name: Hashable, head_axis_name: Hashable | None
+) -> None:
+    """Shared by `ContextParallelAttention` and the `ContextParallel` style."""
+    if layout not in ("contiguous", "balanced"):
+        raise ValueError(f"{owner}: layout must be 'contiguous' or 'balanced'; got {layout!r}.")
+    if strategy not in ("ring", "all_gather"):
+        raise ValueError(f"{owner}: strategy must be 'ring' or 'all_gather'; got {strategy!r}.")
+    if head_axis_name is not None and head_axis_name == axis_name:
+        raise ValueError(
+            f"{owner}: head_axis_name={head_axis_name!r} is the context axis itself; heads and "
+            f"the sequence must be split over different mesh axes (e.g. 'model' and 'context')."
+        )

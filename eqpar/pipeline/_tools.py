@@ -1,0 +1,127 @@
+"""Tree helpers of the pipeline executors: replication types (shard_map's `check_vma`) kept
+consistent through `lax.scan` and `lax.switch`, and small pytree operations."""
+
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jaxtyping import Array
+
+from .._typing import AxisName
+from .._vma import cast_varying as _cast_varying
+from .._vma import varying_axes as _varying_axes
+
+# --------------------------------------------------------------------------------------
+# Replication types (shard_map's `check_vma`) across JAX versions.
+
+
+def cast_tree(tree: Any, axes: Any) -> Any:
+    """`_cast_varying` leaf by leaf; `axes` is a frozenset or a tree of them like `tree`."""
+    if isinstance(axes, frozenset):
+        return jax.tree.map(lambda x: _cast_varying(x, axes), tree)
+    return jax.tree.map(_cast_varying, tree, axes)
+
+
+def vary_like_input(tree: Any, x: Any, axis_name: AxisName | None) -> Any:
+    """`tree`'s inexact arrays marked varying over the mesh axes the batch `x` varies over
+    (but `axis_name`).
+
+    Parameters replicated over, say, a data axis would otherwise become varying only inside
+    the pipeline's scan, and autodiff would then sum their gradients over that axis at every
+    step of the scan; cast once here, the sum happens once, outside the loop.
+    """
+    axes = frozenset().union(*(_varying_axes(leaf) for leaf in jax.tree.leaves(x)))
+    axes = axes - {axis_name}
+    if not axes:
+        return tree
+    return jax.tree.map(
+        lambda leaf: _cast_varying(leaf, axes) if eqx.is_inexact_array(leaf) else leaf, tree
+    )
+
+
+def sum_over_cast_axes(grads: Any, original_axes: Any, x: Any, axis_name: AxisName) -> Any:
+    """Undo `vary_like_input` for gradients: `psum` each over the axes it was cast to."""
+    axes = frozenset().union(*(_varying_axes(leaf) for leaf in jax.tree.leaves(x)))
+    axes = axes - {axis_name}
+
+    def total(g: Any, original: frozenset) -> Any:
+        added = tuple(sorted(axes - original, key=str))
+        return lax.psum(g, added) if added else g
+
+    return jax.tree.map(total, grads, original_axes)
+
+
+def axes_tree(tree: Any) -> Any:
+    return jax.tree.map(_varying_axes, tree)
+
+
+def _union_axes(*trees: Any) -> Any:
+    return jax.tree.map(lambda *sets: frozenset().union(*sets), *trees)
+
+
+def typed_scan(body: Callable, init: Any, xs: Any) -> tuple[Any, Any]:
+    """`lax.scan(body, init, xs)` with the carry's replication types widened until the body
+    maps them to themselves (as `check_vma` requires of a scan carry)."""
+    carry = init
+    for _ in range(8):
+        out_carry, _ = jax.eval_shape(body, carry, index_tree(xs, 0))
+        wanted = _union_axes(axes_tree(carry), axes_tree(out_carry))
+        if jax.tree.leaves(wanted) == jax.tree.leaves(axes_tree(carry)):
+            break
+        carry = cast_tree(carry, wanted)
+    return lax.scan(body, carry, xs)
+
+
+def step_indices(length: int) -> Array:
+    return jnp.arange(length, dtype=jnp.int32)
+
+
+def typed_switch(index: Any, branches: list[Callable], *operands: Any) -> Any:
+    """`lax.switch` whose branches may return values of different replication types."""
+    results = [jax.eval_shape(branch, *operands) for branch in branches]
+    wanted = _union_axes(*[axes_tree(r) for r in results])
+
+    def widen(branch: Callable) -> Callable:
+        return lambda *ops: cast_tree(branch(*ops), wanted)
+
+    return lax.switch(index, [widen(b) for b in branches], *operands)
+
+
+# --------------------------------------------------------------------------------------
+# Small shared helpers.
+
+
+def index_tree(tree: Any, index: Any) -> Any:
+    """Row `index` (traced) of every array leaf of `tree`."""
+    return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, index, keepdims=False), tree)
+
+
+def zeros_like(tree: Any) -> Any:
+    return jax.tree.map(lambda a: jnp.zeros(jnp.shape(a), jnp.result_type(a)), tree)
+
+
+def ring_shift_tree(
+    tree: Any, axis_name: AxisName, size: int, offset: int, wrap: bool = True
+) -> Any:
+    """Send every leaf `offset` devices along the axis. Without `wrap` the pair that would go
+    round the end of the ring (last -> first, or first -> last) is left out, and the device
+    it would reach gets zeros: GPipe and 1F1B never use what crosses there."""
+    perm = [(i, (i + offset) % size) for i in range(size) if wrap or 0 <= i + offset < size]
+    return jax.tree.map(lambda a: lax.ppermute(a, axis_name, perm), tree)
+
+
+def describe_tree(tree: Any) -> str:
+    return str(jax.tree.map(lambda a: f"{jnp.result_type(a).name}{list(jnp.shape(a))}", tree))
+
+
+def first_of_stack(stages: Any) -> Any:
+    """Entry 0 of stages stacked on their array leaves' leading axis."""
+    arrays, static = eqx.partition(stages, eqx.is_array)
+    return eqx.combine(index_tree(arrays, 0), static)
+
+
+def tree_add(a: Any, b: Any) -> Any:
+    return jax.tree.map(lambda u, v: u + v, a, b)
