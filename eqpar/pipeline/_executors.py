@@ -772,6 +772,7 @@ def _execute_schedule(
     # their gradients over those axes once, as autodiff through the replication would.
     grads = sum_over_cast_axes(carry.grads, replicated_axes[0], x, model_axis_name)
     loss_grads = sum_over_cast_axes(carry.loss_grads, replicated_axes[1], x, model_axis_name)
+    assert carry.loss is not None  # a training run keeps its loss
     loss = lax.psum(jnp.where(is_last, carry.loss, jnp.zeros_like(carry.loss)), model_axis_name)
     if not return_all_grads:
         return loss, grads

@@ -1,7 +1,7 @@
 """The step loop: any compiled schedule table run as one `lax.scan` on each device."""
 
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeAlias
 
 import equinox as eqx
 import jax
@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
-from jaxtyping import Array
+from jaxtyping import Array, PyTree
 
 from .._typing import AxisName
 from .._vma import cast_varying as _cast_varying
@@ -31,48 +31,54 @@ from ._tools import (
 # The executor: any schedule table, run as one `lax.scan`.
 
 
-class _Carry(NamedTuple):
-    """The loop state of `run_schedule` (fields a run does not need are `None`)."""
-
-    received: Any  # the activation the previous device sent at the last step
-    received_cotangent: Any  # the cotangent the next device sent at the last step
-    inputs: Any  # stage inputs waiting for their actions: [input slots + 1, ...]
-    cotangents: Any  # cotangents, and the last stage's outputs, waiting: [slots + 1, ...]
-    residuals: Any  # what forwards stored for their backwards: [residual slots + 1, ...]
-    outputs: Any  # forward runs: the last stage's outputs, [M + 1, ...]
-    grads: Any  # gradient of the stage parameters so far
-    loss_grads: Any  # gradient of loss_fn's parameters so far
-    loss: Any  # the loss so far (on the device of the last stage)
-    x_grads: Any  # gradient of the batch so far, [M + 1, ...] (on the first device)
+# The loop's values are pytrees whose structure is the user's (stages, activations, losses):
+# `Tree` names them; `Index` is a step's scalar from the table (traced int32) or a literal.
+Tree: TypeAlias = PyTree
+Index: TypeAlias = Array | int
 
 
-class _Work(NamedTuple):
-    """What one step hands to the branch of its action."""
+class LoopState(NamedTuple):
+    """The carry of the step loop (fields a run does not need are `None`)."""
 
-    h: Any  # the stage input of the action's microbatch
-    microbatch: Any  # its index (selects the `Microbatched` rows and the targets)
-    repeat: Any  # which of the device's stages (circular schedules)
-    cotangents: Any  # the cotangent buffer (a backward reads its slot inside its branch)
-    cotangent_slot: Any
-    residuals: Any  # the residual buffer, likewise
-    residual_slot: Any
-    grads: Any
-    loss_grads: Any
-    loss: Any
-    loss_cotangent: Any  # the output cotangent from `loss_everywhere` (else None)
+    received: Tree  # the activation the previous device sent at the last step
+    received_cotangent: Tree | None  # the cotangent the next device sent at the last step
+    inputs: Tree  # stage inputs waiting for their actions: [input slots + 1, ...]
+    cotangents: Tree | None  # cotangents, and the last stage's outputs, waiting: [slots + 1, ...]
+    residuals: Tree  # what forwards stored for their backwards: [residual slots + 1, ...]
+    outputs: Tree | None  # forward runs: the last stage's outputs, [M + 1, ...]
+    grads: Tree | None  # gradient of the stage parameters so far
+    loss_grads: Tree | None  # gradient of loss_fn's parameters so far
+    loss: Array | None  # the loss so far (on the device of the last stage)
+    x_grads: Tree | None  # gradient of the batch so far, [M + 1, ...] (on the first device)
 
 
-class _Done(NamedTuple):
-    """What a branch returns (zeros where its action makes nothing)."""
+class Work(NamedTuple):
+    """What one step hands to the method of its action."""
 
-    sent_forward: Any  # the stage output, for the device of the next stage
-    sent_back: Any  # the input cotangent, for the device of the previous stage
-    kept_cotangent: Any  # the last stage's output (forward) or its cotangent (backward input)
-    residuals: Any  # what a forward stores for its backward
-    output: Any  # a forward run's last-stage output
-    grads: Any
-    loss_grads: Any
-    loss: Any
+    h: Tree  # the stage input of the action's microbatch
+    microbatch: Index  # its index (selects the `Microbatched` rows and the targets)
+    repeat: Index  # which of the device's stages (circular schedules)
+    cotangents: Tree | None  # the cotangent buffer (a backward reads its slot in its branch)
+    cotangent_slot: Index
+    residuals: Tree  # the residual buffer, likewise
+    residual_slot: Index
+    grads: Tree | None
+    loss_grads: Tree | None
+    loss: Array | None
+    loss_cotangent: Tree | None  # the output cotangent from `loss_everywhere` (else None)
+
+
+class Done(NamedTuple):
+    """What an action returns (zeros where it makes nothing)."""
+
+    sent_forward: Tree  # the stage output, for the device of the next stage
+    sent_back: Tree  # the input cotangent, for the device of the previous stage
+    kept_cotangent: Tree  # the last stage's output (forward) or its cotangent (backward input)
+    residuals: Tree  # what a forward stores for its backward
+    output: Tree | None  # a forward run's last-stage output
+    grads: Tree | None
+    loss_grads: Tree | None
+    loss: Array | None
 
 
 def _without_stage_weights(policy: Callable) -> Callable:
@@ -86,10 +92,10 @@ _STAGE_WEIGHTS = "eqpar_pipeline_stage_weights"
 
 def run_schedule(
     program: _program.Program,
-    stages: Any,
+    stages: Tree,
     loss_fn: Callable | None,
-    microbatches: Any,
-    target_microbatches: Any,
+    microbatches: Tree,
+    target_microbatches: Tree,
     arguments_at: Callable,
     *,
     axis_name: AxisName,
@@ -97,17 +103,17 @@ def run_schedule(
     return_all_grads: bool = False,
     loss_on_every_device: bool = False,
     stage_policy: Callable | None = None,
-) -> _Carry:
+) -> LoopState:
     """Run `program` (a compiled schedule table) in one `lax.scan` on this device.
 
-    Each step writes what arrived into its buffer slot, runs the branch its action names
-    (`lax.switch`), keeps what the action made for later, and sends activations forward and
-    cotangents back, to exactly the devices that step's actions need (one `lax.switch` over
-    the distinct sets of device pairs, indexed by the step, so every device takes the same
-    branch). With `loss_fn=None` it runs a forward table and collects the last stage's
-    outputs (differentiate through it); otherwise a training table, each backward computed
-    with `jax.vjp` from the residuals its forward stored (`program.num_residual_slots > 0`)
-    or by recomputing the forward (none stored).
+    Each step writes what arrived into its buffer slot, runs the action its table names
+    (`lax.switch` over `StepLoop`'s methods), keeps what the action made for later, and sends
+    activations forward and cotangents back, to exactly the devices that step's actions need
+    (one `lax.switch` over the distinct sets of device pairs, indexed by the step, so every
+    device takes the same branch). With `loss_fn=None` it runs a forward table and collects
+    the last stage's outputs (differentiate through it); otherwise a training table, each
+    backward computed with `jax.vjp` from the residuals its forward stored
+    (`program.num_residual_slots > 0`) or by recomputing the forward (none stored).
 
     With `loss_on_every_device` (a loss function split over the pipeline axis, such as a
     vocabulary-parallel head), the loss of each microbatch runs outside the branches, on
@@ -119,91 +125,160 @@ def run_schedule(
     passes it), or of several stages per device, calls each stage under one
     `jax.checkpoint` with that policy (default: keep everything), never keeping a circular
     stage's slice of the stacked weights; with a policy it also skips the stage in each
-    device's idle steps (see `skips_bubbles`).
+    device's idle steps (see `StepLoop.skips_bubbles`).
     """
-    training = loss_fn is not None
-    store = program.num_residual_slots > 0
-    num_repeats, num_microbatches = program.num_repeats, len(jax.tree.leaves(microbatches)[0])
-    pipe = frozenset({axis_name})
-    device = lax.axis_index(axis_name)
-    params, static = eqx.partition(stages, eqx.is_inexact_array)
-    # Circular: the other array leaves (integers) are stacked too; slice them per stage.
-    others, static = eqx.partition(static, eqx.is_array) if num_repeats > 1 else (None, static)
-    params = cast_tree(params, pipe)  # stays outside the loop: any sum over pipe runs once
-    microbatches = cast_tree(microbatches, pipe)
-    first = index_tree(microbatches, 0)
-    loss_params, loss_static = eqx.partition(loss_fn, eqx.is_inexact_array)
-    if not loss_on_every_device:  # it runs inside the branches, which must agree on types
-        loss_params = cast_tree(loss_params, pipe)
-    targets = cast_tree(target_microbatches, pipe)
+    loop = StepLoop(
+        program, stages, loss_fn, microbatches, target_microbatches, arguments_at,
+        axis_name=axis_name, loss_dtype=loss_dtype, return_all_grads=return_all_grads,
+        loss_on_every_device=loss_on_every_device, stage_policy=stage_policy,
+    )  # fmt: skip
+    state, _ = typed_scan(loop.step, loop.initial_state(), step_indices(len(program.kind)))
+    return state
 
-    def stage_params(p: Any, repeat: Any) -> Any:
-        if num_repeats == 1:
+
+class StepLoop:
+    """One device's view of a compiled schedule: what it holds, and one method per action.
+
+    Built inside `shard_map` (it holds traced values); `run_schedule` scans `step` over the
+    table's steps. The action methods (`idle`, `forward`, `forward_last`, `backward`,
+    `backward_last`, `backward_input`, `backward_input_last`, `backward_weight`) take a
+    `Work` and return a `Done`; `step` routes each step to its action and moves what it made.
+    """
+
+    def __init__(
+        self,
+        program: _program.Program,
+        stages: Tree,
+        loss_fn: Callable | None,
+        microbatches: Tree,
+        target_microbatches: Tree,
+        arguments_at: Callable,
+        *,
+        axis_name: AxisName,
+        loss_dtype: Any,
+        return_all_grads: bool,
+        loss_on_every_device: bool,
+        stage_policy: Callable | None,
+    ):
+        self.program, self.axis_name, self.arguments_at = program, axis_name, arguments_at
+        self.training = loss_fn is not None
+        self.store = program.num_residual_slots > 0
+        self.num_repeats = program.num_repeats
+        self.num_microbatches = len(jax.tree.leaves(microbatches)[0])
+        self.return_all_grads, self.loss_on_every_device = return_all_grads, loss_on_every_device
+        self.stage_policy = stage_policy
+        self.pipe = frozenset({axis_name})
+        self.device = lax.axis_index(axis_name)
+        params, static = eqx.partition(stages, eqx.is_inexact_array)
+        # Circular: the other array leaves (integers) are stacked too; slice them per stage.
+        others, static = (
+            eqx.partition(static, eqx.is_array) if self.num_repeats > 1 else (None, static)
+        )
+        self.others, self.static = others, static
+        self.params = cast_tree(params, self.pipe)  # outside the loop: any sum over pipe once
+        self.microbatches = cast_tree(microbatches, self.pipe)
+        self.first = index_tree(self.microbatches, 0)
+        loss_params, self.loss_static = eqx.partition(loss_fn, eqx.is_inexact_array)
+        if not loss_on_every_device:  # it runs inside the branches, which must agree on types
+            loss_params = cast_tree(loss_params, self.pipe)
+        self.loss_params = loss_params
+        self.targets = cast_tree(target_microbatches, self.pipe)
+        self.skips_bubbles = self._skips_bubbles()
+        self.layout = (
+            _Residuals(self.stage_vjp, self.stage_params(self.params, 0), self.first)
+            if self.store
+            else None
+        )
+        self.no_residuals = self.layout.zeros() if self.layout else ()
+        self.zero_h = zeros_like(self.first)
+        self.zero_cotangent = eqx.filter(self.zero_h, eqx.is_inexact_array)
+        self.zero_output = None if self.training else self.zero_h
+        self.scale = jnp.asarray(1.0 / self.num_microbatches, loss_dtype or jnp.float32)
+        self.loss_steps = self._loss_steps()
+        # Only the kinds the table uses are traced: one branch each.
+        self.kinds = np.unique(program.kind)
+        self.branches = [getattr(self, _ACTIONS[int(k)]) for k in self.kinds]
+        columns = (
+            program.kind, np.searchsorted(self.kinds, program.kind), program.microbatch,
+            program.repeat, program.input_slot, program.cotangent_slot, program.residual_slot,
+            program.received_input_slot, program.received_cotangent_slot,
+        )  # fmt: skip
+        self.table = jnp.asarray(np.stack(columns, axis=-1))  # [steps, devices, columns]
+        self.sends = jnp.asarray(np.stack([program.forward_sends, program.backward_sends], axis=-1))
+
+    # --- the stage ----------------------------------------------------------------------
+
+    def stage_params(self, p: Tree, repeat: Index) -> Tree:
+        if self.num_repeats == 1:
             return p
         # Named so that autodiff of a forward run recomputes the slice instead of keeping a
-        # copy of the stage's weights for every step (see `call` below).
+        # copy of the stage's weights for every step (see `forward_run`).
         return jax.tree.map(lambda a: checkpoint_name(a, _STAGE_WEIGHTS), index_tree(p, repeat))
 
-    def run_stage(p: Any, h: Any, microbatch: Any, repeat: Any) -> Any:
-        call_args, call_kwargs = arguments_at(microbatch)
-        rest = static if others is None else eqx.combine(index_tree(others, repeat), static)
+    def run_stage(self, p: Tree, h: Tree, microbatch: Index, repeat: Index) -> Tree:
+        call_args, call_kwargs = self.arguments_at(microbatch)
+        others = self.others
+        rest = (
+            self.static if others is None else eqx.combine(index_tree(others, repeat), self.static)
+        )
         return eqx.combine(p, rest)(h, *call_args, **call_kwargs)
 
-    def forward_run(h: Any, microbatch: Any, repeat: Any, runs: Any = None) -> Any:
+    def forward_run(
+        self, h: Tree, microbatch: Index, repeat: Index, runs: Index | None = None
+    ) -> Tree:
         """A forward run's stage call; with `runs` (1 or 0, by device) skipped where 0."""
 
-        def call(p: Any, h: Any, m: Any, r: Any, runs: Any) -> Any:
-            def stage(h: Any, m: Any, r: Any) -> Any:
-                return run_stage(stage_params(p, r), h, m, r)
+        def call(p: Tree, h: Tree, m: Index, r: Index, runs: Index | None) -> Tree:
+            def stage(h: Tree, m: Index, r: Index) -> Tree:
+                return self.run_stage(self.stage_params(p, r), h, m, r)
 
             if runs is None:
                 return stage(h, m, r)
             return typed_switch(runs, [lambda h, m, r: zeros_like(h), stage], h, m, r)
 
-        if stage_policy is None and num_repeats == 1:  # a caller's stage, called as it is
-            return call(params, h, microbatch, repeat, None)
+        if self.stage_policy is None and self.num_repeats == 1:  # a caller's stage, as it is
+            return call(self.params, h, microbatch, repeat, None)
         # One checkpoint around the stage (and the skip), whose policy is the stage's own: a
         # policy around an inner `jax.checkpoint` decides for it too (it would keep what the
         # inner one drops), and without it autodiff of the loop keeps more (the residuals of
         # both branches of the skip, a circular stage's slice of the weights at every step).
-        policy = _without_stage_weights(stage_policy or jax.checkpoint_policies.everything_saveable)
-        return jax.checkpoint(call, policy=policy)(params, h, microbatch, repeat, runs)
+        policy = self.stage_policy or jax.checkpoint_policies.everything_saveable
+        return jax.checkpoint(call, policy=_without_stage_weights(policy))(
+            self.params, h, microbatch, repeat, runs
+        )
 
-    # A forward run skips the stage in a device's idle (bubble) steps, in a `lax.switch` whose
-    # branch differs by device (the devices of a collective over another mesh axis share
-    # their pipeline position, so they take the same branch), when a remat policy is in
-    # force (`stage_policy`; without one, autodiff of the skip keeps more than the bubbles
-    # save). A `ppermute` in such a branch gives wrong values (see `execute_schedule`): a
-    # stage with one runs at every step, bubbles included.
-    skips_bubbles = (
-        not training
-        and stage_policy is not None
-        and bool((program.kind == _program.IDLE).any())
-        and not uses_primitive(jax.make_jaxpr(lambda h: forward_run(h, 0, 0))(first), "ppermute")
-    )
+    def _skips_bubbles(self) -> bool:
+        """Whether a forward run skips the stage in a device's idle (bubble) steps.
 
-    def stage_vjp(p: Any, h: Any, microbatch: Any, repeat: Any = 0) -> tuple:
+        It does, in a `lax.switch` whose branch differs by device (the devices of a
+        collective over another mesh axis share their pipeline position, so they take the
+        same branch), when a remat policy is in force (`stage_policy`; without one, autodiff
+        of the skip keeps more than the bubbles save). A `ppermute` in such a branch gives
+        wrong values (see `execute_schedule`): a stage with one runs at every step, bubbles
+        included.
+        """
+        if self.training or self.stage_policy is None:
+            return False
+        if not (self.program.kind == _program.IDLE).any():
+            return False
+        jaxpr = jax.make_jaxpr(lambda h: self.forward_run(h, 0, 0))(self.first)
+        return not uses_primitive(jaxpr, "ppermute")
+
+    def stage_vjp(self, p: Tree, h: Tree, microbatch: Index, repeat: Index = 0) -> tuple:
         """`jax.vjp` of the stage in its inexact leaves: `(pullback, output)`. Only the
         inexact leaves of the activations carry cotangents; integer or boolean leaves (masks,
         positions) ride along unchanged."""
         h_diff, h_rest = eqx.partition(h, eqx.is_inexact_array)
 
-        def stage_part(p: Any, hd: Any) -> Any:
-            out = run_stage(p, eqx.combine(hd, h_rest), microbatch, repeat)
+        def stage_part(p: Tree, hd: Tree) -> tuple[Tree, Tree]:
+            out = self.run_stage(p, eqx.combine(hd, h_rest), microbatch, repeat)
             return eqx.filter(out, eqx.is_inexact_array), out
 
         _, pullback, out = jax.vjp(stage_part, p, h_diff, has_aux=True)
         return pullback, out
 
-    layout = _Residuals(stage_vjp, stage_params(params, 0), first) if store else None
-    no_residuals = layout.zeros() if layout else ()
-    zero_h = zeros_like(first)
-    zero_cotangent = eqx.filter(zero_h, eqx.is_inexact_array)
-    zero_output = zero_h if not training else None
-    scale = jnp.asarray(1.0 / num_microbatches, loss_dtype or jnp.float32)
-
-    def add(total: Any, part: Any, repeat: Any) -> Any:
-        if num_repeats == 1:
+    def add_grads(self, total: Tree, part: Tree, repeat: Index) -> Tree:
+        if self.num_repeats == 1:
             return tree_add(total, part)
         return jax.tree.map(
             lambda g, d: lax.dynamic_update_index_in_dim(
@@ -213,236 +288,251 @@ def run_schedule(
             part,
         )
 
-    def nothing(w: _Work) -> _Done:
-        return _Done(
-            zero_h, zero_cotangent, zero_cotangent, no_residuals, zero_output,
-            w.grads, w.loss_grads, w.loss,
-        )  # fmt: skip
-
-    def forward(w: _Work) -> _Done:
-        p = stage_params(params, w.repeat)
-        if not (training and store):
-            return nothing(w)._replace(sent_forward=run_stage(p, w.h, w.microbatch, w.repeat))
-        pullback, out = stage_vjp(p, w.h, w.microbatch, w.repeat)
-        assert layout is not None
-        residuals = layout.split(pullback, out, p, w.h)
-        return nothing(w)._replace(sent_forward=out, residuals=residuals)
-
-    def forward_last(w: _Work) -> _Done:
-        if not training:
-            out = run_stage(stage_params(params, w.repeat), w.h, w.microbatch, w.repeat)
-            return nothing(w)._replace(output=out)
-        done = forward(w)  # the output waits in the cotangent buffer for the loss
-        return done._replace(
-            sent_forward=zero_h, kept_cotangent=eqx.filter(done.sent_forward, eqx.is_inexact_array)
-        )
-
-    def pullback_of(w: _Work) -> tuple[Callable, Any, Any]:
+    def pullback_of(self, w: Work) -> tuple[Callable, Tree, Tree | None]:
         """The stage's pullback, the replication types of its output (which the cotangent
         must have) and, when recomputed, the output itself (else `None`)."""
-        p = stage_params(params, w.repeat)
-        if not store:
-            pullback, out = stage_vjp(p, w.h, w.microbatch, w.repeat)
+        p = self.stage_params(self.params, w.repeat)
+        if not self.store:
+            pullback, out = self.stage_vjp(p, w.h, w.microbatch, w.repeat)
             return pullback, axes_tree(eqx.filter(out, eqx.is_inexact_array)), out
-        assert layout is not None
-        pullback, out_axes = layout.join(index_tree(w.residuals, w.residual_slot), p, w.h)
+        assert self.layout is not None
+        pullback, out_axes = self.layout.join(index_tree(w.residuals, w.residual_slot), p, w.h)
         return pullback, out_axes, None
 
-    def backward(w: _Work, *, weights: bool = True, inputs: bool = True) -> _Done:
-        pullback, out_axes, _ = pullback_of(w)
-        cotangent = cast_tree(index_tree(w.cotangents, w.cotangent_slot), out_axes)
-        d_params, d_h = pullback(cotangent)
-        done = nothing(w)
-        if weights:
-            done = done._replace(grads=add(w.grads, d_params, w.repeat))
-        return done._replace(sent_back=d_h) if inputs else done
+    # --- the loss -----------------------------------------------------------------------
 
-    def loss_and_pullback(out_diff: Any, out_rest: Any, microbatch: Any) -> tuple:
+    def loss_and_pullback(self, out_diff: Tree, out_rest: Tree, microbatch: Index) -> tuple:
         """The cotangent of one microbatch's output, the gradient of `loss_fn`'s parameters
         and the microbatch's share of the mean loss."""
-        target = index_tree(targets, microbatch)
+        target = index_tree(self.targets, microbatch)
 
-        def loss_of(od: Any, lp: Any) -> Any:
-            return eqx.combine(lp, loss_static)(eqx.combine(od, out_rest), target)
+        def loss_of(od: Tree, lp: Tree) -> Array:
+            return eqx.combine(lp, self.loss_static)(eqx.combine(od, out_rest), target)
 
-        value, loss_pullback = jax.vjp(loss_of, out_diff, loss_params)
-        d_out, d_loss_params = loss_pullback(_cast_varying(scale, _varying_axes(value)))
-        return d_out, d_loss_params, value * scale
+        value, loss_pullback = jax.vjp(loss_of, out_diff, self.loss_params)
+        d_out, d_loss_params = loss_pullback(_cast_varying(self.scale, _varying_axes(value)))
+        return d_out, d_loss_params, value * self.scale
 
-    # The steps at which a last stage's backward starts: the device that runs it, its
-    # microbatch and the slot where its forward kept the output (-1: none at that step).
-    last_stage = np.isin(program.kind, (_program.BACKWARD_LAST, _program.BACKWARD_INPUT_LAST))
-    if (last_stage.sum(axis=1) > 1).any():  # one device holds the last stage
-        raise AssertionError("a step starts two last-stage backwards")
-    loss_device = np.where(last_stage.any(axis=1), last_stage.argmax(axis=1), -1)
-    steps = np.arange(len(program.kind))
-    at_loss_device = (steps, np.maximum(loss_device, 0))
-    loss_steps = jnp.asarray(np.stack([
-        loss_device, program.microbatch[at_loss_device], program.cotangent_slot[at_loss_device],
-        program.repeat[at_loss_device],
-    ], axis=-1))  # fmt: skip
+    def _loss_steps(self) -> Array:
+        """Per step, where a last stage's backward starts: the device that runs it (-1: none
+        at that step), its microbatch, the slot where its forward kept the output, and its
+        repeat."""
+        program = self.program
+        last_stage = np.isin(program.kind, (_program.BACKWARD_LAST, _program.BACKWARD_INPUT_LAST))
+        if (last_stage.sum(axis=1) > 1).any():  # one device holds the last stage
+            raise AssertionError("a step starts two last-stage backwards")
+        loss_device = np.where(last_stage.any(axis=1), last_stage.argmax(axis=1), -1)
+        at = (np.arange(len(program.kind)), np.maximum(loss_device, 0))
+        return jnp.asarray(np.stack([
+            loss_device, program.microbatch[at], program.cotangent_slot[at], program.repeat[at],
+        ], axis=-1))  # fmt: skip
 
-    def loss_everywhere(cotangents: Any, h: Any, t: Array) -> tuple:
+    def loss_everywhere(self, cotangents: Tree, h: Tree, t: Array) -> tuple:
         """At a step where a last stage's backward starts: every device's part of its loss
         (`loss_on_every_device`); zeros at the other steps. `h` is this device's stage input
         at the step: on the last stage's device, the input of that stage's backward."""
-        owner, microbatch, slot, repeat = loss_steps[t]
+        owner, microbatch, slot, repeat = self.loss_steps[t]
 
-        def run(cotangents: Any) -> tuple:
-            if store:  # the last stage's forward kept its output
+        def run(cotangents: Tree) -> tuple:
+            if self.store:  # the last stage's forward kept its output
                 kept = index_tree(cotangents, jnp.maximum(slot, 0))
             else:  # it left its forward to its backward: run it here, on every device alike
-                out = run_stage(stage_params(params, repeat), h, microbatch, repeat)
+                out = self.run_stage(self.stage_params(self.params, repeat), h, microbatch, repeat)
                 kept = eqx.filter(out, eqx.is_inexact_array)
             out_diff = jax.tree.map(
-                lambda a: lax.psum(jnp.where(device == owner, a, jnp.zeros_like(a)), axis_name),
+                lambda a: lax.psum(
+                    jnp.where(self.device == owner, a, jnp.zeros_like(a)), self.axis_name
+                ),
                 kept,
             )
             # Integer leaves (masks) pass through the stages unchanged: the microbatch's own.
-            out_rest = _integer_leaves(index_tree(microbatches, microbatch))
-            return loss_and_pullback(out_diff, out_rest, microbatch)
+            out_rest = _integer_leaves(index_tree(self.microbatches, microbatch))
+            return self.loss_and_pullback(out_diff, out_rest, microbatch)
 
-        def skip(cotangents: Any) -> tuple:
+        def skip(cotangents: Tree) -> tuple:
             shapes = jax.eval_shape(run, cotangents)
             return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
         # The step, not the device, picks the branch: every device runs the same one.
         return typed_switch((owner >= 0).astype(jnp.int32), [skip, run], cotangents)
 
-    def backward_last(w: _Work, *, weights: bool = True) -> _Done:
-        pullback, out_axes, out = pullback_of(w)
+    # --- the actions --------------------------------------------------------------------
+
+    def idle(self, w: Work) -> Done:
+        return Done(
+            self.zero_h, self.zero_cotangent, self.zero_cotangent, self.no_residuals,
+            self.zero_output, w.grads, w.loss_grads, w.loss,
+        )  # fmt: skip
+
+    def forward(self, w: Work) -> Done:
+        p = self.stage_params(self.params, w.repeat)
+        if not (self.training and self.store):
+            out = self.run_stage(p, w.h, w.microbatch, w.repeat)
+            return self.idle(w)._replace(sent_forward=out)
+        pullback, out = self.stage_vjp(p, w.h, w.microbatch, w.repeat)
+        assert self.layout is not None
+        residuals = self.layout.split(pullback, out, p, w.h)
+        return self.idle(w)._replace(sent_forward=out, residuals=residuals)
+
+    def forward_last(self, w: Work) -> Done:
+        if not self.training:
+            p = self.stage_params(self.params, w.repeat)
+            return self.idle(w)._replace(output=self.run_stage(p, w.h, w.microbatch, w.repeat))
+        done = self.forward(w)  # the output waits in the cotangent buffer for the loss
+        return done._replace(
+            sent_forward=self.zero_h,
+            kept_cotangent=eqx.filter(done.sent_forward, eqx.is_inexact_array),
+        )
+
+    def backward(self, w: Work, *, weights: bool = True, inputs: bool = True) -> Done:
+        pullback, out_axes, _ = self.pullback_of(w)
+        assert w.cotangents is not None
+        cotangent = cast_tree(index_tree(w.cotangents, w.cotangent_slot), out_axes)
+        d_params, d_h = pullback(cotangent)
+        done = self.idle(w)
+        if weights:
+            done = done._replace(grads=self.add_grads(w.grads, d_params, w.repeat))
+        return done._replace(sent_back=d_h) if inputs else done
+
+    def backward_input(self, w: Work) -> Done:
+        return self.backward(w, weights=False)
+
+    def backward_weight(self, w: Work) -> Done:
+        return self.backward(w, inputs=False)
+
+    def backward_last(self, w: Work, *, weights: bool = True) -> Done:
+        pullback, out_axes, out = self.pullback_of(w)
         if out is None:  # the forward kept the output's inexact leaves; the others are the
             # input's (a stage passes integer leaves such as masks through unchanged)
-            out = eqx.combine(index_tree(w.cotangents, w.cotangent_slot), _integer_leaves(w.h))
-        if loss_on_every_device:  # the loss ran before the branches (`loss_everywhere`)
-            d_out, done = w.loss_cotangent, nothing(w)
+            assert w.cotangents is not None
+            kept = index_tree(w.cotangents, w.cotangent_slot)
+            out = eqx.combine(kept, _integer_leaves(w.h))
+        if self.loss_on_every_device:  # the loss ran before the branches (`loss_everywhere`)
+            d_out, done = w.loss_cotangent, self.idle(w)
         else:
             out_diff, out_rest = eqx.partition(out, eqx.is_inexact_array)
-            d_out, d_loss_params, part = loss_and_pullback(out_diff, out_rest, w.microbatch)
-            done = nothing(w)._replace(
+            d_out, d_loss_params, part = self.loss_and_pullback(out_diff, out_rest, w.microbatch)
+            assert w.loss is not None
+            done = self.idle(w)._replace(
                 loss_grads=tree_add(w.loss_grads, d_loss_params), loss=w.loss + part
             )
         d_params, d_h = pullback(cast_tree(d_out, out_axes))
         done = done._replace(sent_back=d_h)
         if weights:
-            return done._replace(grads=add(w.grads, d_params, w.repeat))
+            return done._replace(grads=self.add_grads(w.grads, d_params, w.repeat))
         return done._replace(kept_cotangent=d_out)  # for the weight gradient, later
 
-    by_kind = {
-        _program.IDLE: nothing,
-        _program.FORWARD: forward,
-        _program.FORWARD_LAST: forward_last,
-        _program.BACKWARD: backward,
-        _program.BACKWARD_LAST: backward_last,
-        _program.BACKWARD_INPUT: lambda w: backward(w, weights=False),
-        _program.BACKWARD_INPUT_LAST: lambda w: backward_last(w, weights=False),
-        _program.BACKWARD_WEIGHT: lambda w: backward(w, inputs=False),
-    }
-    # Only the kinds the table uses are traced: one branch each.
-    kinds = np.unique(program.kind)
-    branches = [by_kind[int(k)] for k in kinds]
-    columns = (
-        program.kind, np.searchsorted(kinds, program.kind), program.microbatch, program.repeat,
-        program.input_slot, program.cotangent_slot, program.residual_slot,
-        program.received_input_slot, program.received_cotangent_slot,
-    )  # fmt: skip
-    table = jnp.asarray(np.stack(columns, axis=-1))  # [steps, devices, columns]
-    sends = jnp.asarray(np.stack([program.forward_sends, program.backward_sends], axis=-1))
+    def backward_input_last(self, w: Work) -> Done:
+        return self.backward_last(w, weights=False)
 
-    def send(tree: Any, pattern: Any, pairs: tuple) -> Any:
+    # --- one step -----------------------------------------------------------------------
+
+    def send(self, tree: Tree, pattern: Array, pairs: tuple) -> Tree:
         def shift(pair_set: tuple) -> Callable:
             if not pair_set:
                 return zeros_like
-            return lambda t: jax.tree.map(lambda a: lax.ppermute(a, axis_name, pair_set), t)
+            return lambda t: jax.tree.map(lambda a: lax.ppermute(a, self.axis_name, pair_set), t)
 
         if len(pairs) == 1:
             return shift(pairs[0])(tree)
         return typed_switch(pattern, [shift(p) for p in pairs], tree)
 
-    def step(carry: _Carry, t: Array) -> tuple[_Carry, None]:
+    def step(self, state: LoopState, t: Array) -> tuple[LoopState, None]:
+        program, training = self.program, self.training
         (
-            kind,
-            branch,
-            microbatch,
-            repeat,
-            input_slot,
-            cotangent_slot,
-            residual_slot,
-            got_h,
-            got_cot,
-        ) = table[t, device]
-        inputs = _write(carry.inputs, got_h, carry.received)
-        cotangents = carry.cotangents
+            kind, branch, microbatch, repeat, input_slot, cotangent_slot, residual_slot,
+            got_h, got_cot,
+        ) = self.table[t, self.device]  # fmt: skip
+        inputs = _write(state.inputs, got_h, state.received)
+        cotangents = state.cotangents
         if training:
-            cotangents = _write(cotangents, got_cot, carry.received_cotangent)
-        fresh = index_tree(microbatches, microbatch)
+            cotangents = _write(cotangents, got_cot, state.received_cotangent)
+        fresh = index_tree(self.microbatches, microbatch)
         waiting = index_tree(inputs, jnp.maximum(input_slot, 0))
         h = jax.tree.map(lambda f, s: jnp.where(input_slot < 0, f, s), fresh, waiting)
-        loss_grads, loss, loss_cotangent = carry.loss_grads, carry.loss, None
-        if training and loss_on_every_device:
-            loss_cotangent, d_loss_params, part = loss_everywhere(cotangents, h, t)
+        loss_grads, loss, loss_cotangent = state.loss_grads, state.loss, None
+        if training and self.loss_on_every_device:
+            loss_cotangent, d_loss_params, part = self.loss_everywhere(cotangents, h, t)
             loss_grads, loss = tree_add(loss_grads, d_loss_params), loss + part
-        work = _Work(
-            h, microbatch, repeat, cotangents, cotangent_slot, carry.residuals, residual_slot,
-            carry.grads, loss_grads, loss, loss_cotangent,
+        work = Work(
+            h, microbatch, repeat, cotangents, cotangent_slot, state.residuals, residual_slot,
+            state.grads, loss_grads, loss, loss_cotangent,
         )  # fmt: skip
-        if training:
-            done = typed_switch(branch, branches, work) if len(branches) > 1 else branches[0](work)
         is_forward = (kind == _program.FORWARD) | (kind == _program.FORWARD_LAST)
-        if not training:
-            out = forward_run(
-                h, microbatch, repeat, is_forward.astype(jnp.int32) if skips_bubbles else None
-            )
-            done = nothing(work)._replace(sent_forward=out, output=out)
-        keeps_cotangent = (kind == _program.FORWARD_LAST) | (kind == _program.BACKWARD_INPUT_LAST)
-        spare_cotangent = program.num_cotangent_slots
         if training:
-            cotangents = _write(
-                cotangents, jnp.where(keeps_cotangent, cotangent_slot, spare_cotangent),
-                done.kept_cotangent,
-            )  # fmt: skip
-        residuals = carry.residuals
-        if store:
-            spare = program.num_residual_slots
-            residuals = _write(
-                residuals, jnp.where(is_forward, residual_slot, spare), done.residuals
-            )
-        outputs, x_grads = carry.outputs, carry.x_grads
+            branches = self.branches
+            done = typed_switch(branch, branches, work) if len(branches) > 1 else branches[0](work)
+        else:
+            runs = is_forward.astype(jnp.int32) if self.skips_bubbles else None
+            out = self.forward_run(h, microbatch, repeat, runs)
+            done = self.idle(work)._replace(sent_forward=out, output=out)
+        if training:
+            keeps = (kind == _program.FORWARD_LAST) | (kind == _program.BACKWARD_INPUT_LAST)
+            row = jnp.where(keeps, cotangent_slot, program.num_cotangent_slots)
+            cotangents = _write(cotangents, row, done.kept_cotangent)
+        residuals = state.residuals
+        if self.store:
+            row = jnp.where(is_forward, residual_slot, program.num_residual_slots)
+            residuals = _write(residuals, row, done.residuals)
+        outputs, x_grads = state.outputs, state.x_grads
         if outputs is not None:
-            row = jnp.where(kind == _program.FORWARD_LAST, microbatch, num_microbatches)
+            row = jnp.where(kind == _program.FORWARD_LAST, microbatch, self.num_microbatches)
             outputs = _write(outputs, row, done.output)
         if x_grads is not None:
             takes_input = (kind >= _program.BACKWARD) & (kind != _program.BACKWARD_WEIGHT)
-            row = jnp.where(
-                takes_input & (device == 0) & (repeat == 0), microbatch, num_microbatches
+            first = takes_input & (self.device == 0) & (repeat == 0)
+            x_grads = _write(
+                x_grads, jnp.where(first, microbatch, self.num_microbatches), done.sent_back
             )
-            x_grads = _write(x_grads, row, done.sent_back)
-        forward_pattern, backward_pattern = sends[t]
-        new = _Carry(
-            send(done.sent_forward, forward_pattern, program.forward_pairs),
-            send(done.sent_back, backward_pattern, program.backward_pairs) if training else None,
+        forward_pattern, backward_pattern = self.sends[t]
+        new = LoopState(
+            self.send(done.sent_forward, forward_pattern, program.forward_pairs),
+            self.send(done.sent_back, backward_pattern, program.backward_pairs)
+            if training
+            else None,
             inputs, cotangents, residuals, outputs,
             done.grads, done.loss_grads, done.loss, x_grads,
         )  # fmt: skip
         return new, None
 
-    def buffer(tree: Any, rows: int) -> Any:
-        return jax.tree.map(lambda z: jnp.zeros((rows, *z.shape), z.dtype), tree)
+    def initial_state(self) -> LoopState:
+        training, program = self.training, self.program
 
-    init = _Carry(
-        received=zero_h,
-        received_cotangent=zero_cotangent if training else None,
-        inputs=buffer(zero_h, program.num_input_slots + 1),
-        cotangents=buffer(zero_cotangent, program.num_cotangent_slots + 1) if training else None,
-        residuals=buffer(no_residuals, program.num_residual_slots + 1),
-        outputs=None if training else buffer(zero_h, num_microbatches + 1),
-        grads=cast_tree(zeros_like(params), axes_tree(params)) if training else None,
-        loss_grads=cast_tree(zeros_like(loss_params), axes_tree(loss_params)) if training else None,
-        loss=_cast_varying(jnp.zeros((), scale.dtype), pipe) if training else None,
-        x_grads=buffer(zero_cotangent, num_microbatches + 1) if return_all_grads else None,
-    )
-    carry, _ = typed_scan(step, init, step_indices(len(program.kind)))
-    return carry
+        def buffer(tree: Tree, rows: int) -> Tree:
+            return jax.tree.map(lambda z: jnp.zeros((rows, *z.shape), z.dtype), tree)
+
+        def zero_grads(tree: Tree) -> Tree:
+            return cast_tree(zeros_like(tree), axes_tree(tree))
+
+        return LoopState(
+            received=self.zero_h,
+            received_cotangent=self.zero_cotangent if training else None,
+            inputs=buffer(self.zero_h, program.num_input_slots + 1),
+            cotangents=buffer(self.zero_cotangent, program.num_cotangent_slots + 1)
+            if training
+            else None,
+            residuals=buffer(self.no_residuals, program.num_residual_slots + 1),
+            outputs=None if training else buffer(self.zero_h, self.num_microbatches + 1),
+            grads=zero_grads(self.params) if training else None,
+            loss_grads=zero_grads(self.loss_params) if training else None,
+            loss=_cast_varying(jnp.zeros((), self.scale.dtype), self.pipe) if training else None,
+            x_grads=buffer(self.zero_cotangent, self.num_microbatches + 1)
+            if self.return_all_grads
+            else None,
+        )
+
+
+# The method of `StepLoop` that runs each action kind of a compiled table.
+_ACTIONS = {
+    _program.IDLE: "idle",
+    _program.FORWARD: "forward",
+    _program.FORWARD_LAST: "forward_last",
+    _program.BACKWARD: "backward",
+    _program.BACKWARD_LAST: "backward_last",
+    _program.BACKWARD_INPUT: "backward_input",
+    _program.BACKWARD_INPUT_LAST: "backward_input_last",
+    _program.BACKWARD_WEIGHT: "backward_weight",
+}
 
 
 def _integer_leaves(tree: Any) -> Any:
