@@ -425,7 +425,7 @@ def compile_layout(
     )
     pipe, stage_fraction = None, None
     if sizes[lm.PIPE] > 1 and run.schedule in ("gpipe", "circular"):
-        table = model.body.schedule("forward")
+        table = model.body.schedule()
         forwards = sum(action.kind == "forward" for row in table.actions for action in row)
         stage_fraction = forwards / sizes[lm.PIPE] / len(table.actions)
     if sizes[lm.PIPE] > 1:

@@ -15,7 +15,7 @@ backward half that autodiff of a forward `lax.scan` runs is the forward table re
 
 import dataclasses
 import pathlib
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import numpy as np
 
@@ -72,7 +72,6 @@ def _one_f_one_b_slot(
     has_backward = (u >= 0) & (u % 2 == 0) & (u // 2 < m_count)
     backward = xp.where(has_backward, u // 2, _NO_MICROBATCH)
     return forward, backward
-
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,7 +142,11 @@ class PipelineSchedule:
     num_stages: int
     num_microbatches: int
     _table: tuple[tuple[Action, ...], ...]
-    _name: str = "pipeline"
+    _name: str = "pipeline"  # the label of its text rendering and pictures
+    # The schedule's name in every API of eqpar (`PipelineModule.schedule(name)`,
+    # `value_and_grad(schedule=name)`, the example's `--schedule`); "custom" for a table of
+    # one's own.
+    name: ClassVar[str] = "custom"
 
     @property
     def num_devices(self) -> int:
@@ -460,6 +463,8 @@ class CircularSchedule(PipelineSchedule):
     ```
     """
 
+    name: ClassVar[str] = "circular"  # the name every API of eqpar uses for it
+
     _name = "circular"
 
     def __init__(
@@ -520,6 +525,8 @@ class GPipeSchedule(PipelineSchedule):
     ```
     """
 
+    name: ClassVar[str] = "gpipe"  # the name every API of eqpar uses for it
+
     _name = "GPipe"
 
     def __init__(self, num_stages: int, num_microbatches: int, *, include_backward: bool = False):
@@ -554,6 +561,8 @@ class OneFOneBSchedule(PipelineSchedule):
     assert schedule.max_stored_inputs() == 4
     ```
     """
+
+    name: ClassVar[str] = "1f1b"  # the name every API of eqpar uses for it
 
     _name = "1F1B"
 
@@ -612,6 +621,8 @@ class ZeroBubbleH1Schedule(PipelineSchedule):
     ```
     """
 
+    name: ClassVar[str] = "zb-h1"  # the name every API of eqpar uses for it
+
     _name = "ZB-H1"
 
     def __init__(self, num_stages: int, num_microbatches: int):
@@ -668,3 +679,11 @@ __all__ = [
     "PipelineSchedule",
     "ZeroBubbleH1Schedule",
 ]
+
+
+# Each schedule by its name (`PipelineSchedule.name`), as `PipelineModule` and the examples
+# take it.
+SCHEDULES: dict[str, type[PipelineSchedule]] = {
+    cls.name: cls
+    for cls in (GPipeSchedule, CircularSchedule, OneFOneBSchedule, ZeroBubbleH1Schedule)
+}

@@ -11,6 +11,7 @@ circular schedule of `eqpar.pipeline`; outside, `apply_serially` is its one-devi
 
 import dataclasses
 import math
+import warnings
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any, Literal, cast
 
@@ -34,6 +35,7 @@ from ..pipeline._executors import call_stage, call_varying, circular_forward, gp
 from ..pipeline._microbatch import batch_size, unwrap_microbatched
 from ..pipeline._tools import typed_scan
 from ..schedule import (
+    SCHEDULES,
     CircularSchedule,
     GPipeSchedule,
     OneFOneBSchedule,
@@ -741,32 +743,39 @@ class PipelineModule(eqx.Module):
         out, _ = typed_scan(apply, x, arrays)
         return out
 
-    def schedule(self, kind: str = "forward") -> PipelineSchedule:
-        """The schedule this module runs.
+    def schedule(
+        self, name: str | None = None, *, include_backward: bool = False
+    ) -> PipelineSchedule:
+        """The schedule this module runs, by the names every API of eqpar uses.
 
         **Arguments:**
 
-        - `kind`: `"forward"`: GPipe, or circular for `num_repeats > 1` (what `__call__`
-          runs); `"training"`: the same with the backward half (what differentiating
-          `__call__`, or `value_and_grad(schedule="gpipe")`, runs); `"1f1b"` and `"zb-h1"`:
-          the schedules of `value_and_grad`.
+        - `name`: `None` for what `__call__` runs (`"gpipe"`, or `"circular"` when
+          `num_repeats > 1`); `"gpipe"` / `"circular"` (the one that fits `num_repeats`),
+          `"1f1b"` or `"zb-h1"`: the schedules of `value_and_grad`. (`"forward"` and
+          `"training"`, the names of earlier releases, still work with a
+          `DeprecationWarning`.)
+        - `include_backward`: for `"gpipe"` / `"circular"`, add the backward half that
+          differentiating `__call__` (or `value_and_grad(schedule="gpipe")`) runs.
 
         **Returns:** a `PipelineSchedule` (a table, its bubble and its picture).
         """
+        owner = "PipelineModule.schedule"
+        if name in ("forward", "training"):
+            warnings.warn(
+                f"{owner}: {name!r} is deprecated; write schedule() or "
+                f"schedule(include_backward=True) (names: {sorted(SCHEDULES)}).",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            name, include_backward = None, name == "training"
         s, m, v = self.num_stages, self.num_microbatches, self.num_repeats
-        if kind in ("forward", "training"):
-            training = kind == "training"
-            if v == 1:
-                return GPipeSchedule(s, m, include_backward=training)
-            return CircularSchedule(s, m, v, include_backward=training)
-        if kind == "1f1b":
-            return OneFOneBSchedule(s, m)
-        if kind == "zb-h1":
-            return ZeroBubbleH1Schedule(s, m)
-        raise ValueError(
-            f"PipelineModule.schedule: `kind` must be 'forward', 'training', '1f1b' or "
-            f"'zb-h1', got {kind!r}."
-        )
+        name = _schedule_name(name, v, owner)
+        if name == "gpipe":
+            return GPipeSchedule(s, m, include_backward=include_backward)
+        if name == "circular":
+            return CircularSchedule(s, m, v, include_backward=include_backward)
+        return OneFOneBSchedule(s, m) if name == "1f1b" else ZeroBubbleH1Schedule(s, m)
 
     def __partition_specs__(self) -> Mapping[str, PartitionSpec]:
         before = self._stacked_dims() - 1
@@ -870,8 +879,8 @@ class PipelineModule(eqx.Module):
         - `"1f1b"`: each device holds the activations of at most `num_stages` microbatches;
         - `"zb-h1"`: 1F1B with each backward split into its input and weight gradients and
           the weight gradients moved into 1F1B's idle steps (`ZeroBubbleH1Schedule`);
-        - `"gpipe"`: all forwards, then all backwards (circular when `num_repeats > 1`), as
-          autodiff of `self(x)` runs them, holding all microbatches' residuals.
+        - `"gpipe"` (`"circular"` when `num_repeats > 1`): all forwards, then all backwards,
+          as autodiff of `self(x)` runs them, holding all microbatches' residuals.
 
         The model's `remat` policy says what a forward keeps for its backward: `"none"` its
         stage's residuals, `"full"` only the stage input (the backward recomputes the
@@ -896,7 +905,8 @@ class PipelineModule(eqx.Module):
           pytree, e.g. `(labels, mask)`, and is split into microbatches with `x`.
         - `*args`, `**kwargs`: passed to every stage call; `Microbatched` values are split
           with `x`.
-        - `schedule`: `"1f1b"` (default), `"zb-h1"` or `"gpipe"`.
+        - `schedule`: `"1f1b"` (default), `"zb-h1"`, `"gpipe"` or `"circular"` (the names
+          of `eqpar.schedule.SCHEDULES`).
         - `return_all_grads`: also return the gradients of `loss_fn`'s array leaves and of
           `x`.
 
@@ -905,22 +915,12 @@ class PipelineModule(eqx.Module):
         `(loss, (grads, loss_fn_grads, x_grads))` with `return_all_grads=True`.
         """
         caller = "PipelineModule.value_and_grad"
-        if schedule not in _TRAINING_SCHEDULES:
-            raise ValueError(
-                f"{caller}: `schedule` must be one of {list(_TRAINING_SCHEDULES)}, got "
-                f"{schedule!r}."
-            )
-        if self.num_repeats != 1 and schedule != "gpipe":
-            raise ValueError(
-                f"{caller}: the {schedule!r} schedule runs one stage per device but this "
-                f"module has num_repeats={self.num_repeats}. Use num_repeats=1, or "
-                f"schedule='gpipe' (the circular schedule for num_repeats > 1)."
-            )
+        schedule = _schedule_name(schedule, self.num_repeats, caller)
         # "full" keeps only each stage's input, which is what `recompute` does by itself
         recompute = self.remat == "full"
         local = _StageCall(self._local_stages(caller), "none" if recompute else self.remat)
         loss, result = execute_schedule(
-            self.schedule(_TRAINING_SCHEDULES[schedule]),
+            self.schedule(schedule, include_backward=True),
             local,
             loss_fn,
             x,
@@ -949,28 +949,51 @@ class PipelineModule(eqx.Module):
         return_all_grads: bool = False,
         **kwargs: Any,
     ) -> tuple[Array, Any]:
-        """`value_and_grad(..., schedule="1f1b")`: a training step in the 1F1B order, each
-        device holding the activations of at most `num_stages` microbatches (see
-        `eqpar.pipeline.execute_1f1b`). Needs `num_repeats == 1`.
+        """Deprecated: `value_and_grad(..., schedule="1f1b")`, which it calls (with a
+        `DeprecationWarning`).
 
         **Arguments:** as for `value_and_grad`, without `schedule`.
 
         **Returns:** as for `value_and_grad`.
         """
-        if self.num_repeats != 1:
-            raise ValueError(
-                f"PipelineModule.value_and_grad_1f1b: the 1F1B step runs one stage per device "
-                f"but this module has num_repeats={self.num_repeats}. Use num_repeats=1, or "
-                f"train the circular schedule with value_and_grad(..., schedule='gpipe') or by "
-                f"differentiating `module(x)`."
-            )
+        warnings.warn(
+            "PipelineModule.value_and_grad_1f1b is deprecated: write "
+            "value_and_grad(loss_fn, x, targets, ..., schedule='1f1b'), the one entry point "
+            "for every training schedule.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         return self.value_and_grad(
             loss_fn, x, targets, *args, schedule="1f1b", return_all_grads=return_all_grads, **kwargs
         )
 
 
-# The training schedules of `PipelineModule.value_and_grad`: name -> `schedule()` kind.
-_TRAINING_SCHEDULES = {"1f1b": "1f1b", "zb-h1": "zb-h1", "gpipe": "training"}
+def _schedule_name(name: str | None, num_repeats: int, owner: str) -> str:
+    """`name` checked against `num_repeats` (`None`: GPipe, or circular with repeats)."""
+    forward = "gpipe" if num_repeats == 1 else "circular"
+    if name is None:
+        return forward
+    if name == "gpipe" and num_repeats > 1:
+        warnings.warn(
+            f"{owner}: with num_repeats={num_repeats} the schedule is 'circular'; 'gpipe' for "
+            "it is deprecated.",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        return "circular"
+    if name not in SCHEDULES:
+        raise ValueError(f"{owner}: `schedule` must be one of {sorted(SCHEDULES)}, got {name!r}.")
+    if name == "circular" and num_repeats == 1:
+        raise ValueError(
+            f"{owner}: the module has num_repeats=1, so its all-forward schedule is 'gpipe', "
+            "not 'circular' (build it with num_repeats > 1 for the circular schedule)."
+        )
+    if name in ("1f1b", "zb-h1") and num_repeats != 1:
+        raise ValueError(
+            f"{owner}: the {name!r} schedule runs one stage per device but this module has "
+            f"num_repeats={num_repeats}. Use num_repeats=1, or schedule='circular'."
+        )
+    return name
 
 
 def _with_gathered_layers(

@@ -10,11 +10,11 @@ microbatches. The functions here know nothing of Equinox modules beyond "a calla
 - `execute_pipeline`: the GPipe forward pass (differentiate through it for training).
 - `execute_circular_pipeline`: the circular (interleaved) forward pass, several stages per
   device.
-- `execute_1f1b`: a whole training step (loss and gradients) in the one-forward-one-backward
-  order, holding at most `S` microbatch inputs per device.
-- `execute_schedule`: a whole training step in the order of any training schedule of
-  `eqpar.schedule` (1F1B, zero-bubble ZB-H1, GPipe or circular with their backward). Every
-  executor here runs the same loop (`_loop.py`), from the table its schedule gives.
+- `execute_schedule`: a whole training step (loss and gradients) in the order of any
+  training schedule of `eqpar.schedule` (1F1B, zero-bubble ZB-H1, GPipe or circular with
+  their backward): the one training executor. Every executor here runs the same loop
+  (`_loop.py`), from the table its schedule gives. (`execute_1f1b`, deprecated, is
+  `execute_schedule` with `OneFOneBSchedule`.)
 - `Microbatched`: marks an extra stage argument (an attention mask, positions) as per-example,
   so that every stage call gets the rows of the microbatch it is working on.
 

@@ -1,6 +1,7 @@
 """The public executors: GPipe, circular, 1F1B and any schedule table."""
 
 import functools
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -120,8 +121,8 @@ def execute_pipeline(
     The batch is cut into `num_microbatches` equal microbatches that enter the first device
     one step apart; after `num_microbatches + S - 1` steps of one `lax.scan` (`S` the axis
     size) every microbatch has passed every stage. Differentiate through it for training
-    (the backward pass runs the same steps in reverse); see `execute_1f1b` for a schedule that
-    holds fewer activations. With one device and one microbatch there is no loop: the stage
+    (the backward pass runs the same steps in reverse); see `execute_schedule` for schedules
+    that hold fewer activations. With one device and one microbatch there is no loop: the stage
     is called once on the batch.
 
     **Arguments:**
@@ -416,7 +417,9 @@ def execute_1f1b(
     recompute: bool = False,
     **kwargs: Any,
 ) -> tuple[Float[Scalar, ""], Any]:
-    """A pipelined training step in the one-forward-one-backward (1F1B) order (inside
+    """Deprecated (a `DeprecationWarning`): `execute_schedule(OneFOneBSchedule(S, M), ...)`.
+
+    A pipelined training step in the one-forward-one-backward (1F1B) order (inside
     `shard_map`): the mean loss over microbatches and its gradients.
 
     Each device runs its stage's forward for a microbatch, then, as soon as the cotangent of
@@ -507,6 +510,12 @@ def execute_1f1b(
     ```
     """
     caller = "execute_1f1b"
+    warnings.warn(
+        "execute_1f1b is deprecated: write execute_schedule(OneFOneBSchedule(S, M), module, "
+        "loss_fn, x, targets, ...), the one executor of every training schedule.",
+        DeprecationWarning,
+        stacklevel=2,
+    )
     num_microbatches = check_int(num_microbatches, name="num_microbatches", owner=caller)
     schedule = OneFOneBSchedule(
         axis_size(model_axis_name, caller, argument="model_axis_name"), num_microbatches
@@ -538,9 +547,9 @@ def execute_schedule(
     and stored residuals wait in buffers sized to what the table keeps alive at once, and
     each step sends only what its actions made, to the devices that need it. One
     `lax.scan` runs the whole table, so a new schedule is a new table, not a new executor.
-    `execute_1f1b` is this function with `OneFOneBSchedule`; `GPipeSchedule` and
-    `CircularSchedule` with `include_backward=True`, and `ZeroBubbleH1Schedule`, run the
-    same way.
+    `OneFOneBSchedule`, `ZeroBubbleH1Schedule`, and `GPipeSchedule` / `CircularSchedule`
+    with `include_backward=True` all run this way (it is the one training executor; the
+    deprecated `execute_1f1b` calls it with `OneFOneBSchedule`).
 
     By default a forward keeps what its backward needs (the residuals of `jax.vjp`, without
     the parameters and the stage input, which are kept anyway), so no stage runs its
