@@ -16,12 +16,15 @@ Python loops: `n` is a static mesh-axis size (typically 2-16), and each step mus
 operation for the scheduler to overlap it.
 """
 
-from collections.abc import Callable, Sequence
+import dataclasses
+import functools
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jaxtyping import PyTree
+from jaxtyping import Array, Float, PyTree
 
 from ._axes import axis_size
 from ._paths import path_to_str
@@ -34,6 +37,8 @@ __all__ = [
     "async_scatter",
     "async_scatter_bidirectional",
     "async_scatter_split",
+    "ring_gather_matmul",
+    "ring_matmul_scatter",
     "ring_shift",
 ]
 
@@ -405,3 +410,290 @@ def async_scatter_bidirectional(xs: Sequence[PyTree], axis_name: AxisName) -> Py
         down = _shift(down, axis_name, n, False)
         total = jax.tree.map(jnp.add, total, down)
     return total
+
+
+# --- Ring matmuls (TPAsyncDense, through eqpar.nn.linear's column/row core) -----------------
+#
+# Device `d` of `n` holds `x` (its input block) and `w` (its weight block). Ring step `t`
+# works on the block of one other device, whose index depends on `d`, so the weight block
+# that goes with it is cut out of `w` with `lax.dynamic_slice` where it lies: reordering the
+# weight blocks into ring order would copy the whole weight (and scatter its gradient back).
+# The steps run in a `lax.fori_loop`, so the program does not grow with `n` and each running
+# sum is one loop-carried buffer.
+
+
+@dataclasses.dataclass(frozen=True)
+class _Ring:
+    """The mesh axis of a ring and its size."""
+
+    axis: Hashable
+    n: int
+
+    def device(self, data: Array) -> Array:
+        """This device's index `d`, tied to `data` by `lax.optimization_barrier`.
+
+        A weight slice whose index depends only on the device depends only on the
+        parameters, and XLA may then cut it at the very start of the program and hold it
+        until the ring runs (for every layer of a model at once). Passed through one barrier
+        with `data`, the index is known to the compiler only once `data` is.
+        """
+        d, _ = lax.optimization_barrier((lax.axis_index(self.axis), data))
+        return d
+
+    def index(self, d: Array, offset: Any) -> Array:
+        """`(d + offset) % n` for `0 <= d < 2n` and `-n <= offset <= n` (int or traced)."""
+        return lax.rem(d + offset + 2 * self.n, self.n)
+
+    def shift(self, x: Array, up: bool = True) -> Array:
+        return ring_shift(x, self.axis, up=up)
+
+
+def _loop(first: int, last: int, body: Callable[[Any, Any], Any], carry: Any) -> Any:
+    """`body(t, carry)` for `t = first .. last` (no loop when the range is empty)."""
+    return lax.fori_loop(first, last + 1, body, carry) if last >= first else carry
+
+
+def _weight_block(w: Array, index: Array, size: int, axis: int) -> Array:
+    return lax.dynamic_slice_in_dim(w, index * size, size, axis=axis)
+
+
+def _dot(x: Array, w: Array) -> Array:
+    return jnp.einsum("...i,oi->...o", x, w)
+
+
+def _ring_gather(x: Array, w: Array, ring: _Ring, bidirectional: bool) -> Array:
+    """`all_gather(x, tiled) @ w.T` as ring steps, without holding the gathered input.
+
+    Walking up the ring, item `t` is the block of device `d - t` (walking down, of `d + t`),
+    which meets that device's weight columns. One way round, each step passes on the block
+    it holds while multiplying it, so every transfer runs next to a matmul.
+    """
+    k = x.shape[-1]
+    d = ring.device(x)
+
+    def product(block: Array, item: Any) -> Array:
+        return _dot(block, _weight_block(w, ring.index(d, -item), k, 1))
+
+    if not bidirectional:
+
+        def step(t: Any, carry: tuple[Array, Array, Array]) -> tuple[Array, Array, Array]:
+            block, acc, _ = carry
+            return ring.shift(block), acc + product(block, t), t
+
+        # The own block is multiplied while the first block travels; the last block arrives
+        # after the loop, whose step count is carried out of it so that the last weight
+        # slice is not cut before the loop has run.
+        acc = product(x, 0)
+        block, acc, t = _loop(1, ring.n - 2, step, (ring.shift(x), acc, jnp.int32(0)))
+        return acc + product(block, t + 1)
+    # Both directions: step t brings the block of d - t one way and of d + t the other (item
+    # -t); for even n the up side has one block more, so its first step runs alone.
+    acc = product(x, 0)
+    up, lead = x, 1 - ring.n % 2
+    if lead:
+        up = ring.shift(up)
+        acc = acc + product(up, 1)
+
+    def both(t: Any, carry: tuple[Array, Array, Array]) -> tuple[Array, Array, Array]:
+        up, down = ring.shift(carry[0]), ring.shift(carry[1], up=False)
+        return up, down, carry[2] + product(up, t + lead) + product(down, -t)
+
+    return _loop(1, (ring.n - 1) // 2, both, (up, x, acc))[2]
+
+
+def _ring_reduce_blocks(
+    produce: Callable[[Array], Array], ring: _Ring, d: Array, bidirectional: bool
+) -> Array:
+    """This device's block of a reduce-scatter whose chunk for device `dest` is
+    `produce(dest)` on every device, as running sums passed around the ring.
+
+    Each chunk is computed in the step that adds it, next to the transfer of the running sum
+    it is added to; the chunks of one device are never all held at once. Same chunk order as
+    `eqpar.collectives.async_scatter` (and `async_scatter_bidirectional`). `d` is this
+    device's index (`_Ring.device`).
+    """
+    if not bidirectional or ring.n <= 2:
+        # Step t on device d adds the chunk for device d - 1 - t; after n - 1 shifts up
+        # every sum has arrived at its destination.
+        def step(t: Any, total: Array) -> Array:
+            return ring.shift(total) + produce(ring.index(d, -1 - t))
+
+        return _loop(1, ring.n - 1, step, produce(ring.index(d, -1)))
+    # The sum for d is built from both sides: one running sum collects the devices below d
+    # shifting up (the chunks for d + n//2 .. d + 1 on their way), the other the devices
+    # above d shifting down; for even n the up side has one device more and starts alone.
+    half = (ring.n - 1) // 2
+    up = produce(ring.index(d, ring.n // 2))
+    if ring.n % 2 == 0:
+        up = ring.shift(up) + produce(ring.index(d, half))
+    down = produce(ring.index(d, -half))
+
+    def both(t: Any, carry: tuple[Array, Array]) -> tuple[Array, Array]:
+        up = ring.shift(carry[0]) + produce(ring.index(d, half - t))
+        return up, ring.shift(carry[1], up=False) + produce(ring.index(d, t - half))
+
+    up, down = _loop(1, half - 1, both, (up, down))
+    return ring.shift(up) + ring.shift(down, up=False) + produce(ring.index(d, 0))
+
+
+# In a training step the gathered input (gather mode) and the gathered output gradient
+# (scatter mode) are needed whole for the weight gradient, as in TPDense, so those two
+# all-gathers stay single collectives. The rings are used for the two reduce-scatters, where
+# they also save memory: neither the full partial product `[..., out]` of the scatter
+# forward pass nor the full input gradient `[..., in]` of the gather backward pass is held.
+# Multiplying gathered blocks as they arrive would instead hold a second output-sized buffer
+# for each partial product, where the backend has no fused multiply-accumulate (CPU).
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _gather_matmul_vjp(x: Array, w: Array, ring: _Ring, bidirectional: bool) -> Array:
+    """`all_gather(x, tiled) @ w.T` (gather mode); around the ring when not differentiated."""
+    return _ring_gather(x, w, ring, bidirectional)
+
+
+def _gather_matmul_fwd(
+    x: Array, w: Array, ring: _Ring, bidirectional: bool
+) -> tuple[Array, tuple[Array, Array]]:
+    del bidirectional
+    gathered = lax.all_gather(x, ring.axis, axis=x.ndim - 1, tiled=True)
+    return _dot(gathered, w), (gathered, w)
+
+
+def _gather_matmul_bwd(
+    ring: _Ring, bidirectional: bool, residuals: tuple[Array, Array], dy: Array
+) -> tuple[Array, Array]:
+    gathered, w = residuals
+    k = w.shape[1] // ring.n
+    # dx is the reduce-scatter of dy @ w over the input blocks: one chunk per ring step.
+    dx = _ring_reduce_blocks(
+        lambda dest: jnp.einsum("...o,oi->...i", dy, _weight_block(w, dest, k, 1)),
+        ring,
+        ring.device(dy),
+        bidirectional,
+    )
+    dw = jnp.einsum("...o,...i->oi", dy, gathered)
+    return dx.astype(gathered.dtype), dw.astype(w.dtype)
+
+
+_gather_matmul_vjp.defvjp(_gather_matmul_fwd, _gather_matmul_bwd)
+
+
+def _ring_scatter(x: Array, w: Array, ring: _Ring, bidirectional: bool) -> Array:
+    """`psum_scatter(x @ w.T, tiled)` as ring steps, one destination's chunk per step."""
+    m = w.shape[0] // ring.n
+
+    def produce(dest: Array) -> Array:
+        return _dot(x, _weight_block(w, dest, m, 0))
+
+    return _ring_reduce_blocks(produce, ring, ring.device(x), bidirectional)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _scatter_matmul_vjp(x: Array, w: Array, ring: _Ring, bidirectional: bool) -> Array:
+    """`psum_scatter(x @ w.T, tiled)` (scatter mode) around the ring."""
+    return _ring_scatter(x, w, ring, bidirectional)
+
+
+def _scatter_matmul_fwd(
+    x: Array, w: Array, ring: _Ring, bidirectional: bool
+) -> tuple[Array, tuple[Array, Array]]:
+    return _ring_scatter(x, w, ring, bidirectional), (x, w)
+
+
+def _scatter_matmul_bwd(
+    ring: _Ring, bidirectional: bool, residuals: tuple[Array, Array], dy: Array
+) -> tuple[Array, Array]:
+    del bidirectional
+    x, w = residuals
+    full = lax.all_gather(dy, ring.axis, axis=dy.ndim - 1, tiled=True)
+    dx = jnp.einsum("...o,oi->...i", full, w)
+    dw = jnp.einsum("...o,...i->oi", full, x)
+    return dx.astype(x.dtype), dw.astype(w.dtype)
+
+
+_scatter_matmul_vjp.defvjp(_scatter_matmul_fwd, _scatter_matmul_bwd)
+
+
+def ring_gather_matmul(
+    x: Float[Array, "*batch in_block"],
+    weight: Float[Array, "out_block in_features"],
+    axis_name: AxisName,
+    *,
+    bidirectional: bool = False,
+) -> Float[Array, "*batch out_block"]:
+    """`all_gather(x, axis_name, tiled) @ weight.T` as ring steps, inside `shard_map`.
+
+    Each device holds its block of the input's features (`[..., in / n]`) and its rows of the
+    weight (`[out / n, in]`). Without gradients the input blocks pass around the ring while
+    each is multiplied by the matching columns of the weight, so the gathered input is never
+    held and every transfer can overlap a matmul. Under differentiation (a custom VJP;
+    reverse mode only) the forward pass gathers the input once, which the weight gradient
+    needs whole, and the backward pass reduce-scatters the input gradient around the ring.
+
+    **Arguments:**
+
+    - `x`: this device's block of the input features.
+    - `weight`: this device's rows of the weight, all input features.
+    - `axis_name`: the mesh axis of the ring.
+    - `bidirectional`: walk both directions (about half the steps, two blocks per step).
+
+    **Returns:** `[..., out / n]`, this device's block of the output features.
+
+    ```python
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import Mesh, PartitionSpec as P
+    from eqpar.collectives import ring_gather_matmul
+
+    mesh = Mesh(np.array(jax.devices()[:4]), ("model",))
+    x, w = jnp.arange(24.0).reshape(3, 8), jnp.ones((8, 8))
+    f = jax.shard_map(
+        lambda x, w: ring_gather_matmul(x, w, "model"), mesh=mesh,
+        in_specs=(P(None, "model"), P("model")), out_specs=P(None, "model"),
+    )
+    assert jnp.allclose(f(x, w), x @ w.T)
+    ```
+    """
+    ring = _Ring(axis_name, axis_size(axis_name, "ring_gather_matmul", argument="axis_name"))
+    return _gather_matmul_vjp(x, weight, ring, bidirectional)
+
+
+def ring_matmul_scatter(
+    x: Float[Array, "*batch in_block"],
+    weight: Float[Array, "out_features in_block"],
+    axis_name: AxisName,
+    *,
+    bidirectional: bool = False,
+) -> Float[Array, "*batch out_block"]:
+    """`psum_scatter(x @ weight.T, axis_name, tiled)` as ring steps, inside `shard_map`.
+
+    Each device holds its block of the input features (`[..., in / n]`) and the matching
+    columns of the weight (`[out, in / n]`). Each ring step computes the partial product for
+    one destination's output block and adds it to the running sum passing by, so the whole
+    partial product `[..., out]` is never held. Differentiable in reverse mode (a custom
+    VJP: the output gradient is gathered once, as the weight gradient needs it whole).
+
+    **Arguments:**
+
+    - `x`: this device's block of the input features.
+    - `weight`: all output features, this device's block of the input features.
+    - `axis_name`: the mesh axis of the ring.
+    - `bidirectional`: run the running sums both ways round (about half the steps).
+
+    **Returns:** `[..., out / n]`, this device's block of the summed output.
+
+    ```python
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import Mesh, PartitionSpec as P
+    from eqpar.collectives import ring_matmul_scatter
+
+    mesh = Mesh(np.array(jax.devices()[:4]), ("model",))
+    x, w = jnp.arange(24.0).reshape(3, 8), jnp.ones((8, 8))
+    f = jax.shard_map(
+        lambda x, w: ring_matmul_scatter(x, w, "model"), mesh=mesh,
+        in_specs=(P(None, "model"), P(None, "model")), out_specs=P(None, "model"),
+    )
+    assert jnp.allclose(f(x, w), x @ w.T)
+    ```
+    """
+    ring = _Ring(axis_name, axis_size(axis_name, "ring_matmul_scatter", argument="axis_name"))
+    return _scatter_matmul_vjp(x, weight, ring, bidirectional)

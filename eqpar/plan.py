@@ -23,17 +23,11 @@ from ._matching import compile_key, single_match, unused_key_hints
 from ._paths import path_to_str
 from ._typing import PyTree
 from .mesh import DeviceMesh, as_jax_mesh
-from .nn.parallel_layers import (
-    PARALLEL_LAYERS,
-    ColumnParallelLinear,
-    ContextParallelAttention,
-    FeatureParallelEmbedding,
-    HeadParallelAttention,
-    RowParallelLinear,
-    SequenceParallelDropout,
-    VocabParallelEmbedding,
-    to_serial_layer,
-)
+from .nn.attention import ContextParallelAttention, HeadParallelAttention
+from .nn.embedding import FeatureParallelEmbedding, VocabParallelEmbedding
+from .nn.linear import ColumnParallelLinear, RowParallelLinear
+from .nn.parallel_layers import PARALLEL_LAYERS, to_serial_layer
+from .nn.sequence import SequenceParallelDropout
 
 __all__ = [
     "ColumnParallel",

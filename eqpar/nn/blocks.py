@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from .._axes import axis_size
-from .tensor_parallel import TPAsyncDense, TPDense
+from .linear import TPAsyncDense, TPDense
 
 __all__ = ["TPAttentionBlock", "TPLayerNorm", "TPMLPBlock"]
 
