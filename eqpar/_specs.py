@@ -79,22 +79,6 @@ def check_spec(
             )
 
 
-def fsdp_dim(
-    shape: tuple[int, ...], nbytes: int, base: PartitionSpec, axis_size: int, min_size_bytes: int
-) -> int | None:
-    """The dimension FSDP splits: the largest one `base` leaves unsplit that divides by
-    `axis_size` (the first on ties), or `None` for a leaf under `min_size_bytes`, a trivial
-    axis, or no such dimension. Shared by `eqpar.fsdp_spec` and the per-layer gathering of
-    `eqpar.nn.gather_layers`, so both pick the same dimension."""
-    if nbytes < min_size_bytes or axis_size == 1:
-        return None
-    entries = (*tuple(base), *([None] * (len(shape) - len(tuple(base)))))
-    free = [
-        d for d in range(len(shape)) if not entry_names(entries[d]) and shape[d] % axis_size == 0
-    ]
-    return max(free, key=lambda d: shape[d]) if free else None  # max keeps the first on ties
-
-
 def is_spec_leaf(node: object) -> bool:
     """Where a tree of specs stops: a `PartitionSpec`, or `None` (replicated / not an array)."""
     return node is None or isinstance(node, PartitionSpec)

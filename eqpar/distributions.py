@@ -24,6 +24,7 @@ __all__ = [
     "distribute_opt_state",
     "distribution",
     "fsdp_spec",
+    "gather_layers",
     "match_param_specs",
     "set_distribution",
 ]
@@ -31,7 +32,7 @@ __all__ = [
 import contextlib
 import math
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any
 
 import equinox as eqx
@@ -42,11 +43,15 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array, Bool, PRNGKeyArray
 
 from . import _current
+from ._checks import check_int
+from ._declare import declared_partition_specs
 from ._paths import path_to_str
-from ._specs import entry_names, fsdp_dim
+from ._specs import entry_names
 from ._typing import PyTree, Specs
 from .layout import LayoutMap, is_array_like, named_shardings, partition_specs
 from .mesh import DeviceMesh, as_jax_mesh
+from .nn.pipeline import PipelineModule
+from .nn.stacks import ScannedLayers
 from .placement import checked_local_leaves
 from .spmd import build_sharded
 
@@ -572,6 +577,22 @@ class ModelParallel(Distribution):
         return f"ModelParallel({self.layout_map!r}, batch_dim_name={self.batch_dim_name!r})"
 
 
+def _fsdp_dim(
+    shape: tuple[int, ...], nbytes: int, base: PartitionSpec, axis_size: int, min_size_bytes: int
+) -> int | None:
+    """The dimension FSDP splits: the largest one `base` leaves unsplit that divides by
+    `axis_size` (the first on ties), or `None` for a leaf under `min_size_bytes`, a trivial
+    axis, or no such dimension. Shared by `fsdp_spec` and the per-layer gathering of
+    `gather_layers`, so both pick the same dimension."""
+    if nbytes < min_size_bytes or axis_size == 1:
+        return None
+    entries = (*tuple(base), *([None] * (len(shape) - len(tuple(base)))))
+    free = [
+        d for d in range(len(shape)) if not entry_names(entries[d]) and shape[d] % axis_size == 0
+    ]
+    return max(free, key=lambda d: shape[d]) if free else None  # max keeps the first on ties
+
+
 def fsdp_spec(
     shape: Sequence[int],
     dtype: Any,
@@ -624,7 +645,7 @@ def fsdp_spec(
     if any(axis in entry_names(entry) for entry in entries):
         return unchanged
     nbytes = math.prod(shape) * np.dtype(dtype).itemsize
-    dim = fsdp_dim(tuple(shape), nbytes, unchanged, axis_size, min_size_bytes)
+    dim = _fsdp_dim(tuple(shape), nbytes, unchanged, axis_size, min_size_bytes)
     if dim is None:
         return unchanged
     padded: list[Any] = [*entries, *([None] * (rank - len(entries)))]
@@ -954,3 +975,120 @@ def distribute_opt_state(
     """
     d = _resolve(distribution, "distribute_opt_state")
     return d.distribute_opt_state(opt_state, model)
+
+
+# ---------------------------------------------------------------------------------------------
+# FSDP layer by layer: the stacks of a model gather one layer's parameters at a time.
+
+
+def _with_gathered_layers(
+    stack: ScannedLayers, axis: Hashable, axis_size: int, leading: int, min_size_bytes: int
+) -> ScannedLayers:
+    """`stack` with `gather_dims` chosen leaf by leaf, as FSDP would choose them for one layer
+    (`leading`: the stacked dimensions in front of one layer's shape)."""
+    declared = declared_partition_specs(stack.layers)
+    dims: list[int | None] = []
+    for path, leaf in jax.tree_util.tree_flatten_with_path(stack.layers)[0]:
+        if not is_array_like(leaf):
+            continue
+        base = declared.get(path_to_str(path), PartitionSpec())
+        shape = tuple(leaf.shape[leading:])
+        nbytes = math.prod(shape) * jnp.dtype(leaf.dtype).itemsize
+        uses_axis = any(axis in entry_names(entry) for entry in base)
+        dims.append(
+            None if uses_axis else _fsdp_dim(shape, nbytes, base, axis_size, min_size_bytes)
+        )
+    if all(dim is None for dim in dims):
+        return ScannedLayers(stack.layers, remat=stack.remat)
+    return ScannedLayers(stack.layers, remat=stack.remat, gather_axis=axis, gather_dims=dims)
+
+
+def gather_layers(
+    model: PyTree,
+    mesh: DeviceMesh | Mesh,
+    *,
+    axis: Hashable = "data",
+    min_size_bytes: int = 16 * 1024,
+) -> PyTree:
+    """FSDP layer by layer: store every stacked layer's parameters split over `axis`, and
+    gather each layer's parameters only when the layer runs.
+
+    Under `eqpar.FSDP` alone, `jax.jit` (or the `shard_map` boundary) gathers every parameter
+    of the model before the first layer, so a device briefly holds the whole model. After
+    `gather_layers`, each `ScannedLayers` (on its own, or as the stages of a
+    `PipelineModule.from_layers`) declares its layers' parameters split over `axis` too, on
+    the dimension `eqpar.fsdp_spec` would choose for one layer, and inside `eqpar.shard_map`
+    all-gathers one layer's parameters at each step of its scan. The gathered copies are kept
+    out of what the backward pass saves (with `remat="full"` or `"matmuls"` the backward pass
+    gathers each layer again), and the transpose of the gather reduce-scatters the layer's
+    gradient into the same split, where FSDP at the boundary all-reduces the whole gradient.
+    Parameters outside the stacks (embeddings, heads) are left to the distribution:
+    `eqpar.FSDP(...)` splits them and they are gathered at the `shard_map` boundary as before.
+
+    Inside a pipeline the stage's layers are gathered at every microbatch step of the
+    schedule, which multiplies the gather traffic by the number of steps; per-layer FSDP pays
+    off most without a pipeline axis, or with few microbatches.
+
+    **Arguments:**
+
+    - `model`: a model holding `ScannedLayers` or `PipelineModule.from_layers` stacks.
+    - `mesh`: the mesh; `axis` must be one of its axes.
+    - `axis`: the mesh axis to split the parameters over (the data axis).
+    - `min_size_bytes`: parameters of one layer smaller than this stay whole.
+
+    **Returns:** the model with its stacks set to gather per layer (same parameters).
+
+    ```python
+    import equinox as eqx, jax, jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+    import eqpar
+    from eqpar.nn import ScannedLayers, gather_layers
+
+    mesh = eqpar.DeviceMesh((4,), ("data",), devices=jax.devices()[:4])
+    stack = ScannedLayers(eqx.filter_vmap(lambda k: eqx.nn.Linear(16, 16, key=k))(
+        jax.random.split(jax.random.key(0), 3)))
+    gathered = gather_layers(stack, mesh, min_size_bytes=0)
+    specs = eqpar.partition_specs(gathered)
+    assert specs.layers.weight == P(None, "data")  # [L, out, in]: in split over data
+    x = jnp.ones((8, 16))
+    loss = eqpar.shard_map(
+        lambda m, x: jax.lax.pmean(jnp.mean(jax.vmap(m)(x) ** 2), "data"),
+        mesh=mesh, in_specs=(specs, P("data")), out_specs=P(),
+    )
+    serial = lambda m, x: jnp.mean(jax.vmap(m)(x) ** 2)
+    grads = eqx.filter_jit(eqx.filter_grad(loss))(gathered, x)
+    assert jnp.allclose(grads.layers.weight, eqx.filter_grad(serial)(stack, x).layers.weight,
+                        atol=1e-6)
+    ```
+    """
+    jax_mesh = as_jax_mesh(mesh)
+    if axis not in jax_mesh.shape:
+        raise ValueError(
+            f"gather_layers: axis={axis!r} is not an axis of the mesh {tuple(jax_mesh.shape)}."
+        )
+    check_int(min_size_bytes, name="min_size_bytes", owner="gather_layers", minimum=0)
+    size = int(jax_mesh.shape[axis])
+    found = []
+
+    def convert(node: Any) -> Any:
+        if isinstance(node, PipelineModule) and isinstance(node.stages, ScannedLayers):
+            found.append(node)
+            stages = _with_gathered_layers(
+                node.stages, axis, size, node._stacked_dims() + 1, min_size_bytes
+            )
+            return eqx.tree_at(lambda m: m.stages, node, stages)
+        if isinstance(node, ScannedLayers):
+            found.append(node)
+            return _with_gathered_layers(node, axis, size, 1, min_size_bytes)
+        return node
+
+    converted = jax.tree.map(
+        convert, model, is_leaf=lambda n: isinstance(n, PipelineModule | ScannedLayers)
+    )
+    if not found:
+        raise ValueError(
+            "gather_layers: the model holds no ScannedLayers (nor PipelineModule.from_layers "
+            "stages) to gather layer by layer. Stack a list of layers with "
+            "`eqpar.nn.stack_layers` and wrap it in `ScannedLayers`."
+        )
+    return converted

@@ -15,13 +15,12 @@ from .linear import TPDense as TPDense
 from .linear import scale_init as scale_init
 from .model_parallel import ModelParallelismWrapper as ModelParallelismWrapper
 from .pipeline import PipelineModule as PipelineModule
-from .pipeline import ScannedLayers as ScannedLayers
-from .pipeline import gather_layers as gather_layers
-from .pipeline import stack_layers as stack_layers
-from .pipeline import unstack_layers as unstack_layers
 from .sequence import SequenceParallelDropout as SequenceParallelDropout
 from .sequence import gather_sequence as gather_sequence
 from .sequence import scatter_sequence as scatter_sequence
+from .stacks import ScannedLayers as ScannedLayers
+from .stacks import stack_layers as stack_layers
+from .stacks import unstack_layers as unstack_layers
 
 __all__ = [
     "ColumnParallelLinear",
@@ -39,7 +38,7 @@ __all__ = [
     "TPLayerNorm",
     "TPMLPBlock",
     "VocabParallelEmbedding",
-    "gather_layers",
+    "gather_layers",  # pyright: ignore[reportUnsupportedDunderAll] (see __getattr__)
     "gather_sequence",
     "scale_init",
     "scatter_sequence",
@@ -47,3 +46,14 @@ __all__ = [
     "unstack_layers",
     "vocab_parallel_cross_entropy",
 ]
+
+
+def __getattr__(name: str) -> object:
+    # `gather_layers` (FSDP layer by layer) lives with FSDP in `eqpar.distributions`, which
+    # builds on this package; it stays importable from here, where it was first published,
+    # through this lazy lookup (an import at the top would be circular).
+    if name == "gather_layers":
+        from ..distributions import gather_layers
+
+        return gather_layers
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

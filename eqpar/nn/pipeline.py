@@ -1,5 +1,6 @@
-"""`PipelineModule`: pipeline stages stacked over a mesh axis; `ScannedLayers`; and
-`stack_layers` / `unstack_layers` between a list of identical layers and one stacked layer.
+"""`PipelineModule`: pipeline stages stacked over a mesh axis (layer stacks and their remat
+policies are in `eqpar.nn.stacks`, per-layer FSDP gathering with FSDP in `eqpar.distributions`;
+both stay importable from here).
 
 The stages are stored in model order whatever the schedule (conventions 4 and 7 of the
 design): `[S, ...]` for `S` devices, or `[V, S, ...]` with `V` stages per device, which is
@@ -9,29 +10,24 @@ differs between layouts by a reshape at most. Inside `shard_map` the module runs
 circular schedule of `eqpar.pipeline`; outside, `apply_serially` is its one-device twin.
 """
 
-import dataclasses
 import math
 import warnings
-from collections.abc import Callable, Hashable, Mapping, Sequence
-from typing import Any, Literal, cast
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jax import lax
-from jax.ad_checkpoint import checkpoint_name
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import PartitionSpec
 from jaxtyping import Array, PRNGKeyArray, PyTree
 
 from .._axes import axis_size
 from .._checks import check_int
-from .._declare import declared_partition_specs, prefixed, stacked_partition_specs
+from .._declare import prefixed, stacked_partition_specs
 from .._paths import path_to_str
-from .._specs import entry_names, fsdp_dim
 from .._typing import AxisName
-from ..mesh import DeviceMesh, as_jax_mesh
 from ..pipeline import execute_schedule
-from ..pipeline._executors import call_stage, call_varying, circular_forward, gpipe_forward
+from ..pipeline._executors import call_stage, circular_forward, gpipe_forward
 from ..pipeline._microbatch import batch_size, unwrap_microbatched
 from ..pipeline._tools import typed_scan
 from ..schedule import (
@@ -42,390 +38,17 @@ from ..schedule import (
     PipelineSchedule,
     ZeroBubbleH1Schedule,
 )
-
-
-def _leading_sizes(tree: Any) -> dict[str, int | None]:
-    flat, _ = jax.tree_util.tree_flatten_with_path(tree)
-    return {
-        path_to_str(path): (leaf.shape[0] if leaf.ndim else None)
-        for path, leaf in flat
-        if eqx.is_array(leaf) or isinstance(leaf, jax.ShapeDtypeStruct)
-    }
-
-
-def _common_leading_size(tree: Any, name: str, owner: str) -> int:
-    sizes = _leading_sizes(tree)
-    if not sizes:
-        raise ValueError(f"{owner}: `{name}` has no array leaves to stack.")
-    distinct = set(sizes.values())
-    if len(distinct) != 1 or None in distinct:
-        raise ValueError(
-            f"{owner}: every array leaf of `{name}` must carry the same leading stacking axis; "
-            f"found leading sizes {sizes} (None = scalar). Build the stack with "
-            f"`eqx.filter_vmap` over one key per copy."
-        )
-    size = distinct.pop()
-    assert size is not None
-    return size
-
-
-def _map_arrays(fn: Callable[[Array], Array], tree: Any) -> Any:
-    return jax.tree.map(lambda a: fn(a) if eqx.is_array(a) else a, tree)
-
-
-
-# What a layer (or stage) keeps for the backward pass; ScannedLayers' docstring says more.
-RematPolicy = Literal["none", "full", "matmuls"]
-
-_REMAT_POLICIES: dict[str, Callable | None] = {
-    "none": None,
-    "full": jax.checkpoint_policies.nothing_saveable,
-    "matmuls": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-}
-
-
-def _remat_policy(remat: object, owner: str) -> RematPolicy:
-    """`remat` as one of `_REMAT_POLICIES` (`True` is `"full"`, `False` is `"none"`)."""
-    if isinstance(remat, bool):
-        return "full" if remat else "none"
-    if remat not in _REMAT_POLICIES:
-        raise ValueError(
-            f"{owner}: `remat` must be one of {list(_REMAT_POLICIES)} (or True for 'full', "
-            f"False for 'none'); got {remat!r}."
-        )
-    return cast(RematPolicy, remat)
-
-
-_GATHERED_PARAMETER = "eqpar_gathered_parameter"
-
-# With parameters gathered per layer, the policy also keeps the gathered copies out of what
-# the backward pass saves (they are gathered again instead).
-_GATHER_POLICIES: dict[str, Callable] = {
-    "none": jax.checkpoint_policies.save_anything_except_these_names(_GATHERED_PARAMETER),
-    "full": jax.checkpoint_policies.nothing_saveable,
-    "matmuls": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-}
-
-
-def _is_array_like(leaf: object) -> bool:
-    return eqx.is_array(leaf) or isinstance(leaf, jax.ShapeDtypeStruct)
-
-
-def _rematerialized(fn: Callable, remat: str) -> Callable:
-    """`fn` under `jax.checkpoint` with the policy named `remat` (`fn` itself for "none")."""
-    if remat == "none":
-        return fn
-    return eqx.filter_checkpoint(fn, policy=_REMAT_POLICIES[remat])
-
-
-# ---------------------------------------------------------------------------------------
-# A Python list of identical layers <-> one layer with a leading layer axis.
-
-
-def _describe_value(value: Any) -> str:
-    if eqx.is_array(value):
-        return f"an array {jnp.result_type(value).name}{list(value.shape)}"
-    if isinstance(value, eqx.Module):
-        return f"a {type(value).__name__}"
-    name = getattr(value, "__name__", None)
-    if callable(value) and isinstance(name, str):
-        return f"the {type(value).__name__} `{name}`"
-    text = repr(value)
-    return text if len(text) <= 60 else f"{text[:57]}..."
-
-
-def _first_difference(a: Any, b: Any, path: tuple[str, ...] = ()) -> tuple[str, str] | None:
-    """Where `b` first differs from `a` in anything that stacking cannot hold: the pytree
-    structure, a static field or non-array leaf, or an array's shape or dtype. Returns
-    `(path, what)` or `None` when `b` stacks with `a`."""
-    where = "/".join(path)
-    if type(a) is not type(b):
-        return where, f"{_describe_value(b)} where the first layer has {_describe_value(a)}"
-    if eqx.is_array(a):
-        if a.shape != b.shape or jnp.result_type(a) != jnp.result_type(b):
-            return where, f"{_describe_value(b)} where the first layer has {_describe_value(a)}"
-        return None
-    if isinstance(a, eqx.Module):
-        for field in dataclasses.fields(a):
-            found = _first_difference(
-                getattr(a, field.name, None), getattr(b, field.name, None), (*path, field.name)
-            )
-            if found is not None:
-                return found
-        return None
-    flat_a, def_a = jax.tree_util.tree_flatten_with_path(a, is_leaf=lambda n: n is not a)
-    flat_b, def_b = jax.tree_util.tree_flatten_with_path(b, is_leaf=lambda n: n is not b)
-    if jax.tree_util.treedef_is_leaf(def_a):  # an opaque leaf (function, int, ...) or None
-        try:
-            same = a is b or bool(a == b)
-        except Exception:
-            same = False
-        if same:
-            return None
-        return where, f"{_describe_value(b)} where the first layer has {_describe_value(a)}"
-    if def_a != def_b:
-        keys_a = [path_to_str(p) for p, _ in flat_a]
-        keys_b = [path_to_str(p) for p, _ in flat_b]
-        return where, f"entries {keys_b} where the first layer has {keys_a}"
-    for (key, child_a), (_, child_b) in zip(flat_a, flat_b):
-        found = _first_difference(child_a, child_b, (*path, path_to_str(key)))
-        if found is not None:
-            return found
-    return None
-
-
-def stack_layers(layers: Sequence[Any]) -> Any:
-    """Stack a list of identical layers into one layer whose arrays carry a leading layer axis.
-
-    This is the form `ScannedLayers`, `PipelineModule.from_layers` and `eqx.filter_vmap`
-    use, built from layers that already exist (say the `list` of blocks a model holds). Every
-    array leaf is stacked with `jnp.stack`; everything else (the pytree structure, static
-    fields, activation functions, ...) must be equal across the layers and is kept once.
-    `unstack_layers` is the inverse; the round trip is exact.
-
-    **Arguments:**
-
-    - `layers`: a non-empty list (or tuple) of modules of the same structure, with array
-      leaves of equal shapes and dtypes.
-
-    **Returns:** one module like `layers[0]`, each array leaf of shape `[len(layers), ...]`.
-
-    Raises `ValueError` naming the first layer and the leaf path where it differs from
-    `layers[0]`.
-
-    ```python
-    import equinox as eqx, jax, jax.numpy as jnp
-    from eqpar.nn import stack_layers, unstack_layers
-
-    keys = jax.random.split(jax.random.key(0), 3)
-    blocks = [eqx.nn.Linear(4, 4, key=k) for k in keys]
-    stacked = stack_layers(blocks)
-    assert stacked.weight.shape == (3, 4, 4)
-    assert jnp.array_equal(unstack_layers(stacked)[2].weight, blocks[2].weight)
-    ```
-    """
-    owner = "stack_layers"
-    if isinstance(layers, str | bytes) or not isinstance(layers, Sequence):
-        raise TypeError(
-            f"{owner}: `layers` must be a list or tuple of modules, got {type(layers).__name__}."
-        )
-    if not layers:
-        raise ValueError(f"{owner}: `layers` is empty; give at least one layer to stack.")
-    first = layers[0]
-    for index, layer in enumerate(layers[1:], start=1):
-        found = _first_difference(first, layer)
-        if found is not None:
-            where, what = found
-            at = f"at `{where}`" if where else "as a whole"
-            raise ValueError(
-                f"{owner}: `layers[{index}]` differs from `layers[0]` {at}: it has {what}. "
-                f"Only array values may differ between stacked layers; build every layer with "
-                f"the same constructor arguments (and share functions such as activations "
-                f"instead of creating one per layer)."
-            )
-    arrays = [eqx.filter(layer, eqx.is_array) for layer in layers]
-    if not jax.tree.leaves(arrays[0]):
-        raise ValueError(
-            f"{owner}: the layers have no array leaves, so there is nothing to stack; a stack "
-            f"of them would not know its depth."
-        )
-    stacked = jax.tree.map(lambda *leaves: jnp.stack(leaves), *arrays)
-    return eqx.combine(stacked, eqx.filter(first, eqx.is_array, inverse=True))
-
-
-def unstack_layers(stacked: Any) -> list[Any]:
-    """Split a layer whose array leaves carry a leading layer axis into a list of layers.
-
-    The inverse of `stack_layers` (and of `eqx.filter_vmap` over one key per layer): item `i`
-    is `stacked` with every array leaf indexed at `i`.
-
-    **Arguments:**
-
-    - `stacked`: a module (or any pytree) whose array leaves all have the same leading size.
-
-    **Returns:** a `list` of that many modules.
-
-    ```python
-    import equinox as eqx, jax
-    from eqpar.nn import stack_layers, unstack_layers
-
-    stacked = eqx.filter_vmap(lambda k: eqx.nn.MLP(2, 2, 4, 1, key=k))(
-        jax.random.split(jax.random.key(0), 4))
-    layers = unstack_layers(stacked)
-    assert len(layers) == 4 and layers[0].layers[0].weight.shape == (4, 2)
-    restacked = stack_layers(layers)
-    assert (restacked.layers[1].bias == stacked.layers[1].bias).all()
-    ```
-    """
-    size = _common_leading_size(stacked, "stacked", "unstack_layers")
-    return [_map_arrays(lambda a, i=i: a[i], stacked) for i in range(size)]
-
-
-class ScannedLayers(eqx.Module):
-    """A stack of identical layers applied one after the other with `lax.scan`.
-
-    `layers` is one layer module whose array leaves carry a leading layer axis (build it with
-    `eqx.filter_vmap` over one key per layer). Each layer is called as `layer(x, *args,
-    **kwargs)` and must return the shape and dtype it takes. The compiled program holds one
-    layer body whatever the depth. Layers that declare a sharding (`__partition_specs__`) keep
-    it, shifted right by the layer axis.
-
-    With `remat`, each layer's activations are recomputed in the backward pass instead of
-    stored: the scan then keeps, per layer, only what the policy saves (the layer's input for
-    `"full"`), so the memory for activations grows by one layer's input per layer rather
-    than by everything the layer computes.
-
-    **Arguments:**
-
-    - `layers`: the stacked layer module.
-    - `remat`: what each layer keeps for the backward pass: `"none"` (default) everything;
-      `"full"` (or `True`) only its input, everything else recomputed; `"matmuls"` its input
-      and the outputs of its matrix products without batch dimensions (projections, MLP
-      matmuls), so attention scores and elementwise work are recomputed but no matmul is.
-
-    ```python
-    import equinox as eqx, jax, jax.numpy as jnp
-    from eqpar.nn.pipeline import ScannedLayers
-
-    keys = jax.random.split(jax.random.key(0), 3)
-    stack = ScannedLayers(eqx.filter_vmap(lambda k: eqx.nn.Linear(4, 4, key=k))(keys))
-    x = jnp.ones(4)
-    expected = x
-    for i in range(3):
-        expected = stack.layer(i)(expected)
-    assert jnp.allclose(stack(x), expected, rtol=1e-6)
-    ```
-    """
-
-    layers: PyTree
-    remat: RematPolicy = eqx.field(static=True)
-    gather_axis: Hashable | None = eqx.field(static=True)
-    gather_dims: tuple[int | None, ...] | None = eqx.field(static=True)
-
-    def __init__(
-        self,
-        layers: PyTree,
-        *,
-        remat: RematPolicy | bool = "none",
-        gather_axis: Hashable | None = None,
-        gather_dims: Sequence[int | None] | None = None,
-    ):
-        self.layers = layers
-        self.remat = _remat_policy(remat, "ScannedLayers")
-        if (gather_axis is None) != (gather_dims is None):
-            raise ValueError(
-                "ScannedLayers: gather_axis and gather_dims go together; let "
-                "`eqpar.nn.gather_layers` set them."
-            )
-        self.gather_axis = gather_axis
-        self.gather_dims = None if gather_dims is None else tuple(gather_dims)
-
-    @property
-    def num_layers(self) -> int:
-        """The size of the leading layer axis."""
-        return _common_leading_size(self.layers, "layers", type(self).__name__)
-
-    def layer(self, index: int) -> Any:
-        """Layer `index` as an ordinary module (the stack's array leaves indexed)."""
-        return _map_arrays(lambda a: a[index], self.layers)
-
-    def __call__(self, x: PyTree[Array], *args: Any, **kwargs: Any) -> PyTree[Array]:
-        """Apply every layer in order: `x -> layers[L-1](... layers[0](x, *args, **kwargs))`."""
-        arrays, static = eqx.partition(self.layers, eqx.is_array)
-        if self.gather_axis is None:
-            # Under a policy each layer casts its parameters to vary like its input inside
-            # the checkpoint (recomputed, never kept): a pipeline of one stage then sums each
-            # layer's gradient over the data axes in the backward scan (`single_step`).
-            call = _rematerialized(
-                call_stage if self.remat == "none" else call_varying, self.remat
-            )
-
-            def apply(h: Any, layer_arrays: Any) -> tuple[Any, None]:
-                h = self._named_input(h)
-                return call(eqx.combine(layer_arrays, static), h, *args, **kwargs), None
-
-        else:
-            gathered = self._gathered_call(static)
-
-            def apply(h: Any, layer_arrays: Any) -> tuple[Any, None]:
-                return gathered(layer_arrays, self._named_input(h), *args, **kwargs), None
-
-        out, _ = typed_scan(apply, x, arrays)
-        return out
-
-    def _named_input(self, h: Any) -> Any:
-        """A layer's input, named for a checkpoint around the stack (`_AROUND_LAYERS`)."""
-        if self.remat == "none":
-            return h
-        return jax.tree.map(lambda a: checkpoint_name(a, _LAYER_INPUT), h)
-
-    def _gathered_call(self, static: Any) -> Callable:
-        """One layer's call that first all-gathers its parameters over `gather_axis`.
-
-        The gather sits inside a `jax.checkpoint` whose policy never saves the gathered
-        parameters, so the backward pass gathers the layer again and the transpose of the
-        gather reduce-scatters its gradient: at most a layer or two of whole parameters are
-        alive at once, whatever the depth.
-        """
-        axis, dims = self.gather_axis, self.gather_dims
-        assert axis is not None and dims is not None
-
-        def run(layer_arrays: Any, h: Any, *args: Any, **kwargs: Any) -> Any:
-            leaves, treedef = jax.tree.flatten(layer_arrays)
-            if len(leaves) != len(dims):
-                raise ValueError(
-                    f"ScannedLayers: gather_dims has {len(dims)} entries but a layer has "
-                    f"{len(leaves)} arrays; apply `eqpar.nn.gather_layers` to the model as it is."
-                )
-            leaves = [
-                leaf
-                if dim is None
-                else checkpoint_name(
-                    lax.all_gather(leaf, axis, axis=dim, tiled=True), _GATHERED_PARAMETER
-                )
-                for leaf, dim in zip(leaves, dims)
-            ]
-            layer = eqx.combine(jax.tree.unflatten(treedef, leaves), static)
-            return layer(h, *args, **kwargs)
-
-        return eqx.filter_checkpoint(run, policy=_GATHER_POLICIES[self.remat])
-
-    def __partition_specs__(self) -> Mapping[str, PartitionSpec]:
-        specs = stacked_partition_specs(self.layers, None)
-        if self.gather_axis is None or self.gather_dims is None:
-            return prefixed("layers", specs)
-        paths = [path_to_str(p) for p, leaf in jax.tree_util.tree_flatten_with_path(
-            self.layers)[0] if _is_array_like(leaf)]  # fmt: skip
-        for path, dim in zip(paths, self.gather_dims):
-            if dim is not None:
-                entries = list(specs[path])
-                entries += [None] * (2 + dim - len(entries))
-                entries[1 + dim] = self.gather_axis
-                specs[path] = PartitionSpec(*entries)
-        return prefixed("layers", specs)
-
-
-_LAYER_INPUT = "eqpar_layer_input"
-
-# The policy of a `jax.checkpoint` around `ScannedLayers` whose layers have their own: an
-# outer policy decides for the checkpoints inside it too, so it keeps what theirs keep (each
-# layer's input, named `_LAYER_INPUT`, and with "matmuls" the matmul outputs) and no more.
-_AROUND_LAYERS: dict[str, Callable] = {
-    "full": jax.checkpoint_policies.save_only_these_names(_LAYER_INPUT),
-    "matmuls": jax.checkpoint_policies.save_from_both_policies(
-        jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-        jax.checkpoint_policies.save_only_these_names(_LAYER_INPUT),
-    ),
-}
-
-
-def _layers_remat(stages: Any) -> RematPolicy:
-    """The remat policy of the first `ScannedLayers` inside `stages` ("none" if none)."""
-    is_layers = lambda node: isinstance(node, ScannedLayers)
-    for node in jax.tree.leaves(stages, is_leaf=is_layers):
-        if is_layers(node) and node.remat != "none":
-            return node.remat
-    return "none"
+from .stacks import (
+    AROUND_LAYERS,
+    REMAT_POLICIES,
+    RematPolicy,
+    ScannedLayers,
+    common_leading_size,
+    map_arrays,
+    remat_of_layers,
+    remat_policy,
+    rematerialized,
+)
 
 
 class _StageCall(eqx.Module):
@@ -435,7 +58,7 @@ class _StageCall(eqx.Module):
     remat: RematPolicy = eqx.field(static=True)
 
     def __call__(self, x: Any, *args: Any, **kwargs: Any) -> Any:
-        return _rematerialized(call_stage, self.remat)(self.stage, x, *args, **kwargs)
+        return rematerialized(call_stage, self.remat)(self.stage, x, *args, **kwargs)
 
 
 def _leading_shapes(tree: Any, ndim: int) -> dict[str, tuple[int, ...]]:
@@ -548,17 +171,17 @@ class PipelineModule(eqx.Module):
         self.num_microbatches = check_int(num_microbatches, name="num_microbatches", owner=owner)
         self.num_repeats = check_int(num_repeats, name="num_repeats", owner=owner)
         self.axis_name = axis_name
-        self.remat = _remat_policy(remat, owner)
+        self.remat = remat_policy(remat, owner)
         self.broadcast_output = bool(broadcast_output)
         s, v = self.num_stages, self.num_repeats
-        size = _common_leading_size(stages, "stages", owner)
+        size = common_leading_size(stages, "stages", owner)
         if size != s * v:
             raise ValueError(
                 f"{owner}: `stages` is stacked {size} deep but num_stages * num_repeats = "
                 f"{s} * {v} = {s * v}; stack one stage per (device, repeat), in model order."
             )
         if v > 1:
-            stages = _map_arrays(lambda a: a.reshape(v, s, *a.shape[1:]), stages)
+            stages = map_arrays(lambda a: a.reshape(v, s, *a.shape[1:]), stages)
         self.stages = stages
 
     @classmethod
@@ -649,7 +272,7 @@ class PipelineModule(eqx.Module):
         owner = "PipelineModule.from_layers"
         s = check_int(num_stages, name="num_stages", owner=owner)
         v = check_int(num_repeats, name="num_repeats", owner=owner)
-        num_layers = _common_leading_size(layers, "layers", owner)
+        num_layers = common_leading_size(layers, "layers", owner)
         total = s * v
         if num_layers % total:
             raise ValueError(
@@ -658,10 +281,10 @@ class PipelineModule(eqx.Module):
                 f"{num_layers}, or add layers."
             )
         per_stage = num_layers // total
-        stacked = _map_arrays(lambda a: a.reshape(total, per_stage, *a.shape[1:]), layers)
+        stacked = map_arrays(lambda a: a.reshape(total, per_stage, *a.shape[1:]), layers)
         # The policy goes to each layer; a checkpoint around the whole stage on top of it
         # would only recompute the per-layer checkpoints once more.
-        remat = _remat_policy(options.pop("remat", "none"), owner)
+        remat = remat_policy(options.pop("remat", "none"), owner)
         return cls(
             ScannedLayers(stacked, remat=remat),
             num_stages=s,
@@ -682,7 +305,7 @@ class PipelineModule(eqx.Module):
         if self.num_repeats == 1:
             return self.stages
         total = self.num_stages * self.num_repeats
-        return _map_arrays(lambda a: a.reshape(total, *a.shape[2:]), self.stages)
+        return map_arrays(lambda a: a.reshape(total, *a.shape[2:]), self.stages)
 
     def stage(self, index: int) -> Any:
         """Stage `index` (model order) as an ordinary module."""
@@ -690,9 +313,9 @@ class PipelineModule(eqx.Module):
         if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < total:
             raise ValueError(f"PipelineModule.stage: `index` must be in [0, {total}), got {index}.")
         if self.num_repeats == 1:
-            return _map_arrays(lambda a: a[index], self.stages)
+            return map_arrays(lambda a: a[index], self.stages)
         repeat, device = divmod(index, self.num_stages)
-        return _map_arrays(lambda a: a[repeat, device], self.stages)
+        return map_arrays(lambda a: a[repeat, device], self.stages)
 
     def to_layers(self) -> PyTree:
         """The layers of a module built by `from_layers`, back as one stack `[L, ...]` in model
@@ -720,7 +343,7 @@ class PipelineModule(eqx.Module):
         def flatten(a: Array) -> Array:
             return a.reshape(math.prod(a.shape[: dims + 1]), *a.shape[dims + 1 :])
 
-        return _map_arrays(flatten, self.stages.layers)
+        return map_arrays(flatten, self.stages.layers)
 
     def apply_serially(self, x: PyTree[Array], *args: Any, **kwargs: Any) -> PyTree[Array]:
         """The serial twin: every stage in model order on the whole batch, on one device.
@@ -800,14 +423,14 @@ class PipelineModule(eqx.Module):
             "shard_map's in_specs."
         )
         if self.num_repeats == 1:
-            local = _common_leading_size(self.stages, "stages", caller)
+            local = common_leading_size(self.stages, "stages", caller)
             if local != 1:
                 raise ValueError(
                     f"{caller}: each device sees {local} stacked stages but should see "
                     f"num_repeats=1: the leading axis of `stages` must be sharded over "
                     f"{self.axis_name!r}. {fix}"
                 )
-            return _map_arrays(lambda a: a[0], self.stages)
+            return map_arrays(lambda a: a[0], self.stages)
         shapes = _leading_shapes(self.stages, 2)
         wrong = {path: shape for path, shape in shapes.items() if shape != (self.num_repeats, 1)}
         if wrong:
@@ -818,7 +441,7 @@ class PipelineModule(eqx.Module):
                 f"leading dimensions {list(shape)}: the second axis of `stages` must be sharded "
                 f"over {self.axis_name!r} (spec P(None, {self.axis_name!r}, ...)). {fix}"
             )
-        return _map_arrays(lambda a: a[:, 0], self.stages)
+        return map_arrays(lambda a: a[:, 0], self.stages)
 
     def __call__(self, x: PyTree[Array], *args: Any, **kwargs: Any) -> PyTree[Array]:
         """Run the pipeline inside `shard_map` (over `axis_name`).
@@ -841,11 +464,11 @@ class PipelineModule(eqx.Module):
         # steps, and takes a circular stage's slice of the stacked weights inside. With one
         # device and one microbatch the stage is called once, and layers that checkpoint
         # themselves sum their gradients over the data axes layer by layer (`single_step`).
-        layers_remat = _layers_remat(self.stages)
+        layers_remat = remat_of_layers(self.stages)
         if self.remat != "none":  # the stage's own policy, around the whole stage
-            policy = _REMAT_POLICIES[self.remat]
+            policy = REMAT_POLICIES[self.remat]
         elif layers_remat != "none":  # the layers' policies, kept as they are
-            policy = _AROUND_LAYERS[layers_remat]
+            policy = AROUND_LAYERS[layers_remat]
         else:  # none: the stage is called as it is (a skip would cost memory here)
             policy = None
         if self.num_repeats > 1:
@@ -996,115 +619,13 @@ def _schedule_name(name: str | None, num_repeats: int, owner: str) -> str:
     return name
 
 
-def _with_gathered_layers(
-    stack: ScannedLayers, axis: Hashable, axis_size: int, leading: int, min_size_bytes: int
-) -> ScannedLayers:
-    """`stack` with `gather_dims` chosen leaf by leaf, as FSDP would choose them for one layer
-    (`leading`: the stacked dimensions in front of one layer's shape)."""
-    declared = declared_partition_specs(stack.layers)
-    dims: list[int | None] = []
-    for path, leaf in jax.tree_util.tree_flatten_with_path(stack.layers)[0]:
-        if not _is_array_like(leaf):
-            continue
-        base = declared.get(path_to_str(path), PartitionSpec())
-        shape = tuple(leaf.shape[leading:])
-        nbytes = math.prod(shape) * jnp.dtype(leaf.dtype).itemsize
-        uses_axis = any(axis in entry_names(entry) for entry in base)
-        dims.append(None if uses_axis else fsdp_dim(shape, nbytes, base, axis_size, min_size_bytes))
-    if all(dim is None for dim in dims):
-        return ScannedLayers(stack.layers, remat=stack.remat)
-    return ScannedLayers(stack.layers, remat=stack.remat, gather_axis=axis, gather_dims=dims)
+__all__ = ["PipelineModule"]
 
 
-def gather_layers(
-    model: PyTree,
-    mesh: DeviceMesh | Mesh,
-    *,
-    axis: Hashable = "data",
-    min_size_bytes: int = 16 * 1024,
-) -> PyTree:
-    """FSDP layer by layer: store every stacked layer's parameters split over `axis`, and
-    gather each layer's parameters only when the layer runs.
+def __getattr__(name: str) -> object:
+    # Moved names stay importable from here (see `eqpar.nn.__getattr__`).
+    if name == "gather_layers":
+        from ..distributions import gather_layers
 
-    Under `eqpar.FSDP` alone, `jax.jit` (or the `shard_map` boundary) gathers every parameter
-    of the model before the first layer, so a device briefly holds the whole model. After
-    `gather_layers`, each `ScannedLayers` (on its own, or as the stages of a
-    `PipelineModule.from_layers`) declares its layers' parameters split over `axis` too, on
-    the dimension `eqpar.fsdp_spec` would choose for one layer, and inside `eqpar.shard_map`
-    all-gathers one layer's parameters at each step of its scan. The gathered copies are kept
-    out of what the backward pass saves (with `remat="full"` or `"matmuls"` the backward pass
-    gathers each layer again), and the transpose of the gather reduce-scatters the layer's
-    gradient into the same split, where FSDP at the boundary all-reduces the whole gradient.
-    Parameters outside the stacks (embeddings, heads) are left to the distribution:
-    `eqpar.FSDP(...)` splits them and they are gathered at the `shard_map` boundary as before.
-
-    Inside a pipeline the stage's layers are gathered at every microbatch step of the
-    schedule, which multiplies the gather traffic by the number of steps; per-layer FSDP pays
-    off most without a pipeline axis, or with few microbatches.
-
-    **Arguments:**
-
-    - `model`: a model holding `ScannedLayers` or `PipelineModule.from_layers` stacks.
-    - `mesh`: the mesh; `axis` must be one of its axes.
-    - `axis`: the mesh axis to split the parameters over (the data axis).
-    - `min_size_bytes`: parameters of one layer smaller than this stay whole.
-
-    **Returns:** the model with its stacks set to gather per layer (same parameters).
-
-    ```python
-    import equinox as eqx, jax, jax.numpy as jnp
-    from jax.sharding import PartitionSpec as P
-    import eqpar
-    from eqpar.nn import ScannedLayers, gather_layers
-
-    mesh = eqpar.DeviceMesh((4,), ("data",), devices=jax.devices()[:4])
-    stack = ScannedLayers(eqx.filter_vmap(lambda k: eqx.nn.Linear(16, 16, key=k))(
-        jax.random.split(jax.random.key(0), 3)))
-    gathered = gather_layers(stack, mesh, min_size_bytes=0)
-    specs = eqpar.partition_specs(gathered)
-    assert specs.layers.weight == P(None, "data")  # [L, out, in]: in split over data
-    x = jnp.ones((8, 16))
-    loss = eqpar.shard_map(
-        lambda m, x: jax.lax.pmean(jnp.mean(jax.vmap(m)(x) ** 2), "data"),
-        mesh=mesh, in_specs=(specs, P("data")), out_specs=P(),
-    )
-    serial = lambda m, x: jnp.mean(jax.vmap(m)(x) ** 2)
-    grads = eqx.filter_jit(eqx.filter_grad(loss))(gathered, x)
-    assert jnp.allclose(grads.layers.weight, eqx.filter_grad(serial)(stack, x).layers.weight,
-                        atol=1e-6)
-    ```
-    """
-    jax_mesh = as_jax_mesh(mesh)
-    if axis not in jax_mesh.shape:
-        raise ValueError(
-            f"gather_layers: axis={axis!r} is not an axis of the mesh {tuple(jax_mesh.shape)}."
-        )
-    check_int(min_size_bytes, name="min_size_bytes", owner="gather_layers", minimum=0)
-    size = int(jax_mesh.shape[axis])
-    found = []
-
-    def convert(node: Any) -> Any:
-        if isinstance(node, PipelineModule) and isinstance(node.stages, ScannedLayers):
-            found.append(node)
-            stages = _with_gathered_layers(
-                node.stages, axis, size, node._stacked_dims() + 1, min_size_bytes
-            )
-            return eqx.tree_at(lambda m: m.stages, node, stages)
-        if isinstance(node, ScannedLayers):
-            found.append(node)
-            return _with_gathered_layers(node, axis, size, 1, min_size_bytes)
-        return node
-
-    converted = jax.tree.map(
-        convert, model, is_leaf=lambda n: isinstance(n, PipelineModule | ScannedLayers)
-    )
-    if not found:
-        raise ValueError(
-            "gather_layers: the model holds no ScannedLayers (nor PipelineModule.from_layers "
-            "stages) to gather layer by layer. Stack a list of layers with "
-            "`eqpar.nn.stack_layers` and wrap it in `ScannedLayers`."
-        )
-    return converted
-
-
-__all__ = ["PipelineModule", "ScannedLayers", "gather_layers", "stack_layers", "unstack_layers"]
+        return gather_layers
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
