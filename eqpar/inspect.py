@@ -1,7 +1,14 @@
 """Looking at layouts: one row per parameter with its spec and its bytes on each device, as a
 table (`layout_table`) or a picture of which device holds which block (`plot_layout`)."""
 
-__all__ = ["LayoutRow", "LayoutTable", "layout_table", "plot_layout", "print_layout_table"]
+__all__ = [
+    "LayoutRow",
+    "LayoutTable",
+    "layout_table",
+    "plot_layout",
+    "print_layout_table",
+    "schedule_figure",
+]
 
 import dataclasses
 import math
@@ -591,6 +598,142 @@ def plot_layout(
 
 
 def _text_colour(background: str) -> str:
-    """Black on light boxes, white on dark ones."""
+    """Black on light boxes and cells, white on dark ones."""
     r, g, b = (int(background[i : i + 2], 16) for i in (1, 3, 5))
     return "black" if 0.299 * r + 0.587 * g + 0.114 * b > 160 else "white"
+
+
+# ---------------------------------------------------------------------------------------------
+# Pipeline schedules as Gantt charts (`PipelineSchedule.figure` and `.plot` draw here).
+
+_IDLE_COLOUR = "#eeeeee"
+_FORWARD_COLOURS = ("#4c72b0", "#a9c4e8", "#2a4d7a", "#6f95cf")
+_BACKWARD_COLOURS = ("#dd8452", "#f4c09c", "#a8552a", "#e8a070")
+_WEIGHT_COLOURS = ("#55a868", "#a6d8b2", "#2f7040", "#7fc28e")
+_KIND_LABELS = {
+    "forward": "forward",
+    "backward": "backward",
+    "backward_input": "backward (input gradient)",
+    "backward_weight": "weight gradient",
+}
+
+
+def _cell_colour(kind: str, trip: int) -> str:
+    palette = {"forward": _FORWARD_COLOURS, "backward_weight": _WEIGHT_COLOURS}.get(
+        kind, _BACKWARD_COLOURS
+    )
+    return palette[trip % len(palette)]
+
+
+def _num_trips(schedule: Any) -> int:
+    """How many stages each device runs (trips round the ring)."""
+    stages = [a.stage for row in schedule.actions for a in row if a.stage is not None]
+    return 1 + max(stages) // schedule.num_stages if stages else 1
+
+
+def _device_label(schedule: Any, device: int) -> str:
+    stages = schedule.stages_on(device)
+    if len(stages) == 1:
+        return f"device {device} (stage {stages[0]})"
+    shown = [str(s) for s in stages] if len(stages) <= 4 else [str(stages[0]), "…"]
+    if len(stages) > 4:
+        shown.append(str(stages[-1]))
+    return f"device {device} (stages {', '.join(shown)})"
+
+
+def schedule_figure(schedule: Any, *, title: str | None = None) -> Any:
+    """A pipeline schedule (`eqpar.schedule.PipelineSchedule`) as a Gantt chart: what
+    `schedule.figure()` returns (see there for what the chart shows).
+
+    **Arguments:**
+
+    - `schedule`: a `PipelineSchedule`.
+    - `title`: the chart title; by default `schedule.default_title()`.
+
+    **Returns:** a `matplotlib.figure.Figure` with an Agg canvas (not registered with pyplot).
+
+    ```python
+    from eqpar.inspect import schedule_figure
+    from eqpar.schedule import GPipeSchedule
+    fig = schedule_figure(GPipeSchedule(2, 3), title="GPipe")
+    assert fig._suptitle.get_text() == "GPipe"
+    ```
+    """
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+        from matplotlib.patches import Patch, Rectangle
+        from matplotlib.ticker import MaxNLocator
+    except ImportError as error:  # pragma: no cover - matplotlib is a declared extra
+        raise ImportError(
+            "PipelineSchedule.figure and .plot (eqpar.inspect.schedule_figure) need "
+            "matplotlib: `pip install eqpar[plot]`."
+        ) from error
+
+    s, trips = schedule.num_stages, _num_trips(schedule)
+    present = {a.kind for row in schedule.actions for a in row}
+    kinds = [
+        k for k in ("forward", *("backward", "backward_input", "backward_weight")) if k in present
+    ]
+    legend_labels = []
+    for kind in kinds:
+        for trip in range(trips):
+            label = _KIND_LABELS[kind]
+            if trips > 1:
+                first, last = trip * s, trip * s + s - 1
+                label += f", stage {first}" if s == 1 else f", stages {first}–{last}"
+            legend_labels.append((kind, trip, label))
+    # The legend goes below the axes in as many columns as the width holds (an entry is
+    # about 0.6 in of patch and padding plus 0.06 in a character at 8 pt).
+    width = max(6.5, 0.3 * schedule.num_steps + 1.8)
+    column = 0.6 + 0.06 * max(len(label) for *_, label in legend_labels)
+    ncols = max(1, min(len(legend_labels) + 1, int((width - 0.3) // column)))
+    legend_rows = -(-(len(legend_labels) + 1) // ncols)
+    fig = Figure(
+        figsize=(width, 0.45 * schedule.num_devices + 1.7 + 0.22 * legend_rows),
+        layout="constrained",
+    )
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+
+    def cell(step: int, device: int, colour: str, edge: str = "white") -> None:
+        ax.add_patch(Rectangle((step, device), 1, 1, facecolor=colour, edgecolor=edge, linewidth=1))
+
+    for step, row in enumerate(schedule.actions):
+        for device, a in enumerate(row):
+            if a.kind == "idle":
+                cell(step, device, _IDLE_COLOUR, edge="#dddddd")
+                continue
+            colour = _cell_colour(a.kind, 0 if a.stage is None else a.stage // s)
+            cell(step, device, colour)
+            ax.text(
+                step + 0.5,
+                device + 0.5,
+                str(a.microbatch),
+                ha="center",
+                va="center",
+                fontsize=8 if schedule.num_microbatches < 100 else 6,
+                color=_text_colour(colour),
+            )
+    ax.set_xlim(0, schedule.num_steps)
+    ax.set_ylim(schedule.num_devices, 0)
+    ax.set_yticks([d + 0.5 for d in range(schedule.num_devices)])
+    ax.set_yticklabels([_device_label(schedule, d) for d in range(schedule.num_devices)])
+    ax.tick_params(axis="y", length=0)
+    ax.set_xlabel("step")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    for side in ("top", "right", "left"):
+        ax.spines[side].set_visible(False)
+    caption = "cell number = microbatch index"
+    if trips > 1:
+        caption += "; shade = which of its stages the device runs"
+    ax.set_title(caption, fontsize=8, color="#444444")
+    fig.suptitle(schedule.default_title() if title is None else title, fontsize=10)
+
+    handles = [
+        Patch(facecolor=_cell_colour(kind, trip), label=label)
+        for kind, trip, label in legend_labels
+    ]
+    handles.append(Patch(facecolor=_IDLE_COLOUR, edgecolor="#cccccc", label="idle (bubble)"))
+    fig.legend(handles=handles, loc="outside lower center", ncols=ncols, fontsize=8, frameon=False)
+    return fig

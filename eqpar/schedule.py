@@ -240,15 +240,6 @@ class PipelineSchedule:
         stages = [a.stage for row in self._table for a in row if a.stage is not None]
         return 1 + max(stages) // self.num_stages if stages else 1
 
-    def _device_label(self, device: int) -> str:
-        stages = self.stages_on(device)
-        if len(stages) == 1:
-            return f"device {device} (stage {stages[0]})"
-        shown = [str(s) for s in stages] if len(stages) <= 4 else [str(stages[0]), "…"]
-        if len(stages) > 4:
-            shown.append(str(stages[-1]))
-        return f"device {device} (stages {', '.join(shown)})"
-
     def __str__(self) -> str:
         width = max(3, *(len(a.label()) + 1 for row in self._table for a in row))
         lines = [f"{self._name}: {self.num_devices} devices, {self.num_steps} steps"]
@@ -302,85 +293,9 @@ class PipelineSchedule:
         assert rows == ["device 0 (stages 0, 2)", "device 1 (stages 1, 3)"]
         ```
         """
-        try:
-            from matplotlib.backends.backend_agg import FigureCanvasAgg
-            from matplotlib.figure import Figure
-            from matplotlib.patches import Patch, Rectangle
-            from matplotlib.ticker import MaxNLocator
-        except ImportError as error:  # pragma: no cover - matplotlib is a declared extra
-            raise ImportError(
-                "PipelineSchedule.figure and .plot need matplotlib: `pip install eqpar[plot]`."
-            ) from error
+        from .inspect import schedule_figure  # every picture of eqpar is drawn there
 
-        s, trips = self.num_stages, self._num_trips()
-        present = {a.kind for row in self._table for a in row}
-        kinds = [k for k in ("forward", *_BACKWARD_KINDS) if k in present]
-        legend_labels = []
-        for kind in kinds:
-            for trip in range(trips):
-                label = _KIND_LABELS[kind]
-                if trips > 1:
-                    first, last = trip * s, trip * s + s - 1
-                    label += f", stage {first}" if s == 1 else f", stages {first}–{last}"
-                legend_labels.append((kind, trip, label))
-        # The legend goes below the axes in as many columns as the width holds (an entry is
-        # about 0.6 in of patch and padding plus 0.06 in a character at 8 pt).
-        width = max(6.5, 0.3 * self.num_steps + 1.8)
-        column = 0.6 + 0.06 * max(len(label) for *_, label in legend_labels)
-        ncols = max(1, min(len(legend_labels) + 1, int((width - 0.3) // column)))
-        legend_rows = -(-(len(legend_labels) + 1) // ncols)
-        fig = Figure(
-            figsize=(width, 0.45 * self.num_devices + 1.7 + 0.22 * legend_rows),
-            layout="constrained",
-        )
-        FigureCanvasAgg(fig)
-        ax = fig.add_subplot()
-
-        def cell(step: int, device: int, colour: str, edge: str = "white") -> None:
-            ax.add_patch(
-                Rectangle((step, device), 1, 1, facecolor=colour, edgecolor=edge, linewidth=1)
-            )
-
-        for step, row in enumerate(self._table):
-            for device, a in enumerate(row):
-                if a.kind == "idle":
-                    cell(step, device, _IDLE_COLOUR, edge="#dddddd")
-                    continue
-                colour = _cell_colour(a.kind, 0 if a.stage is None else a.stage // s)
-                cell(step, device, colour)
-                ax.text(
-                    step + 0.5,
-                    device + 0.5,
-                    str(a.microbatch),
-                    ha="center",
-                    va="center",
-                    fontsize=8 if self.num_microbatches < 100 else 6,
-                    color=_text_colour(colour),
-                )
-        ax.set_xlim(0, self.num_steps)
-        ax.set_ylim(self.num_devices, 0)
-        ax.set_yticks([d + 0.5 for d in range(self.num_devices)])
-        ax.set_yticklabels([self._device_label(d) for d in range(self.num_devices)])
-        ax.tick_params(axis="y", length=0)
-        ax.set_xlabel("step")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        for side in ("top", "right", "left"):
-            ax.spines[side].set_visible(False)
-        caption = "cell number = microbatch index"
-        if trips > 1:
-            caption += "; shade = which of its stages the device runs"
-        ax.set_title(caption, fontsize=8, color="#444444")
-        fig.suptitle(self.default_title() if title is None else title, fontsize=10)
-
-        handles = [
-            Patch(facecolor=_cell_colour(kind, trip), label=label)
-            for kind, trip, label in legend_labels
-        ]
-        handles.append(Patch(facecolor=_IDLE_COLOUR, edgecolor="#cccccc", label="idle (bubble)"))
-        fig.legend(
-            handles=handles, loc="outside lower center", ncols=ncols, fontsize=8, frameon=False
-        )
-        return fig
+        return schedule_figure(self, title=title)
 
     def plot(self, path: str | pathlib.Path, *, title: str | None = None) -> pathlib.Path:
         """Draw the schedule as a Gantt chart (see `figure`) and write it to a PNG file.
@@ -405,31 +320,6 @@ class PipelineSchedule:
         path = pathlib.Path(path)
         self.figure(title=title).savefig(path, format="png", dpi=110)
         return path
-
-
-_IDLE_COLOUR = "#eeeeee"
-_FORWARD_COLOURS = ("#4c72b0", "#a9c4e8", "#2a4d7a", "#6f95cf")
-_BACKWARD_COLOURS = ("#dd8452", "#f4c09c", "#a8552a", "#e8a070")
-_WEIGHT_COLOURS = ("#55a868", "#a6d8b2", "#2f7040", "#7fc28e")
-_KIND_LABELS = {
-    "forward": "forward",
-    "backward": "backward",
-    "backward_input": "backward (input gradient)",
-    "backward_weight": "weight gradient",
-}
-
-
-def _cell_colour(kind: str, trip: int) -> str:
-    palette = {"forward": _FORWARD_COLOURS, "backward_weight": _WEIGHT_COLOURS}.get(
-        kind, _BACKWARD_COLOURS
-    )
-    return palette[trip % len(palette)]
-
-
-def _text_colour(background: str) -> str:
-    """Black on light cells, white on dark ones."""
-    r, g, b = (int(background[i : i + 2], 16) for i in (1, 3, 5))
-    return "black" if 0.299 * r + 0.587 * g + 0.114 * b > 160 else "white"
 
 
 class CircularSchedule(PipelineSchedule):
