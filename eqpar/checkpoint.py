@@ -51,7 +51,6 @@ Tested with orbax-checkpoint 0.12.8.
 
 import dataclasses
 import functools
-import json
 import math
 import operator
 import os
@@ -84,7 +83,7 @@ __all__ = [
 _FORMAT_KEY = "eqpar"  # our entry in the step's `custom_metadata`
 _FORMAT_VERSION = 2  # 2: shapes and dtypes come from orbax's metadata; the step is recorded
 _ITEM_ROOT = "state"  # the saved nested dict is `{"state": {...}}`, so a root leaf has a name
-_STEP_METADATA_FILE = "_CHECKPOINT_METADATA"  # orbax's per-step JSON file
+_STEP_METADATA_FILE = "_CHECKPOINT_METADATA"  # orbax's per-step file, named in messages only
 _TMP_SUFFIX = ".orbax-checkpoint-tmp"  # orbax's name for a step directory being written
 _TRASH = "eqpar-deleting"  # orbax's `todelete_subdir`: old steps are renamed here, then purged
 _LOCK = "eqpar-writer.lock"
@@ -1056,19 +1055,28 @@ class Checkpointer:
 
     def _read_metadata(self, step: int, step_dir: Any) -> dict[str, dict]:
         """Each saved leaf by path: eqpar's record (kind, impl, checksum) with the shape and
-        dtype from orbax's `item_metadata`. Anything malformed is damage."""
+        dtype from orbax's `item_metadata`, both read through the manager's public
+        `metadata(step)`. Anything malformed is damage."""
         damaged = functools.partial(_damaged, step, step_dir)
         file = step_dir / _STEP_METADATA_FILE
         try:
-            metadata = json.loads(file.read_text())
-        except (OSError, ValueError) as error:
-            state = "missing" if isinstance(error, FileNotFoundError) else "unreadable"
-            raise damaged(f"its metadata file {file} is {state} ({_first_line(error)})") from error
+            metadata = self._manager.metadata(step)
+            custom, items = metadata.custom_metadata, metadata.item_metadata
+        except Exception as error:
+            # It reads the arrays' metadata too: say which part failed.
+            try:
+                self._manager.item_metadata(step)
+            except Exception as array_error:
+                reason = f"reading its arrays failed ({_first_line(array_error)})"
+                raise damaged(reason) from array_error
+            reason = f"its step metadata {file} is malformed ({_first_line(error)})"
+            raise damaged(reason) from error
         try:
-            arrays = getattr(self._manager.item_metadata(step), "tree", None)
+            arrays = getattr(items.get("default") if items else None, "tree", None)
+            if arrays is None:  # a lightweight manager leaves item metadata to this call
+                arrays = getattr(self._manager.item_metadata(step), "tree", None)
         except Exception as error:
             raise damaged(f"reading its arrays failed ({_first_line(error)})") from error
-        custom = metadata.get("custom_metadata") if isinstance(metadata, dict) else None
         raw = custom.get(_FORMAT_KEY) if isinstance(custom, dict) else None
         entry: dict = raw if isinstance(raw, dict) else {}
         ours = isinstance(arrays, dict) and _ITEM_ROOT in arrays
@@ -1080,6 +1088,11 @@ class Checkpointer:
                 f"by {why}: upgrade eqpar, or read it with orbax directly.",
                 step=step,
                 path=str(step_dir),
+            )
+        if raw is None:  # orbax reads a missing or unparsable file as no custom metadata
+            raise damaged(
+                f"its step metadata {file} is missing, unreadable or has no "
+                f"`custom_metadata.{_FORMAT_KEY}` entry"
             )
         if not (isinstance(version, int) and isinstance(records, list)) or not all(
             map(_valid_record, records)

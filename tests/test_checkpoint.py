@@ -393,7 +393,7 @@ DAMAGE = {
     "array bytes flipped": (_flip_array_bytes, "does not match its checksum"),
     "step metadata missing": (
         lambda d: (d / "_CHECKPOINT_METADATA").unlink(),
-        "_CHECKPOINT_METADATA is missing",
+        "_CHECKPOINT_METADATA is missing, unreadable",
     ),
     "array metadata missing": (
         lambda d: (d / "default" / "_METADATA").unlink(),
@@ -401,7 +401,7 @@ DAMAGE = {
     ),
     "step metadata truncated": (
         lambda d: os.truncate(d / "_CHECKPOINT_METADATA", 40),
-        "_CHECKPOINT_METADATA is unreadable",
+        "_CHECKPOINT_METADATA is missing, unreadable",
     ),
     "manifest deleted": (
         lambda d: (d / "default" / "manifest.ocdbt").unlink(),
