@@ -6,13 +6,13 @@ tensor-parallel layers to tell a sequence-sharded activation from a replicated o
 """
 
 from collections.abc import Hashable
-from typing import Any
 
 import jax
 from jax import lax
+from jaxtyping import PyTree
 
 
-def varying_axes(x: Any) -> frozenset:
+def varying_axes(x: PyTree) -> frozenset:
     """The mesh axes over which `x` (an array, tracer or ShapeDtypeStruct) may differ."""
     aval = x if isinstance(x, jax.ShapeDtypeStruct) else jax.typeof(x)
     manual = getattr(aval, "manual_axis_type", None)
@@ -21,7 +21,7 @@ def varying_axes(x: Any) -> frozenset:
     return frozenset(getattr(aval, "vma", None) or ())  # older JAX: a ShapeDtypeStruct vma None
 
 
-def varies_over(x: Any, axis_name: Hashable) -> bool | None:
+def varies_over(x: PyTree, axis_name: Hashable) -> bool | None:
     """Whether `x` differs over the mesh axis `axis_name` (inside `shard_map`); `None` when
     JAX does not track it (`check_vma=False`, where even the device index looks replicated).
     For a tuple of axes: whether it differs over any of them."""
@@ -31,7 +31,7 @@ def varies_over(x: Any, axis_name: Hashable) -> bool | None:
     return bool(set(names) & varying_axes(x))
 
 
-def cast_varying(x: Any, axes: frozenset) -> Any:
+def cast_varying(x: PyTree, axes: frozenset) -> PyTree:
     """`x` typed as varying over `axes` (a no-op for the axes it already varies over). Its
     transpose sums the cotangent over those axes, once, wherever the cast is placed."""
     missing = tuple(sorted(axes - varying_axes(x), key=str))

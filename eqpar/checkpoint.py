@@ -104,7 +104,7 @@ class _StepError(ValueError):
         self.step, self.path = step, path
 
 
-def _damaged(step: int, step_dir: Any, why: str) -> "CorruptCheckpointError":
+def _damaged(step: int, step_dir: PyTree, why: str) -> "CorruptCheckpointError":
     message = f"Checkpoint step {step} at {step_dir} is damaged: {why}."
     return CorruptCheckpointError(message, step=step, path=str(step_dir))
 
@@ -172,7 +172,7 @@ class CheckpointMismatchError(_StepError):
 # orbax, imported lazily (an optional dependency, and slow to import)
 
 
-def _orbax() -> Any:
+def _orbax() -> PyTree:
     try:
         import orbax.checkpoint as ocp
     except ImportError as error:  # pragma: no cover - depends on the environment
@@ -195,7 +195,7 @@ def _digestible(dtype: Any) -> bool:
     return bits == 8 * dtype.itemsize and (bits <= 64 or dtype.kind == "c")
 
 
-def _words(x: Any, xp: Any, bitcast: Callable) -> Any:
+def _words(x: PyTree, xp: PyTree, bitcast: Callable) -> PyTree:
     """The bits of `x` as uint32 words, one per element, same shape (8-byte elements: the xor
     of their two halves, which does not depend on the word order)."""
     if x.dtype.kind == "c":
@@ -218,7 +218,7 @@ def _device_digest(x: jax.Array) -> jax.Array:
     return jnp.sum(_words(x, jnp, jax.lax.bitcast_convert_type) * weights, dtype=jnp.uint32)
 
 
-def _digest(value: Any) -> int | None:
+def _digest(value: PyTree) -> int | None:
     """The checksum of `value` (a jax or NumPy array); `None` where the dtype has none. Host
     values are turned into their uint32 words by NumPy first, so 64-bit values need no x64."""
     if not _digestible(value.dtype):
@@ -244,7 +244,7 @@ class _Leaf:
     shape: tuple[int, ...]  # as stored (PRNG keys: the shape of their key data)
     dtype: str  # as stored, `np.dtype(...).name`
     impl: str | None  # PRNG implementation (in a target: its key dtype as text)
-    value: Any  # the state's or target's own leaf
+    value: PyTree  # the state's or target's own leaf
 
 
 def _display(path: str) -> str:
@@ -286,7 +286,7 @@ def _leaves(tree: PyTree, argument: str) -> tuple[list[_Leaf], list, Any]:
     return leaves, [value for _, value in flat], treedef
 
 
-def _saved_value(leaf: _Leaf) -> Any:
+def _saved_value(leaf: _Leaf) -> PyTree:
     """What orbax stores for a leaf of `state`, after checking it can be stored."""
     value, where = leaf.value, _display(leaf.path)
     wrong_type = (
@@ -344,7 +344,7 @@ def _shardings(shardings: PyTree, leaves: Sequence[_Leaf]) -> dict[str, Any]:
     return given
 
 
-def _placement(leaf: _Leaf, given: dict[str, Any]) -> Any:
+def _placement(leaf: _Leaf, given: dict[str, Any]) -> PyTree:
     """What orbax is asked for: a ShapeDtypeStruct with the target's sharding (key data: the
     same sharding, whose spec leaves the extra dimension whole), or a NumPy array."""
     if leaf.kind not in ("array", "prng_key"):
@@ -367,7 +367,7 @@ def _placement(leaf: _Leaf, given: dict[str, Any]) -> Any:
     return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
 
 
-def _finish(leaf: _Leaf, stored: Any, record: dict) -> Any:
+def _finish(leaf: _Leaf, stored: PyTree, record: dict) -> PyTree:
     """The restored leaf, of the type the target holds at this position."""
     if leaf.kind in ("array", "prng_key"):
         impl = record.get("impl")
@@ -409,7 +409,7 @@ def _reshapable(record: dict, leaf: _Leaf) -> bool:
     )
 
 
-def _replicated(abstract: Any, shape: tuple[int, ...]) -> Any:
+def _replicated(abstract: PyTree, shape: tuple[int, ...]) -> PyTree:
     """What orbax is asked for to read a leaf that is reshaped afterwards: the saved shape,
     replicated over the devices of the target's sharding (or a NumPy array)."""
     if not isinstance(abstract, jax.ShapeDtypeStruct):
@@ -420,7 +420,7 @@ def _replicated(abstract: Any, shape: tuple[int, ...]) -> Any:
     return jax.ShapeDtypeStruct(shape, abstract.dtype, sharding=NamedSharding(mesh, P()))
 
 
-def _reshaped(abstract: Any, stored: Any) -> Any:
+def _reshaped(abstract: PyTree, stored: PyTree) -> PyTree:
     """A leaf read in its saved shape, reshaped (row-major) and placed like the target."""
     if not isinstance(abstract, jax.ShapeDtypeStruct):
         return np.asarray(stored).reshape(abstract.shape)
@@ -459,7 +459,7 @@ def _mismatches(saved: dict[str, dict], plan: Sequence[_Leaf], reshape: bool) ->
     ]
 
 
-def _key_dtype(impl: str) -> Any:
+def _key_dtype(impl: str) -> PyTree:
     try:
         return jax.eval_shape(lambda: jax.random.key(0, impl=impl)).dtype
     except Exception:
@@ -491,7 +491,7 @@ def _warn_caller(message: str) -> None:
 # Arguments, the writer lock
 
 
-def _as_step(value: Any, argument: str = "step", minimum: int = 0, hint: str = "") -> int:
+def _as_step(value: PyTree, argument: str = "step", minimum: int = 0, hint: str = "") -> int:
     try:
         number = operator.index(value) if not isinstance(value, bool) else None
     except TypeError:
@@ -507,7 +507,7 @@ def _as_step(value: Any, argument: str = "step", minimum: int = 0, hint: str = "
     return number
 
 
-def _take_lock(lock: str) -> Any:
+def _take_lock(lock: str) -> PyTree:
     """Hold `lock` with an exclusive `flock` and record this process's pid and host in it.
     The kernel releases the lock when its holder exits, however it exits, so a dead writer
     leaves no stale lock; a live holder is refused. Returns the open file: closing it releases
@@ -618,11 +618,11 @@ class Checkpointer:
             raise ValueError(f"`directory` {str(self._directory)!r} exists and is not a directory.")
         self._async_save, self._checksums, self._timeout = async_save, checksums, timeout
         self._restored_step: int | None = None
-        self._unlock: Any = None  # set once this Checkpointer holds the writer lock
+        self._unlock: PyTree = None  # set once this Checkpointer holds the writer lock
         self._busy, self._barriers, self._closed = threading.Lock(), 0, False
         self._manager = self._open_manager()
 
-    def _open_manager(self) -> Any:
+    def _open_manager(self) -> PyTree:
         ocp, policies = self._ocp, self._ocp.checkpoint_managers
         every = policies.FixedIntervalPolicy(self._save_every)
         preempted = policies.save_decision_policy.PreemptionCheckpointingPolicy()
@@ -686,7 +686,7 @@ class Checkpointer:
     # -- properties -----------------------------------------------------------------------
 
     @property
-    def directory(self) -> Any:
+    def directory(self) -> PyTree:
         """The absolute directory holding the steps (an `etils.epath.Path`, which behaves like
         a `pathlib.Path` and also reaches object stores such as `gs://...`)."""
         return self._directory
@@ -1053,7 +1053,7 @@ class Checkpointer:
             leaves.append(_finish(leaf, value, record))
         return leaves
 
-    def _read_metadata(self, step: int, step_dir: Any) -> dict[str, dict]:
+    def _read_metadata(self, step: int, step_dir: PyTree) -> dict[str, dict]:
         """Each saved leaf by path: eqpar's record (kind, impl, checksum) with the shape and
         dtype from orbax's `item_metadata`, both read through the manager's public
         `metadata(step)`. Anything malformed is damage."""

@@ -440,7 +440,7 @@ class _Ring:
         d, _ = lax.optimization_barrier((lax.axis_index(self.axis), data))
         return d
 
-    def index(self, d: Array, offset: Any) -> Array:
+    def index(self, d: Array, offset: PyTree) -> Array:
         """`(d + offset) % n` for `0 <= d < 2n` and `-n <= offset <= n` (int or traced)."""
         return lax.rem(d + offset + 2 * self.n, self.n)
 
@@ -448,7 +448,7 @@ class _Ring:
         return ring_shift(x, self.axis, up=up)
 
 
-def _loop(first: int, last: int, body: Callable[[Any, Any], Any], carry: Any) -> Any:
+def _loop(first: int, last: int, body: Callable[[Any, Any], Any], carry: PyTree) -> PyTree:
     """`body(t, carry)` for `t = first .. last` (no loop when the range is empty)."""
     return lax.fori_loop(first, last + 1, body, carry) if last >= first else carry
 
@@ -471,12 +471,12 @@ def _ring_gather(x: Array, w: Array, ring: _Ring, bidirectional: bool) -> Array:
     k = x.shape[-1]
     d = ring.device(x)
 
-    def product(block: Array, item: Any) -> Array:
+    def product(block: Array, item: PyTree) -> Array:
         return _dot(block, _weight_block(w, ring.index(d, -item), k, 1))
 
     if not bidirectional:
 
-        def step(t: Any, carry: tuple[Array, Array, Array]) -> tuple[Array, Array, Array]:
+        def step(t: PyTree, carry: tuple[Array, Array, Array]) -> tuple[Array, Array, Array]:
             block, acc, _ = carry
             return ring.shift(block), acc + product(block, t), t
 
@@ -494,7 +494,7 @@ def _ring_gather(x: Array, w: Array, ring: _Ring, bidirectional: bool) -> Array:
         up = ring.shift(up)
         acc = acc + product(up, 1)
 
-    def both(t: Any, carry: tuple[Array, Array, Array]) -> tuple[Array, Array, Array]:
+    def both(t: PyTree, carry: tuple[Array, Array, Array]) -> tuple[Array, Array, Array]:
         up, down = ring.shift(carry[0]), ring.shift(carry[1], up=False)
         return up, down, carry[2] + product(up, t + lead) + product(down, -t)
 
@@ -515,7 +515,7 @@ def _ring_reduce_blocks(
     if not bidirectional or ring.n <= 2:
         # Step t on device d adds the chunk for device d - 1 - t; after n - 1 shifts up
         # every sum has arrived at its destination.
-        def step(t: Any, total: Array) -> Array:
+        def step(t: PyTree, total: Array) -> Array:
             return ring.shift(total) + produce(ring.index(d, -1 - t))
 
         return _loop(1, ring.n - 1, step, produce(ring.index(d, -1)))
@@ -528,7 +528,7 @@ def _ring_reduce_blocks(
         up = ring.shift(up) + produce(ring.index(d, half))
     down = produce(ring.index(d, -half))
 
-    def both(t: Any, carry: tuple[Array, Array]) -> tuple[Array, Array]:
+    def both(t: PyTree, carry: tuple[Array, Array]) -> tuple[Array, Array]:
         up = ring.shift(carry[0]) + produce(ring.index(d, half - t))
         return up, ring.shift(carry[1], up=False) + produce(ring.index(d, t - half))
 

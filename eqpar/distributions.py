@@ -195,7 +195,7 @@ class Distribution:
         return eqx.combine(jax.device_put(arrays, self.shardings(model)), static)
 
     def build_model(
-        self, constructor: Callable[..., PyTree], key: PRNGKeyArray, *args: Any
+        self, constructor: Callable[..., PyTree], key: PRNGKeyArray, *args: PyTree
     ) -> PyTree:
         """Build a model directly sharded (see `eqpar.build_sharded`).
 
@@ -861,7 +861,7 @@ def _resolve(given: Distribution | None, caller: str) -> Distribution:
 def build_model(
     constructor: Callable[..., PyTree],
     key: PRNGKeyArray,
-    *args: Any,
+    *args: PyTree,
     distribution: Distribution | None = None,
 ) -> PyTree:
     """Build a model sharded at birth by `distribution`, or by the current one.
@@ -1070,7 +1070,7 @@ def gather_layers(
     size = int(jax_mesh.shape[axis])
     found = []
 
-    def convert(node: Any) -> Any:
+    def convert(node: PyTree) -> PyTree:
         if isinstance(node, PipelineModule) and isinstance(node.stages, ScannedLayers):
             found.append(node)
             stages = _with_gathered_layers(

@@ -131,7 +131,7 @@ class LayoutTable:
         rule = "-" * len(fmt(header))
         return "\n".join([fmt(header), rule, *(fmt(row) for row in body), rule, fmt(footer)])
 
-    def to_rich(self) -> Any:
+    def to_rich(self) -> PyTree:
         """The table as a `rich.table.Table`."""
         from rich.table import Table
 
@@ -143,7 +143,7 @@ class LayoutTable:
             table.add_row(*cells)
         return table
 
-    def __rich__(self) -> Any:
+    def __rich__(self) -> PyTree:
         return self.to_rich()
 
     def __str__(self) -> str:
@@ -176,7 +176,7 @@ def _shard_shape(shape: tuple[int, ...], spec: PartitionSpec, sizes: dict) -> tu
 
 def layout_table(
     model: PyTree,
-    distribution_or_specs: Any = None,
+    distribution_or_specs: PyTree = None,
     *,
     mesh: DeviceMesh | Mesh | None = None,
 ) -> LayoutTable:
@@ -205,7 +205,7 @@ def layout_table(
 
 
 def _layout(
-    model: PyTree, distribution_or_specs: Any, mesh: DeviceMesh | Mesh | None, caller: str
+    model: PyTree, distribution_or_specs: PyTree, mesh: DeviceMesh | Mesh | None, caller: str
 ) -> tuple[LayoutTable, Mesh]:
     """The `LayoutTable` of `model` and the `jax.sharding.Mesh` its specs refer to; errors
     name `caller`."""
@@ -255,7 +255,7 @@ def _layout(
     return table, jax_mesh
 
 
-def _axis_names(entry: Any) -> tuple[Any, ...]:
+def _axis_names(entry: PyTree) -> tuple[Any, ...]:
     """The mesh axes of one entry of a `PartitionSpec`, major first (`()` when unsplit)."""
     return () if entry is None else entry if isinstance(entry, tuple) else (entry,)
 
@@ -289,7 +289,7 @@ def _specs_from_arrays(
 
 def print_layout_table(
     model: PyTree,
-    distribution_or_specs: Any = None,
+    distribution_or_specs: PyTree = None,
     *,
     mesh: DeviceMesh | Mesh | None = None,
     file: _TextStream | None = None,
@@ -309,7 +309,7 @@ def print_layout_table(
     ```
     """
     table = layout_table(model, distribution_or_specs, mesh=mesh)
-    stream: Any = sys.stdout if file is None else file
+    stream: PyTree = sys.stdout if file is None else file
     if stream.isatty():
         from rich.console import Console
 
@@ -367,7 +367,7 @@ def _blocks(shape: tuple[int, ...], spec: PartitionSpec, mesh: Mesh) -> list[_Bl
                 b = b * sizes[name] + coord[name]
             index.append(b)
         key = tuple(index)
-        device: Any = mesh.devices[position]
+        device: PyTree = mesh.devices[position]
         holders.setdefault(key, []).append(int(device.id))
         coords[key] = tuple((n, coord[n]) for n in axis_names if any(n in d for d in per_dim))
     blocks = []
@@ -414,7 +414,7 @@ def _slice_text(slices: tuple[tuple[int, int] | None, ...]) -> str:
 
 def plot_layout(
     model: PyTree,
-    distribution_or_specs: Any = None,
+    distribution_or_specs: PyTree = None,
     *,
     mesh: DeviceMesh | Mesh | None = None,
     leaves: str | None = None,
@@ -625,13 +625,13 @@ def _cell_colour(kind: str, trip: int) -> str:
     return palette[trip % len(palette)]
 
 
-def _num_trips(schedule: Any) -> int:
+def _num_trips(schedule: PyTree) -> int:
     """How many stages each device runs (trips round the ring)."""
     stages = [a.stage for row in schedule.actions for a in row if a.stage is not None]
     return 1 + max(stages) // schedule.num_stages if stages else 1
 
 
-def _device_label(schedule: Any, device: int) -> str:
+def _device_label(schedule: PyTree, device: int) -> str:
     stages = schedule.stages_on(device)
     if len(stages) == 1:
         return f"device {device} (stage {stages[0]})"
@@ -641,7 +641,7 @@ def _device_label(schedule: Any, device: int) -> str:
     return f"device {device} (stages {', '.join(shown)})"
 
 
-def schedule_figure(schedule: Any, *, title: str | None = None) -> Any:
+def schedule_figure(schedule: PyTree, *, title: str | None = None) -> PyTree:
     """A pipeline schedule (`eqpar.schedule.PipelineSchedule`) as a Gantt chart: what
     `schedule.figure()` returns (see there for what the chart shows).
 

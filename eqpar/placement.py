@@ -77,7 +77,7 @@ class DataPartitionType(enum.Enum):
 # Finding the mesh
 
 
-def _context_mesh(function: str | None = None) -> Any:
+def _context_mesh(function: str | None = None) -> PyTree:
     """The context mesh, concrete outside a trace and abstract inside one (an error naming
     `function` when given); `None` when none is set."""
     try:
@@ -157,7 +157,7 @@ def _fits(path: str, array: np.ndarray, function: str) -> str | None:
     )
 
 
-def _check_rows(function: str, path: str, leaf: Any, devices: int, scope: str) -> None:
+def _check_rows(function: str, path: str, leaf: PyTree, devices: int, scope: str) -> None:
     """A `FULL` leaf must have a batch axis that splits evenly over `devices`."""
     if leaf.ndim == 0 or leaf.shape[0] % devices:
         rows = "is a scalar" if leaf.ndim == 0 else f"has a {scope} batch of {leaf.shape[0]} rows"
@@ -220,7 +220,7 @@ def checked_local_leaves(
                 f"`{function}`: leaf {path!r} must be a NumPy array or a local `jax.Array` "
                 f"(outside `jax.jit`), not {type(leaf).__name__}."
             )
-        array: Any = leaf if local_jax else np.asarray(leaf)
+        array: PyTree = leaf if local_jax else np.asarray(leaf)
         leaves.append(array)
         extended = jax.dtypes.issubdtype(array.dtype, jax.dtypes.extended)  # PRNG keys
         if not extended and (array.dtype.kind in "OUS" or array.dtype.names is not None):
@@ -470,7 +470,7 @@ def with_sharding_constraint(x: PyTree[ArrayLike], shardings: PyTree) -> PyTree[
             )
         if isinstance(spec := getattr(sharding, "spec", sharding), PartitionSpec):
             check_spec(where, spec, shape, dict(mesh.shape), source=f"{function}: shardings")
-            named: Any = NamedSharding(mesh, spec)
+            named: PyTree = NamedSharding(mesh, spec)
         else:  # other kinds of sharding: JAX's own check
             named = sharding
             named.shard_shape(shape)

@@ -72,11 +72,11 @@ class Style:
 
     accepts: tuple[type, ...] = ()
 
-    def convert(self, layer: Any) -> Any:
+    def convert(self, layer: PyTree) -> PyTree:
         """The converted layer (`layer` is already in its original class)."""
         raise NotImplementedError
 
-    def split_sizes(self, layer: Any) -> dict[str, int]:
+    def split_sizes(self, layer: PyTree) -> dict[str, int]:
         """The sizes that must divide by the axis size, by name."""
         return {}
 
@@ -111,7 +111,7 @@ class ColumnParallel(Style):
     def __post_init__(self) -> None:
         check_column_options("ColumnParallel", self.gather_output, self.sequence_parallel)
 
-    def convert(self, layer: Any) -> Any:
+    def convert(self, layer: PyTree) -> PyTree:
         return ColumnParallelLinear(
             layer,
             axis_name=self.axis_name,
@@ -119,7 +119,7 @@ class ColumnParallel(Style):
             sequence_parallel=self.sequence_parallel,
         )
 
-    def split_sizes(self, layer: Any) -> dict[str, int]:
+    def split_sizes(self, layer: PyTree) -> dict[str, int]:
         return {"out_features": layer.out_features}
 
 
@@ -143,12 +143,12 @@ class RowParallel(Style):
     sequence_parallel: bool = False
     accepts = (eqx.nn.Linear,)
 
-    def convert(self, layer: Any) -> Any:
+    def convert(self, layer: PyTree) -> PyTree:
         return RowParallelLinear(
             layer, axis_name=self.axis_name, sequence_parallel=self.sequence_parallel
         )
 
-    def split_sizes(self, layer: Any) -> dict[str, int]:
+    def split_sizes(self, layer: PyTree) -> dict[str, int]:
         return {"in_features": layer.in_features}
 
 
@@ -172,12 +172,12 @@ class HeadParallel(Style):
     sequence_parallel: bool = False
     accepts = (eqx.nn.MultiheadAttention,)
 
-    def convert(self, layer: Any) -> Any:
+    def convert(self, layer: PyTree) -> PyTree:
         return HeadParallelAttention(
             layer, axis_name=self.axis_name, sequence_parallel=self.sequence_parallel
         )
 
-    def split_sizes(self, layer: Any) -> dict[str, int]:
+    def split_sizes(self, layer: PyTree) -> dict[str, int]:
         return {"num_heads": layer.num_heads}
 
 
@@ -221,7 +221,7 @@ class ContextParallel(Style):
             "ContextParallel", self.layout, self.strategy, self.axis_name, self.head_axis_name
         )
 
-    def convert(self, layer: Any) -> Any:
+    def convert(self, layer: PyTree) -> PyTree:
         return ContextParallelAttention(
             layer,
             axis_name=self.axis_name,
@@ -248,10 +248,10 @@ class VocabParallel(Style):
     axis_name: Hashable = "model"
     accepts = (eqx.nn.Embedding,)
 
-    def convert(self, layer: Any) -> Any:
+    def convert(self, layer: PyTree) -> PyTree:
         return VocabParallelEmbedding(layer, axis_name=self.axis_name)
 
-    def split_sizes(self, layer: Any) -> dict[str, int]:
+    def split_sizes(self, layer: PyTree) -> dict[str, int]:
         return {"num_embeddings": layer.num_embeddings}
 
 
@@ -271,10 +271,10 @@ class FeatureParallel(Style):
     axis_name: Hashable = "model"
     accepts = (eqx.nn.Embedding,)
 
-    def convert(self, layer: Any) -> Any:
+    def convert(self, layer: PyTree) -> PyTree:
         return FeatureParallelEmbedding(layer, axis_name=self.axis_name)
 
-    def split_sizes(self, layer: Any) -> dict[str, int]:
+    def split_sizes(self, layer: PyTree) -> dict[str, int]:
         return {"embedding_size": layer.embedding_size}
 
 
@@ -297,7 +297,7 @@ class SequenceParallel(Style):
     axis_name: Hashable = "model"
     accepts = (eqx.nn.Dropout,)
 
-    def convert(self, layer: Any) -> Any:
+    def convert(self, layer: PyTree) -> PyTree:
         return SequenceParallelDropout(layer, axis_name=self.axis_name)
 
 
@@ -317,7 +317,7 @@ class Replicated(Style):
 
     accepts = _PLANNABLE
 
-    def convert(self, layer: Any) -> Any:
+    def convert(self, layer: PyTree) -> PyTree:
         return layer
 
 
@@ -424,7 +424,7 @@ def parallelize(
     used: set[str] = set()
     paths: list[str] = []
 
-    def convert(path: tuple, node: Any) -> Any:
+    def convert(path: tuple, node: PyTree) -> PyTree:
         if not _is_plannable(node):
             return node
         where = path_to_str(path)
@@ -469,7 +469,7 @@ def parallelize(
     return converted
 
 
-def _check_axis(style: Style, layer: Any, where: str, axis_sizes: dict) -> None:
+def _check_axis(style: Style, layer: PyTree, where: str, axis_sizes: dict) -> None:
     axis = style.axis
     # A tuple of axes splits over all of them at once (their product), as in a PartitionSpec.
     names = axis if isinstance(axis, tuple) else (axis,)

@@ -4,7 +4,6 @@ __all__ = ["build_sharded", "shard_map"]
 
 import functools
 from collections.abc import Callable, Hashable, Set
-from typing import Any
 
 import equinox as eqx
 import jax
@@ -28,8 +27,8 @@ def shard_map(
     /,
     *,
     mesh: DeviceMesh | Mesh | None,
-    in_specs: Any,
-    out_specs: Any,
+    in_specs: PyTree,
+    out_specs: PyTree,
     check_vma: bool = True,
     axis_names: Set[Hashable] | None = None,
 ) -> Callable:
@@ -143,7 +142,7 @@ def shard_map(
     return mapped
 
 
-def _check_argument_specs(arg: Any, specs: Any, axes: dict | None, source: str) -> None:
+def _check_argument_specs(arg: PyTree, specs: PyTree, axes: dict | None, source: str) -> None:
     """Every array of `arg` against its spec, through the one spec checker."""
     flat_specs = jax.tree.leaves(specs, is_leaf=is_spec_leaf)
     flat_args = jax.tree_util.tree_flatten_with_path(arg, is_leaf=lambda x: x is None)[0]
@@ -156,7 +155,7 @@ def _check_argument_specs(arg: Any, specs: Any, axes: dict | None, source: str) 
 
 def build_sharded(
     constructor: Callable[..., PyTree],
-    *args: Any,
+    *args: PyTree,
     mesh: DeviceMesh | Mesh | None = None,
     specs: Specs | Callable[[PyTree], Specs] | None = None,
 ) -> PyTree:
@@ -196,7 +195,7 @@ def build_sharded(
     ```
     """
     if mesh is None:
-        current: Any = _current.current()  # a Distribution (distributions.py sets it)
+        current: PyTree = _current.current()  # a Distribution (distributions.py sets it)
         if current is None:
             raise ValueError(
                 "build_sharded: mesh is None and no distribution is current: pass mesh=... "

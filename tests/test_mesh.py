@@ -5,7 +5,7 @@ import pytest
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from eqpar import mesh as mesh_module
+from eqpar import runtime as runtime_module
 from eqpar.mesh import DeviceMesh, as_jax_mesh, initialize, list_devices, resolve_distributed_config
 
 # --- list_devices ------------------------------------------------------------------------------
@@ -202,7 +202,7 @@ def fake_runtime(monkeypatch):
 
     monkeypatch.setattr(jax.distributed, "initialize", fake_initialize)
     monkeypatch.setattr(jax.distributed, "is_initialized", lambda: bool(calls))
-    monkeypatch.setattr(mesh_module, "_initialized_by_eqpar", None)
+    monkeypatch.setattr(runtime_module, "_initialized_by_eqpar", None)
     for var in (
         "EQPAR_COORDINATOR_ADDRESS",
         "EQPAR_NUM_PROCESSES",

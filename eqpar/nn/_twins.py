@@ -4,11 +4,10 @@ fields, and the checks of local blocks and of sequence layouts that name the fix
 import dataclasses
 import inspect
 from collections.abc import Hashable
-from typing import Any
 
 import equinox as eqx
 from jax import lax
-from jaxtyping import Array
+from jaxtyping import Array, PyTree
 
 from .._vma import varies_over
 
@@ -18,7 +17,7 @@ def copy_fields(source: eqx.Module, target: eqx.Module, cls: type) -> None:
         object.__setattr__(target, field.name, getattr(source, field.name))
 
 
-def rebuilt(layer: eqx.Module, cls: type) -> Any:
+def rebuilt(layer: eqx.Module, cls: type) -> PyTree:
     """`layer`'s fields of `cls` in a new `cls` instance (no initialisation, no key)."""
     new = object.__new__(cls)
     copy_fields(layer, new, cls)
@@ -93,7 +92,7 @@ def gather_replicated(x: Array, axis_name: Hashable, axis: int) -> Array:
     return lax.all_gather(x, axis_name, axis=axis, tiled=True)
 
 
-def adopt(target: eqx.Module, source: Any, cls: type, axis_name: Hashable) -> None:
+def adopt(target: eqx.Module, source: PyTree, cls: type, axis_name: Hashable) -> None:
     """Make `target` (a twin of `cls` under construction) hold `source`'s fields and the axis."""
     if not isinstance(source, cls):
         raise TypeError(

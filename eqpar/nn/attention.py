@@ -3,14 +3,13 @@
 
 import math
 from collections.abc import Callable, Hashable, Mapping
-from typing import Any
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
-from jaxtyping import Array, Bool, Float, PRNGKeyArray
+from jaxtyping import Array, Bool, Float, PRNGKeyArray, PyTree
 
 from .._axes import axis_size
 from .._checks import check_context_options
@@ -232,7 +231,7 @@ class HeadParallelAttention(eqx.nn.MultiheadAttention):
                 jax.random.split(key, self.num_heads), first_head, heads, axis=0
             )
 
-        def one_head(q: Array, k: Array, v: Array, head_mask: Any, head_key: Any) -> Array:
+        def one_head(q: Array, k: Array, v: Array, head_mask: PyTree, head_key: PyTree) -> Array:
             logits = jnp.einsum("sd,Sd->sS", q / math.sqrt(q.shape[-1]), k)
             if head_mask is not None:
                 if head_mask.shape != logits.shape:

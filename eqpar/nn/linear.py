@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
-from jaxtyping import Array, Float, PRNGKeyArray
+from jaxtyping import Array, Float, PRNGKeyArray, PyTree
 
 from .. import collectives
 from .._axes import axis_size
@@ -90,7 +90,7 @@ def scale_init(init_fn: Initializer, scale_factor: float = 1.0) -> Initializer:
     return scaled
 
 
-def _check_config(name: str, in_features: Any, out_features: Any, tp_mode: Any) -> None:
+def _check_config(name: str, in_features: PyTree, out_features: PyTree, tp_mode: PyTree) -> None:
     if tp_mode not in _MODES:
         raise ValueError(
             f"{name}: tp_mode must be one of {_MODES}; got {tp_mode!r}. Use 'gather' for a "
@@ -345,7 +345,7 @@ class TPDense(eqx.Module):
         tp_mode: str,
         skip_communication: bool = False,
         **kwargs: Any,
-    ) -> Any:
+    ) -> PyTree:
         """The tensor-parallel layer holding `linear`'s weight and bias.
 
         **Arguments:**
@@ -603,7 +603,7 @@ class TPAsyncDense(TPDense):
         return super()._forward(x, n, ring=ring and n > 1)
 
 
-def _check_linear(linear: Any, owner: str) -> None:
+def _check_linear(linear: PyTree, owner: str) -> None:
     if not isinstance(linear, eqx.nn.Linear):
         raise TypeError(f"{owner}: expected an eqx.nn.Linear; got {type(linear).__name__}.")
     if linear.in_features == "scalar" or linear.out_features == "scalar":

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
-from jaxtyping import PRNGKeyArray
+from jaxtyping import PRNGKeyArray, PyTree
 
 from .._axes import axis_size as _bound_axis_size
 from .._checks import check_int
@@ -89,7 +89,7 @@ class ModelParallelismWrapper(eqx.Module):
     def __partition_specs__(self) -> Mapping[str, P]:
         return prefixed("module", stacked_partition_specs(self.module, self.model_axis_name))
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, *args: PyTree, **kwargs: Any) -> PyTree:
         """Call this device's copy (inside `shard_map`) with `*args, **kwargs`.
 
         **Returns:** the copy's output, zeroed on all devices but `mask_except_model_idx` if

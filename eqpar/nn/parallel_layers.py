@@ -29,7 +29,8 @@ types a replicated input that meets a split weight as varying, and the transpose
 cast sums its cotangent over the axis.
 """
 
-from typing import Any
+
+from jaxtyping import PyTree
 
 from .attention import ContextParallelAttention as ContextParallelAttention
 from .attention import HeadParallelAttention as HeadParallelAttention
@@ -69,7 +70,7 @@ PARALLEL_LAYERS = (
 )
 
 
-def to_serial_layer(layer: Any) -> Any:
+def to_serial_layer(layer: PyTree) -> PyTree:
     """`layer.to_serial()` for the layers of this module; any other value as it is.
 
     **Arguments:**

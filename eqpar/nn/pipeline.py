@@ -54,14 +54,14 @@ from .stacks import (
 class _StageCall(eqx.Module):
     """A stage (or a stack of stages) called directly or under `jax.checkpoint`."""
 
-    stage: Any
+    stage: PyTree
     remat: RematPolicy = eqx.field(static=True)
 
-    def __call__(self, x: Any, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, x: PyTree, *args: PyTree, **kwargs: Any) -> PyTree:
         return rematerialized(call_stage, self.remat)(self.stage, x, *args, **kwargs)
 
 
-def _leading_shapes(tree: Any, ndim: int) -> dict[str, tuple[int, ...]]:
+def _leading_shapes(tree: PyTree, ndim: int) -> dict[str, tuple[int, ...]]:
     flat, _ = jax.tree_util.tree_flatten_with_path(tree)
     return {
         path_to_str(path): tuple(leaf.shape[:ndim])
@@ -307,7 +307,7 @@ class PipelineModule(eqx.Module):
         total = self.num_stages * self.num_repeats
         return map_arrays(lambda a: a.reshape(total, *a.shape[2:]), self.stages)
 
-    def stage(self, index: int) -> Any:
+    def stage(self, index: int) -> PyTree:
         """Stage `index` (model order) as an ordinary module."""
         total = self.num_stages * self.num_repeats
         if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < total:
@@ -345,7 +345,7 @@ class PipelineModule(eqx.Module):
 
         return map_arrays(flatten, self.stages.layers)
 
-    def apply_serially(self, x: PyTree[Array], *args: Any, **kwargs: Any) -> PyTree[Array]:
+    def apply_serially(self, x: PyTree[Array], *args: PyTree, **kwargs: Any) -> PyTree[Array]:
         """The serial twin: every stage in model order on the whole batch, on one device.
 
         **Arguments:**
@@ -360,7 +360,7 @@ class PipelineModule(eqx.Module):
         args, kwargs = unwrap_microbatched(args, kwargs, batch_size(x, "x", caller), caller)
         arrays, static = eqx.partition(self.serial_stages(), eqx.is_array)
 
-        def apply(h: Any, stage_arrays: Any) -> tuple[Any, None]:
+        def apply(h: PyTree, stage_arrays: PyTree) -> tuple[Any, None]:
             return eqx.combine(stage_arrays, static)(h, *args, **kwargs), None
 
         out, _ = typed_scan(apply, x, arrays)
@@ -408,7 +408,7 @@ class PipelineModule(eqx.Module):
     # ----------------------------------------------------------------------------------
     # Inside shard_map.
 
-    def _local_stages(self, caller: str) -> Any:
+    def _local_stages(self, caller: str) -> PyTree:
         """This device's stage (`V == 1`) or its `[V, ...]` stack of stages `d, S + d, ...`."""
         size = axis_size(self.axis_name, caller)
         if size != self.num_stages:
@@ -443,7 +443,7 @@ class PipelineModule(eqx.Module):
             )
         return map_arrays(lambda a: a[:, 0], self.stages)
 
-    def __call__(self, x: PyTree[Array], *args: Any, **kwargs: Any) -> PyTree[Array]:
+    def __call__(self, x: PyTree[Array], *args: PyTree, **kwargs: Any) -> PyTree[Array]:
         """Run the pipeline inside `shard_map` (over `axis_name`).
 
         **Arguments:**
@@ -488,7 +488,7 @@ class PipelineModule(eqx.Module):
         loss_fn: Callable,
         x: PyTree[Array],
         targets: PyTree[Array],
-        *args: Any,
+        *args: PyTree,
         schedule: str = "1f1b",
         return_all_grads: bool = False,
         **kwargs: Any,
@@ -568,7 +568,7 @@ class PipelineModule(eqx.Module):
         loss_fn: Callable,
         x: PyTree[Array],
         targets: PyTree[Array],
-        *args: Any,
+        *args: PyTree,
         return_all_grads: bool = False,
         **kwargs: Any,
     ) -> tuple[Array, Any]:

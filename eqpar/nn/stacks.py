@@ -29,7 +29,7 @@ from ..pipeline._tools import typed_scan
 __all__ = ["RematPolicy", "ScannedLayers", "stack_layers", "unstack_layers"]
 
 
-def _leading_sizes(tree: Any) -> dict[str, int | None]:
+def _leading_sizes(tree: PyTree) -> dict[str, int | None]:
     flat, _ = jax.tree_util.tree_flatten_with_path(tree)
     return {
         path_to_str(path): (leaf.shape[0] if leaf.ndim else None)
@@ -38,7 +38,7 @@ def _leading_sizes(tree: Any) -> dict[str, int | None]:
     }
 
 
-def common_leading_size(tree: Any, name: str, owner: str) -> int:
+def common_leading_size(tree: PyTree, name: str, owner: str) -> int:
     sizes = _leading_sizes(tree)
     if not sizes:
         raise ValueError(f"{owner}: `{name}` has no array leaves to stack.")
@@ -54,7 +54,7 @@ def common_leading_size(tree: Any, name: str, owner: str) -> int:
     return size
 
 
-def map_arrays(fn: Callable[[Array], Array], tree: Any) -> Any:
+def map_arrays(fn: Callable[[Array], Array], tree: PyTree) -> PyTree:
     return jax.tree.map(lambda a: fn(a) if eqx.is_array(a) else a, tree)
 
 
@@ -106,7 +106,7 @@ def rematerialized(fn: Callable, remat: str) -> Callable:
 # A Python list of identical layers <-> one layer with a leading layer axis.
 
 
-def _describe_value(value: Any) -> str:
+def _describe_value(value: PyTree) -> str:
     if eqx.is_array(value):
         return f"an array {jnp.result_type(value).name}{list(value.shape)}"
     if isinstance(value, eqx.Module):
@@ -118,7 +118,7 @@ def _describe_value(value: Any) -> str:
     return text if len(text) <= 60 else f"{text[:57]}..."
 
 
-def _first_difference(a: Any, b: Any, path: tuple[str, ...] = ()) -> tuple[str, str] | None:
+def _first_difference(a: PyTree, b: PyTree, path: tuple[str, ...] = ()) -> tuple[str, str] | None:
     """Where `b` first differs from `a` in anything that stacking cannot hold: the pytree
     structure, a static field or non-array leaf, or an array's shape or dtype. Returns
     `(path, what)` or `None` when `b` stacks with `a`."""
@@ -158,7 +158,7 @@ def _first_difference(a: Any, b: Any, path: tuple[str, ...] = ()) -> tuple[str, 
     return None
 
 
-def stack_layers(layers: Sequence[Any]) -> Any:
+def stack_layers(layers: Sequence[Any]) -> PyTree:
     """Stack a list of identical layers into one layer whose arrays carry a leading layer axis.
 
     This is the form `ScannedLayers`, `PipelineModule.from_layers` and `eqx.filter_vmap`
@@ -217,7 +217,7 @@ def stack_layers(layers: Sequence[Any]) -> Any:
     return eqx.combine(stacked, eqx.filter(first, eqx.is_array, inverse=True))
 
 
-def unstack_layers(stacked: Any) -> list[Any]:
+def unstack_layers(stacked: PyTree) -> list[Any]:
     """Split a layer whose array leaves carry a leading layer axis into a list of layers.
 
     The inverse of `stack_layers` (and of `eqx.filter_vmap` over one key per layer): item `i`
@@ -309,11 +309,11 @@ class ScannedLayers(eqx.Module):
         """The size of the leading layer axis."""
         return common_leading_size(self.layers, "layers", type(self).__name__)
 
-    def layer(self, index: int) -> Any:
+    def layer(self, index: int) -> PyTree:
         """Layer `index` as an ordinary module (the stack's array leaves indexed)."""
         return map_arrays(lambda a: a[index], self.layers)
 
-    def __call__(self, x: PyTree[Array], *args: Any, **kwargs: Any) -> PyTree[Array]:
+    def __call__(self, x: PyTree[Array], *args: PyTree, **kwargs: Any) -> PyTree[Array]:
         """Apply every layer in order: `x -> layers[L-1](... layers[0](x, *args, **kwargs))`."""
         arrays, static = eqx.partition(self.layers, eqx.is_array)
         if self.gather_axis is None:
@@ -322,26 +322,26 @@ class ScannedLayers(eqx.Module):
             # layer's gradient over the data axes in the backward scan (`single_step`).
             call = rematerialized(call_stage if self.remat == "none" else call_varying, self.remat)
 
-            def apply(h: Any, layer_arrays: Any) -> tuple[Any, None]:
+            def apply(h: PyTree, layer_arrays: PyTree) -> tuple[Any, None]:
                 h = self._named_input(h)
                 return call(eqx.combine(layer_arrays, static), h, *args, **kwargs), None
 
         else:
             gathered = self._gathered_call(static)
 
-            def apply(h: Any, layer_arrays: Any) -> tuple[Any, None]:
+            def apply(h: PyTree, layer_arrays: PyTree) -> tuple[Any, None]:
                 return gathered(layer_arrays, self._named_input(h), *args, **kwargs), None
 
         out, _ = typed_scan(apply, x, arrays)
         return out
 
-    def _named_input(self, h: Any) -> Any:
+    def _named_input(self, h: PyTree) -> PyTree:
         """A layer's input, named for a checkpoint around the stack (`AROUND_LAYERS`)."""
         if self.remat == "none":
             return h
         return jax.tree.map(lambda a: checkpoint_name(a, _LAYER_INPUT), h)
 
-    def _gathered_call(self, static: Any) -> Callable:
+    def _gathered_call(self, static: PyTree) -> Callable:
         """One layer's call that first all-gathers its parameters over `gather_axis`.
 
         The gather sits inside a `jax.checkpoint` whose policy never saves the gathered
@@ -352,7 +352,7 @@ class ScannedLayers(eqx.Module):
         axis, dims = self.gather_axis, self.gather_dims
         assert axis is not None and dims is not None
 
-        def run(layer_arrays: Any, h: Any, *args: Any, **kwargs: Any) -> Any:
+        def run(layer_arrays: PyTree, h: PyTree, *args: PyTree, **kwargs: Any) -> PyTree:
             leaves, treedef = jax.tree.flatten(layer_arrays)
             if len(leaves) != len(dims):
                 raise ValueError(
@@ -401,7 +401,7 @@ AROUND_LAYERS: dict[str, Callable] = {
 }
 
 
-def remat_of_layers(stages: Any) -> RematPolicy:
+def remat_of_layers(stages: PyTree) -> RematPolicy:
     """The remat policy of the first `ScannedLayers` inside `stages` ("none" if none)."""
     is_layers = lambda node: isinstance(node, ScannedLayers)
     for node in jax.tree.leaves(stages, is_leaf=is_layers):

@@ -46,7 +46,7 @@ def execute_pipeline_step(
     module: Callable,
     state: PyTree[Array],
     input: PyTree[Array],
-    *args: Any,
+    *args: PyTree,
     model_axis_name: AxisName,
     **kwargs: Any,
 ) -> tuple[PyTree[Array], PyTree[Array]]:
@@ -101,7 +101,7 @@ def execute_pipeline_step(
     return new_state, output
 
 
-def _gather_output(outputs: Any, model_axis_name: AxisName, broadcast_output: bool) -> Any:
+def _gather_output(outputs: PyTree, model_axis_name: AxisName, broadcast_output: bool) -> PyTree:
     if broadcast_output:
         return jax.tree.map(lambda o: lax.psum(o, model_axis_name), outputs)
     return outputs
@@ -110,7 +110,7 @@ def _gather_output(outputs: Any, model_axis_name: AxisName, broadcast_output: bo
 def execute_pipeline(
     module: Callable,
     x: PyTree[Array],
-    *args: Any,
+    *args: PyTree,
     num_microbatches: int,
     model_axis_name: AxisName,
     broadcast_output: bool = False,
@@ -169,8 +169,8 @@ def execute_pipeline(
 
 
 def gpipe_forward(
-    module: Any,
-    x: Any,
+    module: PyTree,
+    x: PyTree,
     args: tuple,
     kwargs: dict,
     *,
@@ -179,7 +179,7 @@ def gpipe_forward(
     broadcast_output: bool,
     stage_policy: Callable | None = None,
     reduce_in_layers: bool = False,
-) -> Any:
+) -> PyTree:
     """`execute_pipeline`; `stage_policy` is the `jax.checkpoint` policy of each stage call
     (`None`: the stage is called as it is, at every step); `reduce_in_layers`: see
     `single_step`, which runs a pipeline of one stage and one microbatch."""
@@ -217,8 +217,8 @@ def gpipe_forward(
 
 
 def single_step(
-    stage: Any,
-    x: Any,
+    stage: PyTree,
+    x: PyTree,
     args: tuple,
     kwargs: dict,
     *,
@@ -226,7 +226,7 @@ def single_step(
     axis_name: AxisName,
     stage_policy: Callable | None,
     reduce_in_layers: bool,
-) -> Any:
+) -> PyTree:
     """A one-stage, one-microbatch pipeline: the stage called once on the whole batch.
 
     The parameters replicated over a data axis are cast to vary over it up front
@@ -250,11 +250,11 @@ def single_step(
     return call(stage, x, *args, **kwargs)
 
 
-def call_stage(stage: Any, x: Any, *args: Any, **kwargs: Any) -> Any:
+def call_stage(stage: PyTree, x: PyTree, *args: PyTree, **kwargs: Any) -> PyTree:
     return stage(x, *args, **kwargs)
 
 
-def call_varying(stage: Any, x: Any, *args: Any, **kwargs: Any) -> Any:
+def call_varying(stage: PyTree, x: PyTree, *args: PyTree, **kwargs: Any) -> PyTree:
     """`stage(x, ...)` with the stage's parameters first cast to vary over every mesh axis
     `x` varies over: autodiff then sums each parameter's gradient over those axes once, at
     this call, however often the stage uses the parameter."""
@@ -272,7 +272,7 @@ def _forward_program(num_stages: int, num_microbatches: int, num_repeats: int):
 # Circular (interleaved).
 
 
-def _stack_size(stages: Any, caller: str) -> int:
+def _stack_size(stages: PyTree, caller: str) -> int:
     sizes: dict[str, int] = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(stages)[0]:
         if eqx.is_array(leaf):
@@ -289,7 +289,7 @@ def _stack_size(stages: Any, caller: str) -> int:
 def execute_circular_pipeline(
     stages: PyTree,
     x: PyTree[Array],
-    *args: Any,
+    *args: PyTree,
     num_microbatches: int,
     model_axis_name: AxisName,
     broadcast_output: bool = False,
@@ -353,8 +353,8 @@ def execute_circular_pipeline(
 
 
 def circular_forward(
-    stages: Any,
-    x: Any,
+    stages: PyTree,
+    x: PyTree,
     args: tuple,
     kwargs: dict,
     *,
@@ -362,7 +362,7 @@ def circular_forward(
     model_axis_name: AxisName,
     broadcast_output: bool,
     stage_policy: Callable | None = None,
-) -> Any:
+) -> PyTree:
     """`execute_circular_pipeline`; `stage_policy` is the `jax.checkpoint` policy of each
     stage call (`None`: keep everything), which never keeps the stage's slice of the stacked
     weights."""
@@ -386,7 +386,7 @@ def circular_forward(
     )
     arrays, static = eqx.partition(stages, eqx.is_array)
 
-    def stage_at(repeat: Any) -> Callable:
+    def stage_at(repeat: PyTree) -> Callable:
         return eqx.combine(index_tree(arrays, repeat), static)
 
     first = index_tree(microbatches, 0)
@@ -410,7 +410,7 @@ def execute_1f1b(
     loss_fn: Callable,
     x: PyTree[Array],
     targets: PyTree[Array],
-    *args: Any,
+    *args: PyTree,
     num_microbatches: int,
     model_axis_name: AxisName,
     return_all_grads: bool = False,
@@ -532,7 +532,7 @@ def execute_schedule(
     loss_fn: Callable,
     x: PyTree[Array],
     targets: PyTree[Array],
-    *args: Any,
+    *args: PyTree,
     model_axis_name: AxisName,
     return_all_grads: bool = False,
     recompute: bool = False,
@@ -644,17 +644,17 @@ def execute_schedule(
 def _execute_schedule(
     caller: str,
     schedule: PipelineSchedule,
-    stages: Any,
+    stages: PyTree,
     loss_fn: Callable,
-    x: Any,
-    targets: Any,
+    x: PyTree,
+    targets: PyTree,
     args: tuple,
     kwargs: dict,
     model_axis_name: AxisName,
     *,
     return_all_grads: bool,
     recompute: bool,
-) -> tuple[Any, Any]:
+) -> tuple[PyTree, PyTree]:
     if not isinstance(schedule, PipelineSchedule) or not schedule.has_backward:
         raise TypeError(
             f"{caller}: `schedule` must be a training schedule from `eqpar.schedule` (with "
@@ -716,7 +716,7 @@ def _execute_schedule(
     stage = stages if num_repeats == 1 else first_of_stack(stages)
     check_stage_keeps_shape(stage, first, *arguments_at(0), caller)
 
-    def first_loss(h: Any, t: Any) -> Any:
+    def first_loss(h: PyTree, t: PyTree) -> PyTree:
         out = stage(h, *arguments_at(0)[0], **arguments_at(0)[1])
         if loss_on_every_device:  # as the run hands it over: the same on every device
             out = jax.tree.map(

@@ -535,11 +535,11 @@ _ACTIONS = {
 }
 
 
-def _integer_leaves(tree: Any) -> Any:
+def _integer_leaves(tree: PyTree) -> PyTree:
     return eqx.filter(tree, eqx.is_inexact_array, inverse=True)
 
 
-def _write(buffer: Any, row: Any, value: Any) -> Any:
+def _write(buffer: PyTree, row: PyTree, value: PyTree) -> PyTree:
     """`buffer` with `value` in row `row` (traced)."""
     return jax.tree.map(lambda b, v: lax.dynamic_update_index_in_dim(b, v, row, 0), buffer, value)
 
@@ -556,8 +556,8 @@ class _Residuals:
     their operands), so the two always agree even where JAX caches a trace; an abstract probe
     beforehand gives only the shapes the other branches return as zeros."""
 
-    def __init__(self, stage_vjp: Callable, params: Any, h: Any):
-        def probe(params: Any, h: Any) -> Any:
+    def __init__(self, stage_vjp: Callable, params: PyTree, h: PyTree):
+        def probe(params: PyTree, h: PyTree) -> PyTree:
             pullback, _ = stage_vjp(params, h, jnp.zeros((), jnp.int32))
             return self._stored(pullback, _sources(pullback, params, h))
 
@@ -565,13 +565,13 @@ class _Residuals:
         self.recorded: dict = {}  # operand types -> the forward's treedef, sources, out axes
 
     @staticmethod
-    def _stored(pullback: Any, sources: tuple) -> tuple:
+    def _stored(pullback: PyTree, sources: tuple) -> tuple:
         return tuple(r for r, s in zip(jax.tree.leaves(pullback), sources) if s is None)
 
     def zeros(self) -> tuple:
         return tuple(zeros_like(self.shapes))
 
-    def split(self, pullback: Any, out: Any, params: Any, h: Any) -> tuple:
+    def split(self, pullback: PyTree, out: PyTree, params: PyTree, h: PyTree) -> tuple:
         """The residuals of `pullback` to store (recording where the others come from, and
         the replication types of the output `out`, which its cotangent must have)."""
         sources = _sources(pullback, params, h)
@@ -585,7 +585,7 @@ class _Residuals:
             )
         return stored
 
-    def join(self, stored: Any, params: Any, h: Any) -> tuple[Any, Any]:
+    def join(self, stored: PyTree, params: PyTree, h: PyTree) -> tuple[PyTree, PyTree]:
         """The pullback rebuilt from the stored residuals and the inputs, and the replication
         types its cotangent must have."""
         treedef, sources, out_axes = self.recorded[_types(params, h)]  # forward traced first
@@ -594,15 +594,15 @@ class _Residuals:
         return jax.tree.unflatten(treedef, leaves), out_axes
 
 
-def _types(*trees: Any) -> tuple:
+def _types(*trees: PyTree) -> tuple:
     return tuple((x.shape, x.dtype, _varying_axes(x)) for x in jax.tree.leaves(trees))
 
 
-def _inputs(params: Any, h: Any) -> list:
+def _inputs(params: PyTree, h: PyTree) -> list:
     return jax.tree.leaves((params, eqx.filter(h, eqx.is_inexact_array)))
 
 
-def _sources(pullback: Any, params: Any, h: Any) -> tuple:
+def _sources(pullback: PyTree, params: PyTree, h: PyTree) -> tuple:
     """For each residual of `pullback`: the index of the input leaf it is, or None."""
     inputs = _inputs(params, h)
     return tuple(

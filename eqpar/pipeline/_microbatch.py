@@ -57,7 +57,7 @@ class Microbatched(eqx.Module):
     value: PyTree
 
 
-def _is_microbatched(node: Any) -> bool:
+def _is_microbatched(node: PyTree) -> bool:
     return isinstance(node, Microbatched)
 
 
@@ -69,12 +69,12 @@ def _argument_name(path: tuple) -> str:
     return f"kwargs{jax.tree_util.keystr(rest)}"
 
 
-def _has_microbatched(args: Any, kwargs: Any) -> bool:
+def _has_microbatched(args: PyTree, kwargs: PyTree) -> bool:
     leaves = jax.tree.leaves((args, kwargs), is_leaf=_is_microbatched)
     return any(_is_microbatched(leaf) for leaf in leaves)
 
 
-def reject_microbatched(args: Any, kwargs: Any, caller: str) -> None:
+def reject_microbatched(args: PyTree, kwargs: PyTree, caller: str) -> None:
     if _has_microbatched(args, kwargs):
         raise TypeError(
             f"{caller}: a `Microbatched` argument needs the index of the microbatch being "
@@ -83,7 +83,7 @@ def reject_microbatched(args: Any, kwargs: Any, caller: str) -> None:
         )
 
 
-def _check_microbatched_rows(value: Any, name: str, batch: int, caller: str) -> None:
+def _check_microbatched_rows(value: PyTree, name: str, batch: int, caller: str) -> None:
     rows = batch_size(value, name, caller)
     if rows is None:
         raise ValueError(
@@ -100,7 +100,7 @@ def _check_microbatched_rows(value: Any, name: str, batch: int, caller: str) -> 
 
 
 def unwrap_microbatched(
-    args: Any, kwargs: Any, batch: int | None, caller: str, axis_name: AxisName | None = None
+    args: PyTree, kwargs: PyTree, batch: int | None, caller: str, axis_name: AxisName | None = None
 ) -> tuple:
     """`(args, kwargs)` with every `Microbatched` replaced by its whole value (rows checked
     against `batch` when it is known; with `axis_name`, checked to be the same on every
@@ -119,8 +119,8 @@ def unwrap_microbatched(
 
 
 def microbatch_arguments(
-    args: Any,
-    kwargs: Any,
+    args: PyTree,
+    kwargs: PyTree,
     *,
     num_microbatches: int,
     batch: int,
@@ -144,7 +144,7 @@ def microbatch_arguments(
     if all(split is None for split in splits):
         return lambda index: (tuple(args), dict(kwargs))
 
-    def at(index: Any) -> tuple[tuple, dict]:
+    def at(index: PyTree) -> tuple[tuple, dict]:
         leaves = [
             leaf if split is None else index_tree(split, index)
             for (_, leaf), split in zip(flat, splits)
@@ -159,7 +159,7 @@ def microbatch_arguments(
 # Splitting a batch into microbatches.
 
 
-def batch_size(tree: Any, name: str, caller: str) -> int | None:
+def batch_size(tree: PyTree, name: str, caller: str) -> int | None:
     """The common leading size of the array leaves of `tree` (None when it has none)."""
     sizes = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
@@ -178,7 +178,7 @@ def batch_size(tree: Any, name: str, caller: str) -> int | None:
     return next(iter(sizes.values()), None)
 
 
-def check_replicated(tree: Any, name: str, axis_name: AxisName, caller: str) -> None:
+def check_replicated(tree: PyTree, name: str, axis_name: AxisName, caller: str) -> None:
     """The batch must be the same on every device of the pipeline axis (check_vma types)."""
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
         if axis_name in _varying_axes(leaf):
@@ -191,7 +191,7 @@ def check_replicated(tree: Any, name: str, axis_name: AxisName, caller: str) -> 
             )
 
 
-def split_microbatches(tree: Any, num_microbatches: int, batch: int, name: str, caller: str):
+def split_microbatches(tree: PyTree, num_microbatches: int, batch: int, name: str, caller: str):
     if batch % num_microbatches:
         raise ValueError(
             f"{caller}: the batch of {batch} rows in `{name}` does not divide into "
@@ -202,11 +202,11 @@ def split_microbatches(tree: Any, num_microbatches: int, batch: int, name: str, 
     return jax.tree.map(lambda a: jnp.reshape(a, (num_microbatches, size, *a.shape[1:])), tree)
 
 
-def merge_microbatches(tree: Any) -> Any:
+def merge_microbatches(tree: PyTree) -> PyTree:
     return jax.tree.map(lambda a: jnp.reshape(a, (a.shape[0] * a.shape[1], *a.shape[2:])), tree)
 
 
-def check_stage_keeps_shape(stage: Callable, microbatch: Any, args, kwargs, caller: str) -> None:
+def check_stage_keeps_shape(stage: Callable, microbatch: PyTree, args, kwargs, caller: str) -> None:
     out = jax.eval_shape(lambda h: stage(h, *args, **kwargs), microbatch)
     ins = jax.eval_shape(lambda h: h, microbatch)
     same_structure = jax.tree.structure(out) == jax.tree.structure(ins)

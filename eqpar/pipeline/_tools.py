@@ -2,13 +2,12 @@
 consistent through `lax.scan` and `lax.switch`, and small pytree operations."""
 
 from collections.abc import Callable
-from typing import Any
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jaxtyping import Array
+from jaxtyping import Array, PyTree
 
 from .._typing import AxisName
 from .._vma import cast_varying as _cast_varying
@@ -18,14 +17,14 @@ from .._vma import varying_axes as _varying_axes
 # Replication types (shard_map's `check_vma`) across JAX versions.
 
 
-def cast_tree(tree: Any, axes: Any) -> Any:
+def cast_tree(tree: PyTree, axes: PyTree) -> PyTree:
     """`_cast_varying` leaf by leaf; `axes` is a frozenset or a tree of them like `tree`."""
     if isinstance(axes, frozenset):
         return jax.tree.map(lambda x: _cast_varying(x, axes), tree)
     return jax.tree.map(_cast_varying, tree, axes)
 
 
-def vary_like_input(tree: Any, x: Any, axis_name: AxisName | None) -> Any:
+def vary_like_input(tree: PyTree, x: PyTree, axis_name: AxisName | None) -> PyTree:
     """`tree`'s inexact arrays marked varying over the mesh axes the batch `x` varies over
     (but `axis_name`).
 
@@ -42,27 +41,29 @@ def vary_like_input(tree: Any, x: Any, axis_name: AxisName | None) -> Any:
     )
 
 
-def sum_over_cast_axes(grads: Any, original_axes: Any, x: Any, axis_name: AxisName) -> Any:
+def sum_over_cast_axes(
+    grads: PyTree, original_axes: PyTree, x: PyTree, axis_name: AxisName
+) -> PyTree:
     """Undo `vary_like_input` for gradients: `psum` each over the axes it was cast to."""
     axes = frozenset().union(*(_varying_axes(leaf) for leaf in jax.tree.leaves(x)))
     axes = axes - {axis_name}
 
-    def total(g: Any, original: frozenset) -> Any:
+    def total(g: PyTree, original: frozenset) -> PyTree:
         added = tuple(sorted(axes - original, key=str))
         return lax.psum(g, added) if added else g
 
     return jax.tree.map(total, grads, original_axes)
 
 
-def axes_tree(tree: Any) -> Any:
+def axes_tree(tree: PyTree) -> PyTree:
     return jax.tree.map(_varying_axes, tree)
 
 
-def _union_axes(*trees: Any) -> Any:
+def _union_axes(*trees: PyTree) -> PyTree:
     return jax.tree.map(lambda *sets: frozenset().union(*sets), *trees)
 
 
-def typed_scan(body: Callable, init: Any, xs: Any) -> tuple[Any, Any]:
+def typed_scan(body: Callable, init: PyTree, xs: PyTree) -> tuple[PyTree, PyTree]:
     """`lax.scan(body, init, xs)` with the carry's replication types widened until the body
     maps them to themselves (as `check_vma` requires of a scan carry)."""
     carry = init
@@ -79,7 +80,7 @@ def step_indices(length: int) -> Array:
     return jnp.arange(length, dtype=jnp.int32)
 
 
-def typed_switch(index: Any, branches: list[Callable], *operands: Any) -> Any:
+def typed_switch(index: PyTree, branches: list[Callable], *operands: PyTree) -> PyTree:
     """`lax.switch` whose branches may return values of different replication types."""
     results = [jax.eval_shape(branch, *operands) for branch in branches]
     wanted = _union_axes(*[axes_tree(r) for r in results])
@@ -94,18 +95,18 @@ def typed_switch(index: Any, branches: list[Callable], *operands: Any) -> Any:
 # Small shared helpers.
 
 
-def index_tree(tree: Any, index: Any) -> Any:
+def index_tree(tree: PyTree, index: PyTree) -> PyTree:
     """Row `index` (traced) of every array leaf of `tree`."""
     return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, index, keepdims=False), tree)
 
 
-def zeros_like(tree: Any) -> Any:
+def zeros_like(tree: PyTree) -> PyTree:
     return jax.tree.map(lambda a: jnp.zeros(jnp.shape(a), jnp.result_type(a)), tree)
 
 
 def ring_shift_tree(
-    tree: Any, axis_name: AxisName, size: int, offset: int, wrap: bool = True
-) -> Any:
+    tree: PyTree, axis_name: AxisName, size: int, offset: int, wrap: bool = True
+) -> PyTree:
     """Send every leaf `offset` devices along the axis. Without `wrap` the pair that would go
     round the end of the ring (last -> first, or first -> last) is left out, and the device
     it would reach gets zeros: GPipe and 1F1B never use what crosses there."""
@@ -113,15 +114,15 @@ def ring_shift_tree(
     return jax.tree.map(lambda a: lax.ppermute(a, axis_name, perm), tree)
 
 
-def describe_tree(tree: Any) -> str:
+def describe_tree(tree: PyTree) -> str:
     return str(jax.tree.map(lambda a: f"{jnp.result_type(a).name}{list(jnp.shape(a))}", tree))
 
 
-def first_of_stack(stages: Any) -> Any:
+def first_of_stack(stages: PyTree) -> PyTree:
     """Entry 0 of stages stacked on their array leaves' leading axis."""
     arrays, static = eqx.partition(stages, eqx.is_array)
     return eqx.combine(index_tree(arrays, 0), static)
 
 
-def tree_add(a: Any, b: Any) -> Any:
+def tree_add(a: PyTree, b: PyTree) -> PyTree:
     return jax.tree.map(lambda u, v: u + v, a, b)
