@@ -1,6 +1,6 @@
 """Figures of the package's code, as the renovation issue states them.
 
-    python scripts/code_figures.py [PACKAGE_DIR]
+    python scripts/code_figures.py [PACKAGE_DIR] [-v]   # -v: the longest functions too
 
 Code lines are lines that are neither blank, comments nor docstrings. A function's length is
 the code lines in its span (nested functions count in their parent as well). `Any` counts the
@@ -50,7 +50,8 @@ def code_lines(source: str) -> tuple[set[int], int]:
 
 
 def main() -> None:
-    root = pathlib.Path(sys.argv[1] if len(sys.argv) > 1 else "eqpar")
+    folders = [a for a in sys.argv[1:] if not a.startswith("-")]
+    root = pathlib.Path(folders[0] if folders else "eqpar")
     per_file: dict[str, int] = {}
     functions: list[tuple[int, str]] = []
     total_any = 0

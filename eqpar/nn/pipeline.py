@@ -592,7 +592,9 @@ class PipelineModule(eqx.Module):
 
 
 def _schedule_name(name: str | None, num_repeats: int, owner: str) -> str:
-    """`name` checked against `num_repeats` (`None`: GPipe, or circular with repeats)."""
+    """`name` checked against `num_repeats` (`None`: GPipe, or circular with repeats). The
+    tables of 1F1B and ZB-H1 can be drawn for any module; only `value_and_grad` needs one stage
+    per device to run them."""
     forward = "gpipe" if num_repeats == 1 else "circular"
     if name is None:
         return forward
@@ -611,7 +613,7 @@ def _schedule_name(name: str | None, num_repeats: int, owner: str) -> str:
             f"{owner}: the module has num_repeats=1, so its all-forward schedule is 'gpipe', "
             "not 'circular' (build it with num_repeats > 1 for the circular schedule)."
         )
-    if name in ("1f1b", "zb-h1") and num_repeats != 1:
+    if name in ("1f1b", "zb-h1") and num_repeats != 1 and owner.endswith("value_and_grad"):
         raise ValueError(
             f"{owner}: the {name!r} schedule runs one stage per device but this module has "
             f"num_repeats={num_repeats}. Use num_repeats=1, or schedule='circular'."

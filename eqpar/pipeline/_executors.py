@@ -17,7 +17,7 @@ from .._typing import AxisName
 from ..schedule import CircularSchedule, OneFOneBSchedule, PipelineSchedule
 from . import _program
 from ._jaxpr import collective_axes, uses_primitive
-from ._loop import run_schedule
+from ._loop import LoopState, run_schedule
 from ._microbatch import (
     batch_size,
     check_replicated,
@@ -716,52 +716,12 @@ def _execute_schedule(
     stage = stages if num_repeats == 1 else first_of_stack(stages)
     check_stage_keeps_shape(stage, first, *arguments_at(0), caller)
 
-    def first_loss(h: PyTree, t: PyTree) -> PyTree:
-        out = stage(h, *arguments_at(0)[0], **arguments_at(0)[1])
-        if loss_on_every_device:  # as the run hands it over: the same on every device
-            out = jax.tree.map(
-                lambda a: lax.psum(a, model_axis_name) if eqx.is_inexact_array(a) else a, out
-            )
-        return loss_fn(out, t)
-
-    loss_shape = jax.eval_shape(first_loss, first, index_tree(target_microbatches, 0))
-    if not isinstance(loss_shape, jax.ShapeDtypeStruct) or loss_shape.shape != ():
-        raise ValueError(
-            f"{caller}: `loss_fn(outputs, targets)` must return one scalar per microbatch "
-            f"(e.g. a mean over rows); it returned {describe_tree(loss_shape)}."
-        )
-    if not jnp.issubdtype(loss_shape.dtype, jnp.inexact):
-        raise TypeError(
-            f"{caller}: `loss_fn` must return a floating-point scalar, got {loss_shape.dtype.name}."
-        )
-
-    call_args, call_kwargs = arguments_at(0)
-    if uses_primitive(
-        jax.make_jaxpr(lambda h: stage(h, *call_args, **call_kwargs))(first), "ppermute"
-    ):
-        # Each device runs the branch of its own action (`lax.switch` on a per-device index);
-        # a `ppermute` inside such a branch, over any mesh axis, gives wrong values (seen on
-        # CPU), where psum, all-gather and reduce-scatter give the right ones.
-        raise ValueError(
-            f"{caller}: the stage uses `lax.ppermute` (a ring collective: ring attention, "
-            f"`TPAsyncDense`, `eqpar.collectives`), which cannot run inside the per-device "
-            f"branches of a training schedule. Train through the forward pass instead "
-            f"(`jax.grad` of `execute_pipeline` / `PipelineModule.__call__`, the GPipe or "
-            f"circular schedule), or use a collective without `ppermute` in the stage "
-            f"(`strategy='all_gather'` attention, `TPDense`)."
-        )
     target = index_tree(target_microbatches, 0)
-    loss_axes = collective_axes(jax.make_jaxpr(lambda h, t: loss_fn(h, t))(first, target))
-    if model_axis_name in loss_axes and not loss_on_every_device:
-        raise ValueError(
-            f"{caller}: `loss_fn` uses a collective over the pipeline axis "
-            f"{model_axis_name!r}, but none of its parameters is split over that axis, so it "
-            f"runs on the last stage's device alone, where such a collective cannot run. "
-            f"Split its parameters over {model_axis_name!r} too (e.g. "
-            f"`eqpar.ColumnParallel(('model', {model_axis_name!r}))` on the output head with "
-            f"`eqpar.nn.vocab_parallel_cross_entropy`): it then runs on every device of the "
-            f"axis; or remove the collective."
-        )
+    loss_dtype = _loss_dtype(caller, stage, loss_fn, first, target, arguments_at, model_axis_name,
+                             loss_on_every_device)  # fmt: skip
+    _check_collectives(
+        caller, stage, loss_fn, first, target, arguments_at, model_axis_name, loss_on_every_device
+    )
     program = _program.compile_schedule(schedule, store_residuals=not recompute)
     carry = run_schedule(
         program,
@@ -771,10 +731,28 @@ def _execute_schedule(
         target_microbatches,
         arguments_at,
         axis_name=model_axis_name,
-        loss_dtype=loss_shape.dtype,
+        loss_dtype=loss_dtype,
         return_all_grads=return_all_grads,
         loss_on_every_device=loss_on_every_device,
     )
+    return _results(
+        carry, x, replicated_axes, model_axis_name, num_stages, num_microbatches,
+        return_all_grads=return_all_grads, loss_on_every_device=loss_on_every_device,
+    )  # fmt: skip
+
+
+def _results(
+    carry: LoopState,
+    x: PyTree,
+    replicated_axes: tuple[PyTree, PyTree],
+    model_axis_name: AxisName,
+    num_stages: int,
+    num_microbatches: int,
+    *,
+    return_all_grads: bool,
+    loss_on_every_device: bool,
+) -> tuple[PyTree, PyTree]:
+    """The loss and gradients of a training run, reduced to what every device returns."""
     device = lax.axis_index(model_axis_name)
     is_first, is_last = device == 0, device == num_stages - 1
     # Parameters replicated over the batch's axes were cast to varying before the loop: sum
@@ -795,3 +773,77 @@ def _execute_schedule(
         carry.x_grads,
     )
     return loss, (grads, loss_grads, merge_microbatches(x_grads))
+
+
+def _loss_dtype(
+    caller: str,
+    stage: Callable,
+    loss_fn: Callable,
+    first: PyTree,
+    target: PyTree,
+    arguments_at: Callable,
+    model_axis_name: AxisName,
+    loss_on_every_device: bool,
+) -> PyTree:
+    """The dtype of `loss_fn` on the first microbatch's output, after checking that it gives
+    one floating-point scalar."""
+
+    def first_loss(h: PyTree, t: PyTree) -> PyTree:
+        out = stage(h, *arguments_at(0)[0], **arguments_at(0)[1])
+        if loss_on_every_device:  # as the run hands it over: the same on every device
+            out = jax.tree.map(
+                lambda a: lax.psum(a, model_axis_name) if eqx.is_inexact_array(a) else a, out
+            )
+        return loss_fn(out, t)
+
+    loss_shape = jax.eval_shape(first_loss, first, target)
+    if not isinstance(loss_shape, jax.ShapeDtypeStruct) or loss_shape.shape != ():
+        raise ValueError(
+            f"{caller}: `loss_fn(outputs, targets)` must return one scalar per microbatch "
+            f"(e.g. a mean over rows); it returned {describe_tree(loss_shape)}."
+        )
+    if not jnp.issubdtype(loss_shape.dtype, jnp.inexact):
+        raise TypeError(
+            f"{caller}: `loss_fn` must return a floating-point scalar, got {loss_shape.dtype.name}."
+        )
+    return loss_shape.dtype
+
+
+def _check_collectives(
+    caller: str,
+    stage: Callable,
+    loss_fn: Callable,
+    first: PyTree,
+    target: PyTree,
+    arguments_at: Callable,
+    model_axis_name: AxisName,
+    loss_on_every_device: bool,
+) -> None:
+    """Refuse the collectives a training schedule cannot run: a `ppermute` in the stage, and
+    a collective over the pipeline axis in a loss that runs on one device."""
+    call_args, call_kwargs = arguments_at(0)
+    if uses_primitive(
+        jax.make_jaxpr(lambda h: stage(h, *call_args, **call_kwargs))(first), "ppermute"
+    ):
+        # Each device runs the branch of its own action (`lax.switch` on a per-device index);
+        # a `ppermute` inside such a branch, over any mesh axis, gives wrong values (seen on
+        # CPU), where psum, all-gather and reduce-scatter give the right ones.
+        raise ValueError(
+            f"{caller}: the stage uses `lax.ppermute` (a ring collective: ring attention, "
+            f"`TPAsyncDense`, `eqpar.collectives`), which cannot run inside the per-device "
+            f"branches of a training schedule. Train through the forward pass instead "
+            f"(`jax.grad` of `execute_pipeline` / `PipelineModule.__call__`, the GPipe or "
+            f"circular schedule), or use a collective without `ppermute` in the stage "
+            f"(`strategy='all_gather'` attention, `TPDense`)."
+        )
+    loss_axes = collective_axes(jax.make_jaxpr(lambda h, t: loss_fn(h, t))(first, target))
+    if model_axis_name in loss_axes and not loss_on_every_device:
+        raise ValueError(
+            f"{caller}: `loss_fn` uses a collective over the pipeline axis "
+            f"{model_axis_name!r}, but none of its parameters is split over that axis, so it "
+            f"runs on the last stage's device alone, where such a collective cannot run. "
+            f"Split its parameters over {model_axis_name!r} too (e.g. "
+            f"`eqpar.ColumnParallel(('model', {model_axis_name!r}))` on the output head with "
+            f"`eqpar.nn.vocab_parallel_cross_entropy`): it then runs on every device of the "
+            f"axis; or remove the collective."
+        )
