@@ -463,18 +463,7 @@ def plot_layout(
         raise ImportError("plot_layout needs matplotlib: `pip install eqpar[plot]`.") from error
 
     table, jax_mesh = _layout(model, distribution_or_specs, mesh, "plot_layout")
-    rows = list(table.rows)
-    if leaves is not None:
-        pattern = compile_key(leaves, "plot_layout `leaves`")
-        rows = [row for row in rows if pattern.fullmatch(row.path)]
-        if not rows:
-            raise ValueError(
-                "plot_layout: `leaves` matches no leaf path: "
-                f"{unused_key_hints([leaves], [r.path for r in table.rows])}."
-            )
-    selected = len(rows)
-    if max_rows is not None:
-        rows = rows[:max_rows]
+    rows, selected = _selected_rows(table, leaves, max_rows)
 
     axis_names = [str(n) for n in jax_mesh.axis_names]
     num_devices = int(jax_mesh.devices.size)
@@ -570,7 +559,30 @@ def plot_layout(
         handles=handles, loc="outside lower center", ncols=len(handles), fontsize=8, frameon=False
     )
 
-    # The boxes' text, once the layout has settled the bar's width: in each row the same kinds
+    _write_box_texts(fig, ax, texts)
+    return fig
+
+
+def _selected_rows(
+    table: "LayoutTable", leaves: str | None, max_rows: int | None
+) -> tuple[list["LayoutRow"], int]:
+    """The rows `plot_layout` draws (those whose path `leaves` matches, at most `max_rows`),
+    and how many matched."""
+    rows = list(table.rows)
+    if leaves is not None:
+        pattern = compile_key(leaves, "plot_layout `leaves`")
+        rows = [row for row in rows if pattern.fullmatch(row.path)]
+        if not rows:
+            raise ValueError(
+                "plot_layout: `leaves` matches no leaf path: "
+                f"{unused_key_hints([leaves], [r.path for r in table.rows])}."
+            )
+    return (rows if max_rows is None else rows[:max_rows]), len(rows)
+
+
+def _write_box_texts(fig: Any, ax: Any, texts: list) -> None:
+    """Write each box's lines (`texts`: row, boxes, colours, lines of each kind)."""
+    # The text goes in once the layout has settled the bar's width: in each row the same kinds
     # of line for every box, dropping the slice, then the coordinates, where they do not fit.
     fig.draw_without_rendering()
     bar_inches = ax.get_window_extent().width / fig.dpi
@@ -594,7 +606,6 @@ def plot_layout(
                 color=_text_colour(dark if i % 2 == 0 else light),
                 linespacing=1.15,
             )
-    return fig
 
 
 def _text_colour(background: str) -> str:
