@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
+from numerics import assert_tree_close
 from test_tensor_parallel import mesh_of, sharded_apply
 
 from eqpar.nn import TPAttentionBlock, TPLayerNorm, TPMLPBlock
@@ -58,11 +59,10 @@ def test_block_matches_serial_twin(name, n, ring):
         return jnp.sum(jnp.sin(serial(block, x)))
 
     got = jax.jit(lambda b, x: sharded_apply(b, x, mesh, X_SPEC, X_SPEC))(block, x)
-    np.testing.assert_allclose(got, jax.jit(serial)(block, x), rtol=1e-5, atol=1e-5)
+    assert_tree_close(got, jax.jit(serial)(block, x), what="output")
     grads = jax.jit(jax.grad(parallel_loss, argnums=(0, 1)))(block, x)
     expected = jax.jit(jax.grad(serial_loss, argnums=(0, 1)))(block, x)
-    for g, e in zip(jax.tree.leaves(grads), jax.tree.leaves(expected)):
-        np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-5)
+    assert_tree_close(grads, expected, what="gradients")
 
 
 def test_attention_validation():
@@ -97,14 +97,15 @@ def test_layer_norm_matches_equinox(n):
     def serial_loss(m, x):
         return jnp.sum(jnp.cos(jax.vmap(jax.vmap(m))(x)))
 
-    np.testing.assert_allclose(
+    assert_tree_close(
         jax.jit(lambda m, x: sharded_apply(m, x, mesh, X_SPEC, X_SPEC))(norm, x),
         jax.vmap(jax.vmap(serial))(x),
-        rtol=1e-5,
-        atol=1e-5,
+        what="output",
     )
     got = jax.jit(jax.grad(parallel_loss, argnums=(0, 1)))(norm, x)
     want = jax.grad(serial_loss, argnums=(0, 1))(serial, x)
-    np.testing.assert_allclose(got[0].weight, want[0].weight, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(got[0].bias, want[0].bias, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(got[1], want[1], rtol=1e-5, atol=1e-5)
+    assert_tree_close(
+        (got[0].weight, got[0].bias, got[1]),
+        (want[0].weight, want[0].bias, want[1]),
+        what="(weight, bias, input) gradients",
+    )

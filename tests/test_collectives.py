@@ -8,6 +8,7 @@ from _hlo import collective_ops
 from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
+from numerics import assert_tree_close
 
 from eqpar import collectives as C
 
@@ -110,8 +111,8 @@ def test_scatter_equals_psum_scatter(n, scatter, shift_up):
 
     x = jax.random.normal(jax.random.key(n), (n, n, 3))
     out = run(fn, n, x)
-    np.testing.assert_allclose(out[:, 0], out[:, 1], rtol=1e-6, atol=1e-6)
-    np.testing.assert_allclose(out[:, 0], x.sum(axis=0), rtol=1e-5, atol=1e-5)
+    assert_tree_close(out[:, 0], out[:, 1], rtol=1e-6, what="ring against psum_scatter")
+    assert_tree_close(out[:, 0], x.sum(axis=0), what="ring against the sum")
 
 
 @pytest.mark.parametrize("n", [2, 4, 8])
@@ -131,7 +132,7 @@ def test_scatter_definition_by_index(n):
                 for k in range(n):
                     hit = (j - 1 - k) % n == d if up else (j + 1 + k) % n == d
                     expected += hit * (10.0**j) * (k + 1)
-            np.testing.assert_allclose(out[d, 0], expected, rtol=1e-6)
+            assert_tree_close(out[d, 0], jnp.float32(expected), rtol=1e-6)
 
 
 @pytest.mark.parametrize("scatter", SCATTERS)
@@ -161,8 +162,7 @@ def test_scatter_accepts_pytrees(scatter):
     b = jax.random.normal(jax.random.key(2), (n, n, 2, 2))
     mapped = jax.shard_map(fn, mesh=mesh_of(n), in_specs=P("x"), out_specs=P("x"))
     out_a, out_b = mapped(a, b)
-    np.testing.assert_allclose(out_a, a.sum(0), rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(out_b, b.sum(0), rtol=1e-5, atol=1e-5)
+    assert_tree_close((out_a, out_b), (a.sum(0), b.sum(0)))
 
 
 @pytest.mark.parametrize("n", [2, 8])
@@ -188,8 +188,7 @@ def test_gather_gradients_equal_all_gather(n, gather):
     x = jax.random.normal(jax.random.key(1), (n, 1, 3))
     value_and_grad = jax.jit(jax.value_and_grad(loss), static_argnums=1)
     (ring, ring_grad), (ref, ref_grad) = value_and_grad(x, "ring"), value_and_grad(x, "ref")
-    np.testing.assert_allclose(ring, ref, rtol=1e-5)
-    np.testing.assert_allclose(ring_grad, ref_grad, rtol=1e-5, atol=1e-6)
+    assert_tree_close((ring, ring_grad), (ref, ref_grad), what="(value, gradient)")
 
 
 @pytest.mark.parametrize("n", [2, 8])
@@ -215,8 +214,7 @@ def test_scatter_gradients_equal_psum_scatter(n, scatter):
     x = jax.random.normal(jax.random.key(1), (n, n, 3))
     value_and_grad = jax.jit(jax.value_and_grad(loss), static_argnums=1)
     (ring, ring_grad), (ref, ref_grad) = value_and_grad(x, "ring"), value_and_grad(x, "ref")
-    np.testing.assert_allclose(ring, ref, rtol=1e-5)
-    np.testing.assert_allclose(ring_grad, ref_grad, rtol=1e-5, atol=1e-6)
+    assert_tree_close((ring, ring_grad), (ref, ref_grad), what="(value, gradient)")
 
 
 # --- what the compiler is asked to move ------------------------------------------------------

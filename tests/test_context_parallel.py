@@ -14,6 +14,7 @@ from _hlo import _ARRAY, collective_summary
 from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
+from numerics import assert_arrays_close, assert_tree_close
 
 import eqpar
 from eqpar.context import (
@@ -55,11 +56,6 @@ def inputs(value_size=D):
     key_mask = jax.random.bernoulli(k4, 0.7, (B, S)).at[:, 0].set(True)
     cotangent = jax.random.normal(k5, (B, S, H, value_size))
     return q, k, v, key_mask, cotangent
-
-
-def assert_close(got, expected, rtol=1e-5, atol=1e-6):
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=rtol, atol=atol)
 
 
 CASES = {
@@ -113,7 +109,7 @@ def test_attention_matches_serial(strategy, n, case):
     key_mask = key_mask if padded else None
     got = parallel(q, k, v, key_mask, cotangent)
     expected = serial_value_and_grads(q, k, v, key_mask, cotangent, causal)
-    assert_close(got, expected)
+    assert_tree_close(got, expected)
 
 
 def test_balance_sequence_round_trip_and_positions():
@@ -235,13 +231,12 @@ def test_plan_matches_multihead_attention(mesh_shape, style):
     batch_axis = "data" if "data" in mesh_shape else None
     loss, grads = parallel_step(parallel, mesh, x_in, mask_in, batch_axis)
     serial_loss, serial_grads = serial_step(model, x, key_mask, style.causal)
-    np.testing.assert_allclose(float(loss), float(serial_loss), rtol=1e-5)
-    assert_close(eqpar.unparallelize(grads), serial_grads, rtol=1e-5, atol=1e-5)
+    assert_tree_close(float(loss), float(serial_loss), what="loss")
+    assert_tree_close(eqpar.unparallelize(grads), serial_grads, what="grads")
     updated = eqpar.unparallelize(sgd(parallel, grads))
-    assert_close(
-        eqx.filter(updated, eqx.is_inexact_array),
-        eqx.filter(sgd(model, serial_grads), eqx.is_inexact_array),
-    )
+    # The update cancels large terms for a few weights: compared relative to each parameter's
+    # scale, not elementwise (see numerics.py).
+    assert_arrays_close(updated, sgd(model, serial_grads), what="SGD step")
     assert eqx.tree_equal(eqpar.unparallelize(parallel), model)
 
 

@@ -9,6 +9,7 @@ import optax
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from numerics import assert_tree_close
 
 from eqpar.distributions import (
     FSDP,
@@ -168,10 +169,7 @@ def test_three_optax_steps_match_single_device(model_name, distribution_name):
     spec_leaves = jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P))
     assert len(leaves) == len(spec_leaves) == len(jax.tree.leaves(want))
     for (path, leaf), spec, expected in zip(leaves, spec_leaves, jax.tree.leaves(want)):
-        # atol only matters for the few weights within 1e-6 of zero (rounding ~1e-11).
-        np.testing.assert_allclose(
-            leaf, expected, rtol=1e-5, atol=1e-9, err_msg=jax.tree_util.keystr(path)
-        )
+        assert_tree_close(leaf, expected, what=jax.tree_util.keystr(path))
         # Each parameter keeps the sharding its layout asked for through the steps.
         assert leaf.sharding.is_equivalent_to(NamedSharding(mesh, spec), leaf.ndim), (
             jax.tree_util.keystr(path),
@@ -668,7 +666,7 @@ def test_fsdp_tp_sgd_step_equals_the_serial_step(name, layout):
     updates, _ = optimizer.update(grads, optimizer.init(eqx.filter(serial, eqx.is_array)))
     want = eqx.apply_updates(serial, updates)
 
-    np.testing.assert_allclose(loss, serial_loss, rtol=1e-5)
+    assert_tree_close(loss, serial_loss, what="loss")
     specs = jax.tree.leaves(d.partition_specs(model), is_leaf=lambda s: isinstance(s, P))
     flat = jax.tree_util.tree_flatten_with_path(new_params)[0]
     assert len(flat) == len(specs) == len(jax.tree.leaves(eqx.filter(want, eqx.is_array)))
@@ -676,7 +674,7 @@ def test_fsdp_tp_sgd_step_equals_the_serial_step(name, layout):
         flat, jax.tree.leaves(eqx.filter(want, eqx.is_array)), specs
     ):
         where = jax.tree_util.keystr(path)
-        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-7, err_msg=where)
+        assert_tree_close(got, expected, what=where)
         assert has_spec(got, spec), (where, got.sharding, spec)
 
 

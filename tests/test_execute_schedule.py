@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
+from numerics import assert_tree_close
 
 from eqpar.pipeline import Microbatched, _program, execute_schedule
 from eqpar.schedule import (
@@ -191,12 +192,6 @@ def _run(schedule, stages, head, x, t, keep, *, recompute):
     return loss, grads, head_grads, x_grads
 
 
-def _close(actual, expected):
-    for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
-        a, e = np.asarray(a), np.asarray(e)
-        np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-5 * float(np.max(np.abs(e))))
-
-
 CASES = [
     ("zb-h1 S=2", ZeroBubbleH1Schedule(2, 3), False),
     ("zb-h1 S=4", ZeroBubbleH1Schedule(4, 4), False),
@@ -223,10 +218,10 @@ def test_execute_schedule_matches_serial_twin(name, schedule, recompute):
         stages, head, x
     )
     loss, grads, head_grads, x_grads = _run(schedule, stages, head, x, t, keep, recompute=recompute)
-    _close(loss, loss_ref)
-    _close(grads, eqx.filter(grads_ref, eqx.is_array))
-    _close(head_grads, head_ref)
-    _close(x_grads, x_ref)
+    assert_tree_close(loss, loss_ref)
+    assert_tree_close(grads, eqx.filter(grads_ref, eqx.is_array))
+    assert_tree_close(head_grads, head_ref)
+    assert_tree_close(x_grads, x_ref)
 
 
 def test_execute_schedule_sgd_update_matches_serial():
@@ -238,7 +233,7 @@ def test_execute_schedule_sgd_update_matches_serial():
     _, grads, _, _ = _run(schedule, stages, head, x, t, keep, recompute=False)
     params = eqx.filter(stages, eqx.is_array)
     expected = jax.tree.map(lambda p, g: p - 0.1 * g, params, eqx.filter(grads_ref, eqx.is_array))
-    _close(jax.tree.map(lambda p, g: p - 0.1 * g, params, grads), expected)
+    assert_tree_close(jax.tree.map(lambda p, g: p - 0.1 * g, params, grads), expected)
 
 
 def test_execute_schedule_errors():
@@ -294,8 +289,8 @@ def test_pipeline_module_value_and_grad(schedule, num_repeats, remat):
         return head(eqx.combine(arrays, static).apply_serially(x, Microbatched(keep)), t)
 
     loss_ref, grads_ref = jax.value_and_grad(serial)(arrays)
-    _close(loss, loss_ref)
-    _close(grads, grads_ref)
+    assert_tree_close(loss, loss_ref)
+    assert_tree_close(grads, grads_ref)
     assert module.schedule("zb-h1").bubble_fraction < module.schedule("1f1b").bubble_fraction
     with pytest.raises(ValueError, match="`schedule` must be one of"):
         jax.jit(jax.shard_map(
@@ -374,9 +369,9 @@ def test_ring_collectives_inside_stages():
 
     specs = dict(in_specs=(P("pipe"), P(None, "ctx")), out_specs=P(None, "ctx"))
     run = jax.jit(jax.shard_map(forward, mesh=mesh, **specs))
-    np.testing.assert_allclose(run(ws, x), serial(ws), rtol=1e-5, atol=1e-6)
+    assert_tree_close(run(ws, x), serial(ws))
     grads = jax.grad(lambda ws: jnp.sum(run(ws, x) ** 2))(ws)
-    np.testing.assert_allclose(grads, jax.grad(lambda ws: jnp.sum(serial(ws) ** 2))(ws), rtol=1e-5)
+    assert_tree_close(grads, jax.grad(lambda ws: jnp.sum(serial(ws) ** 2))(ws))
 
     def train(ws, x):
         loss_fn = lambda y, t: jnp.mean((y - t) ** 2)
@@ -524,10 +519,12 @@ def _check_head_grads(head_grads, head_ref, *, axis, s, model):
         got = jax.tree.map(lambda g, i=pipe * model + m: g[i], head_grads)
         b = _block(axis, pipe, m, s)
         rows = slice(b * block, (b + 1) * block)
-        _close(got.unembed.weight, head_ref.unembed.weight[rows])
-        _close(got.unembed.bias, head_ref.unembed.bias[rows])
+        assert_tree_close(got.unembed.weight, head_ref.unembed.weight[rows])
+        assert_tree_close(got.unembed.bias, head_ref.unembed.bias[rows])
         if head_ref.norm is not None:  # replicated: whole and right on every device
-            _close((got.norm.weight, got.norm.bias), (head_ref.norm.weight, head_ref.norm.bias))
+            assert_tree_close(
+                (got.norm.weight, got.norm.bias), (head_ref.norm.weight, head_ref.norm.bias)
+            )
 
 
 MP = ("model", "pipe")
@@ -562,9 +559,9 @@ def test_loss_split_over_the_pipeline_axis_matches_serial_twin(
     loss, grads, head_grads, x_grads = _run_vocab(
         schedule, stages, head, x, t, keep, axis=axis, model=model, recompute=recompute
     )
-    _close(loss, loss_ref)
-    _close(grads, eqx.filter(grads_ref, eqx.is_array))
-    _close(x_grads, x_ref)
+    assert_tree_close(loss, loss_ref)
+    assert_tree_close(grads, eqx.filter(grads_ref, eqx.is_array))
+    assert_tree_close(x_grads, x_ref)
     _check_head_grads(head_grads, head_ref, axis=axis, s=s, model=model)
 
 
@@ -584,7 +581,7 @@ def test_loss_split_over_the_pipeline_axis_sgd_update_matches_serial():
     sgd = lambda p, g: p - lr * g
     params = eqx.filter(stages, eqx.is_array)
     expected = jax.tree.map(sgd, params, eqx.filter(grads_ref, eqx.is_array))
-    _close(jax.tree.map(sgd, params, grads), expected)
+    assert_tree_close(jax.tree.map(sgd, params, grads), expected)
     # The head: each device updates its block; the blocks, put back, are the serial update.
     order = sorted(itertools.product(range(s), range(model)), key=lambda pm: _block(axis, *pm, s))
     unembed = jax.tree.map(
@@ -605,7 +602,7 @@ def test_loss_split_over_the_pipeline_axis_sgd_update_matches_serial():
         sgd(head.norm.weight, head_ref.norm.weight),
         sgd(head.norm.bias, head_ref.norm.bias),
     ]
-    _close(got, expected)
+    assert_tree_close(got, expected)
 
 
 class PipeSumHead(eqx.Module):

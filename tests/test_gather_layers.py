@@ -4,11 +4,11 @@ that gathers every parameter at the `shard_map` boundary."""
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 from _hlo import collective_summary, memory_figures
 from jax import lax
 from jax.sharding import PartitionSpec as P
+from numerics import assert_arrays_close, assert_tree_close
 from residual_block import Block
 
 import eqpar
@@ -50,11 +50,9 @@ def sgd(model, grads):
 
 
 def assert_close(got, expected):
-    got = jax.tree.leaves(eqx.filter(eqpar.unparallelize(got), eqx.is_inexact_array))
-    expected = jax.tree.leaves(eqx.filter(expected, eqx.is_inexact_array))
-    assert len(got) == len(expected)
-    for a, b in zip(got, expected):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    """The float arrays of `got` (unparallelized) against the serial model's, each relative to
+    its scale (`numerics.assert_tree_close`)."""
+    assert_arrays_close(eqpar.unparallelize(got), expected)
 
 
 @pytest.mark.parametrize(
@@ -77,7 +75,7 @@ def test_sgd_step_equals_serial(mesh_shape, remat):
         assert specs.layers.up.weight == P(None, "data")
     step, placed = fsdp_step(model, mesh)
     got_value, got_grads = step(placed, X)
-    np.testing.assert_allclose(got_value, value, rtol=1e-5)
+    assert_tree_close(got_value, value, what="loss")
     assert got_grads.layers.up.weight.sharding.spec == specs.layers.up.weight
     assert_close(sgd(placed, got_grads), sgd(serial, grads))
 
@@ -120,7 +118,7 @@ def test_pipeline_stages_gather_per_layer_and_errors_name_the_fix():
         mesh=mesh, in_specs=(specs, P("data")), out_specs=P(),
     )  # fmt: skip
     got_value, got_grads = eqx.filter_jit(eqx.filter_value_and_grad(loss))(placed, rows)
-    np.testing.assert_allclose(got_value, value, rtol=1e-5)
+    assert_tree_close(got_value, value, what="loss")
     assert_close(got_grads, grads)
     with pytest.raises(ValueError, match="holds no ScannedLayers"):
         gather_layers({"w": jnp.ones(4)}, mesh)

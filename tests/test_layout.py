@@ -3,10 +3,10 @@ from collections.abc import Mapping
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from numerics import assert_tree_close
 
 from eqpar._paths import leaf_paths
 from eqpar.layout import LayoutMap, TensorLayout, named_shardings, partition_specs
@@ -202,7 +202,7 @@ def test_partition_specs_work_as_jit_shardings(mesh, mlp):
 
     x = jnp.linspace(-1, 1, 16 * 8).reshape(16, 8)
     out = jax.jit(forward, in_shardings=(shardings, None), out_shardings=None)(placed, x)
-    np.testing.assert_allclose(out, jax.vmap(mlp)(x), rtol=1e-5)
+    assert_tree_close(out, jax.vmap(mlp)(x))
     assert named_shardings(specs, mesh).layers[1].weight == shardings.layers[1].weight
 
 
@@ -217,7 +217,7 @@ def test_partition_specs_work_as_shard_map_in_specs(mesh, mlp):
 
     x = jnp.linspace(-1, 1, 16 * 8).reshape(16, 8)
     out, model_out = apply(mlp, x)
-    np.testing.assert_allclose(out, jax.vmap(mlp)(x), rtol=1e-5)
+    assert_tree_close(out, jax.vmap(mlp)(x))
     assert model_out.activation is mlp.activation
 
 

@@ -1,4 +1,5 @@
-"""Pipeline executors and PipelineModule against their serial twins (float32, rtol 1e-5)."""
+"""Pipeline executors and PipelineModule against their serial twins (float32, within 1e-5 of
+each leaf's scale)."""
 
 import re
 from typing import Any
@@ -6,6 +7,7 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numerics
 import numpy as np
 import pytest
 from jax import lax
@@ -56,15 +58,13 @@ def layout(module):
     return arrays, static, specs
 
 
-def assert_tree_close(actual, expected, rtol=RTOL):
-    """Leaf by leaf, error relative to the largest magnitude of the expected leaf."""
-    flat_a, tree_a = jax.tree.flatten(actual)
-    flat_e, tree_e = jax.tree.flatten(expected)
-    assert tree_a == tree_e
-    for a, e in zip(flat_a, flat_e):
-        a, e = np.asarray(a), np.asarray(e)
-        assert a.shape == e.shape and a.dtype == e.dtype == np.float32
-        np.testing.assert_allclose(a, e, rtol=rtol, atol=rtol * float(np.max(np.abs(e))))
+def assert_tree_close(actual, expected):
+    """Same structure, float32 leaves, each within RTOL of the expected leaf's largest
+    magnitude (`numerics.assert_tree_close`)."""
+    assert jax.tree.structure(actual) == jax.tree.structure(expected)
+    for leaf in jax.tree.leaves((actual, expected)):
+        assert np.asarray(leaf).dtype == np.float32
+    numerics.assert_tree_close(actual, expected, rtol=RTOL)
 
 
 def pipe_mesh(size):
@@ -735,10 +735,17 @@ def test_circular_stack_must_be_uniform():
 def test_schedule_kind():
     module = make_module("circular", 2, 3)
     assert module.schedule().bubble_fraction == CircularSchedule(2, 3, 2).bubble_fraction
-    training = module.schedule("training")
+    training = module.schedule(include_backward=True)
     assert training.has_backward and training.num_steps == 2 * module.schedule().num_steps
-    with pytest.raises(ValueError, match=r"'1f1b' or 'zb-h1', got 'zb'"):
+    assert module.schedule("circular", include_backward=True).actions == training.actions
+    names = r"\['1f1b', 'circular', 'gpipe', 'zb-h1'\]"
+    with pytest.raises(ValueError, match=rf"must be one of {names}, got 'zb'"):
         module.schedule("zb")
+    with pytest.raises(ValueError, match="all-forward schedule is 'gpipe', not 'circular'"):
+        make_module("gpipe", 2, 3).schedule("circular")
+    # The kinds of earlier releases still work, with a DeprecationWarning.
+    with pytest.warns(DeprecationWarning, match="'training' is deprecated"):
+        assert module.schedule("training").actions == training.actions
 
 
 def test_stage_order_round_trips():

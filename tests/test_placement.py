@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+from numerics import assert_tree_close
 
 from eqpar.placement import (
     DataPartitionType,
@@ -131,14 +132,14 @@ def test_jitted_reduction_over_the_global_batch_matches_numpy():
     sharded = jax.jit(loss)(placed)
     on_one_device = jax.device_put(batch, jax.devices()[0])
     serial = jax.jit(loss)(on_one_device)
-    np.testing.assert_allclose(np.asarray(sharded), np.asarray(serial), rtol=1e-5)
+    assert_tree_close(sharded, serial, what="value")
     grad_sharded = jax.grad(lambda t: loss({**batch, "inputs": (t, batch["inputs"][1])}))(
         placed["inputs"][0]
     )
     grad_serial = jax.grad(lambda t: loss({**batch, "inputs": (t, batch["inputs"][1])}))(
         on_one_device["inputs"][0]
     )
-    np.testing.assert_allclose(np.asarray(grad_sharded), np.asarray(grad_serial), rtol=1e-5)
+    assert_tree_close(grad_sharded, grad_serial, what="gradient")
 
 
 def test_global_to_host_reshards_arrays_laid_out_differently():
@@ -329,10 +330,9 @@ def test_constraint_matches_the_unconstrained_twin_with_gradients():
     with jax.set_mesh(mesh):
         value, grads = jax.jit(jax.value_and_grad(_mlp_constrained))(params, x)
     serial_value, serial_grads = jax.jit(jax.value_and_grad(_mlp))(params, x)
-    np.testing.assert_allclose(value, serial_value, rtol=1e-5)
-    for g, s in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(serial_grads)):
-        # error relative to the leaf's largest entry: summed in another order on older JAX
-        np.testing.assert_allclose(g, s, rtol=1e-5, atol=1e-5 * float(np.max(np.abs(s))))
+    assert_tree_close(value, serial_value, what="value")
+    # Each gradient relative to its largest entry: summed in another order on older JAX.
+    assert_tree_close(grads, serial_grads, what="gradients")
 
 
 def test_constraint_sets_the_sharding_on_a_multi_device_mesh():

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from numerics import assert_tree_close
 
 from eqpar import ragged
 from eqpar.ragged import (
@@ -632,7 +633,7 @@ def test_pack_splits_sharded_over_a_mesh_matches_the_serial_split():
 
     pieces, piece_offsets = split_batch(devices, tokens, offsets, splits)
     serial_sums = np.stack([np.asarray(p).sum(axis=0) for p in pieces])
-    np.testing.assert_allclose(np.asarray(sums), serial_sums, rtol=1e-5, atol=1e-6)
+    assert_tree_close(np.asarray(sums), serial_sums)
     assert np.asarray(counts).tolist() == [int(o[-1]) for o in piece_offsets]
 
 

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from _hlo import memory_figures
 from jax import lax
+from numerics import assert_tree_close
 from residual_block import Block
 
 from eqpar.nn import PipelineModule, ScannedLayers
@@ -30,9 +31,8 @@ def test_every_policy_gives_the_same_values_and_gradients():
     value, grads = eqx.filter_jit(step)(ScannedLayers(layers(4)), X)
     for remat in ("full", "matmuls", True):
         got_value, got_grads = eqx.filter_jit(step)(ScannedLayers(layers(4), remat=remat), X)
-        np.testing.assert_allclose(got_value, value, rtol=1e-6)
-        for a, b in zip(jax.tree.leaves(got_grads), jax.tree.leaves(grads)):
-            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+        assert_tree_close(got_value, value, rtol=1e-6, what=f"{remat} value")
+        assert_tree_close(got_grads, grads, what=f"{remat} gradients")
 
 
 def test_activation_memory_grows_by_what_the_policy_keeps():
@@ -137,6 +137,5 @@ def test_data_parallel_layers_reduce_each_gradient_inside_the_backward_scan():
     serial_value, serial_grads = eqx.filter_jit(
         eqx.filter_value_and_grad(lambda m, x: jnp.sum(jnp.tanh(m.apply_serially(x))))
     )(pipeline, x)
-    np.testing.assert_allclose(value, serial_value, rtol=1e-5)
-    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(serial_grads)):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    assert_tree_close(value, serial_value, what="value")
+    assert_tree_close(grads, serial_grads, what="gradients")

@@ -4,6 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
+from numerics import assert_tree_close
 
 from eqpar.layout import partition_specs
 from eqpar.mesh import DeviceMesh
@@ -42,9 +43,8 @@ def test_module_argument_forward_and_gradients_match_serial(mesh, mlp):
 
     loss, grads = eqx.filter_jit(data_parallel_grad)(mlp, x, y)
     serial_loss, serial_grads = eqx.filter_value_and_grad(loss_sum)(mlp, x, y)
-    np.testing.assert_allclose(loss, serial_loss, rtol=1e-5)
-    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(serial_grads)):
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert_tree_close(loss, serial_loss, what="loss")
+    assert_tree_close(grads, serial_grads, what="gradients")
     # The gradient is a module like `mlp` (filter_grad puts None at non-array leaves), rebuilt
     # around the arrays that crossed the shard_map boundary.
     assert isinstance(grads, eqx.nn.MLP) and grads.activation is None
@@ -60,7 +60,7 @@ def test_function_form_under_jit_with_jax_mesh(mesh, mlp):
         out_specs=P("data"),
     )
     out = eqx.filter_jit(apply)(mlp, x)
-    np.testing.assert_allclose(out, jax.vmap(mlp)(x), rtol=1e-5)
+    assert_tree_close(out, jax.vmap(mlp)(x))
     assert out.sharding.spec == P("data")
 
 

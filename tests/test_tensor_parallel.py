@@ -10,6 +10,7 @@ import pytest
 from _hlo import collective_bytes, collective_ops, memory_figures
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
+from numerics import assert_tree_close
 
 from eqpar._declare import declared_partition_specs
 from eqpar._paths import path_to_str
@@ -93,11 +94,11 @@ def test_forward_and_gradients_match_linear(n, tp_mode, name, cls, options):
         return out, jax.grad(parallel_loss, argnums=(0, 1))(layer, x)
 
     got, (g_layer, g_x) = parallel(layer, x)
-    np.testing.assert_allclose(got, jax.vmap(jax.vmap(linear))(x), rtol=1e-5, atol=1e-5)
+    assert_tree_close(got, jax.vmap(jax.vmap(linear))(x), what="output")
     (g_linear, g_x_ref) = jax.grad(serial_loss, argnums=(0, 1))(linear, x)
-    np.testing.assert_allclose(g_layer.weight, g_linear.weight, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(g_layer.bias, g_linear.bias, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(g_x, g_x_ref, rtol=1e-5, atol=1e-5)
+    assert_tree_close(g_layer.weight, g_linear.weight, what="weight gradient")
+    assert_tree_close(g_layer.bias, g_linear.bias, what="bias gradient")
+    assert_tree_close(g_x, g_x_ref, what="input gradient")
 
 
 @pytest.mark.parametrize(("name", "cls", "options"), VARIANTS, ids=[v[0] for v in VARIANTS])
@@ -106,7 +107,7 @@ def test_unbatched_input(name, cls, options, tp_mode):
     linear, layer = build(cls, options, tp_mode)
     x = jax.random.normal(jax.random.key(3), (IN,))
     got = jax.jit(lambda m, x: sharded_apply(m, x, mesh_of(4), P("model"), P("model")))(layer, x)
-    np.testing.assert_allclose(got, linear(x), rtol=1e-5, atol=1e-5)
+    assert_tree_close(got, linear(x))
 
 
 def test_declared_specs():
@@ -158,13 +159,13 @@ def test_skip_communication_shares_one_gather_and_leaves_reduction_to_caller():
         return pair[0](full) + pair[1](full)
 
     got = sharded_apply((q, k), x, mesh, P(None, "model"), P(None, "model"), fn)
-    np.testing.assert_allclose(got, jax.vmap(q_lin)(x) + jax.vmap(k_lin)(x), rtol=1e-5, atol=1e-5)
+    assert_tree_close(got, jax.vmap(q_lin)(x) + jax.vmap(k_lin)(x))
 
     row = eqx.nn.Linear(IN, OUT, use_bias=False, key=jax.random.key(3))
     partial = TPAsyncDense.from_linear(row, tp_mode="scatter", skip_communication=True)
     reduce = lambda m, x: lax.psum(m(x), "model")
     got = sharded_apply(partial, x, mesh, P(None, "model"), P(), reduce)
-    np.testing.assert_allclose(got, jax.vmap(row)(x), rtol=1e-5, atol=1e-5)
+    assert_tree_close(got, jax.vmap(row)(x))
     del n
 
 
@@ -226,13 +227,10 @@ def test_checkpoint_trained_at_8_loads_at_2_and_serial(tmp_path):
     )
     serial = eqx.tree_deserialise_leaves(path, eqx.nn.Linear(IN, OUT, key=jax.random.key(9)))
     expected = sharded_apply(layer, x, mesh8, P(None, "model"), P(None, "model"))
-    np.testing.assert_allclose(
-        sharded_apply(at2, x, mesh_of(2), P(None, "model"), P(None, "model")),
-        expected,
-        rtol=1e-5,
-        atol=1e-6,
+    assert_tree_close(
+        sharded_apply(at2, x, mesh_of(2), P(None, "model"), P(None, "model")), expected
     )
-    np.testing.assert_allclose(jax.vmap(serial)(x), expected, rtol=1e-5, atol=1e-6)
+    assert_tree_close(jax.vmap(serial)(x), expected)
     assert not np.allclose(serial.weight, eqx.nn.Linear(IN, OUT, key=jax.random.key(0)).weight)
 
 
@@ -250,7 +248,7 @@ def test_model_parallelism_wrapper():
     got = sharded_apply(wrapper, x, mesh, P(), P("model"), lambda m, x: m(x)[None])
     keys = jax.random.split(jax.random.key(0), n)
     for i in range(n):
-        np.testing.assert_allclose(got[i], make(keys[i])(x), rtol=1e-6)
+        assert_tree_close(got[i], make(keys[i])(x), rtol=1e-6)
     assert not np.allclose(got[0], got[1])
 
     same = ModelParallelismWrapper(
@@ -263,7 +261,7 @@ def test_model_parallelism_wrapper():
         make, model_axis_name="model", axis_size=n, key=jax.random.key(0), mask_except_model_idx=2
     )
     got = sharded_apply(masked, x, mesh, P(), P("model"), lambda m, x: m(x)[None])
-    np.testing.assert_allclose(got[2], make(keys[2])(x), rtol=1e-6)
+    assert_tree_close(got[2], make(keys[2])(x), rtol=1e-6)
     assert float(jnp.abs(got[jnp.array([0, 1, 3])]).max()) == 0.0
 
     with pytest.raises(
@@ -344,12 +342,11 @@ def test_rings_at_sizes_that_are_not_powers_of_two_match_linear():
             }
 
         for key, (out, (g_layer, g_x)) in run(runs, x).items():
-            np.testing.assert_allclose(
-                out, jax.vmap(linear)(x), rtol=1e-5, atol=1e-5, err_msg=f"{n} {key}"
+            assert_tree_close(
+                (out, g_layer.weight, g_layer.bias, g_x),
+                (jax.vmap(linear)(x), g_linear.weight, g_linear.bias, g_x_ref),
+                what=f"{n} {key} (output, weight, bias and input gradients)",
             )
-            np.testing.assert_allclose(g_layer.weight, g_linear.weight, rtol=1e-5, atol=1e-5)
-            np.testing.assert_allclose(g_layer.bias, g_linear.bias, rtol=1e-5, atol=1e-5)
-            np.testing.assert_allclose(g_x, g_x_ref, rtol=1e-5, atol=1e-5, err_msg=f"{n} {key}")
 
 
 def test_ring_training_step_copies_no_weight_and_holds_no_more_than_tpdense():
