@@ -31,7 +31,9 @@ def test_every_policy_gives_the_same_values_and_gradients():
     value, grads = eqx.filter_jit(step)(ScannedLayers(layers(4)), X)
     for remat in ("full", "matmuls", True):
         got_value, got_grads = eqx.filter_jit(step)(ScannedLayers(layers(4), remat=remat), X)
-        assert_tree_close(got_value, value, rtol=1e-6, what=f"{remat} value")
+        # A float32 sum of 512 tanh values, in an order each policy's fusion picks: the float32
+        # tolerance (1e-6 measured 0.69 of itself on AVX2), not a tighter one.
+        assert_tree_close(got_value, value, what=f"{remat} value")
         assert_tree_close(got_grads, grads, what=f"{remat} gradients")
 
 
