@@ -42,10 +42,10 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from eqpar.pipeline import _program
 from eqpar._declare import declared_partition_specs
 from eqpar._paths import path_to_str
 from eqpar.nn.pipeline import PipelineModule
+from eqpar.pipeline import _program
 
 NUM_STAGES = 4
 MIB = 2**20

@@ -147,8 +147,8 @@ from _hlo import (
 )
 
 import eqpar
-from eqpar.pipeline import _program
 from eqpar.distributions import match_param_specs
+from eqpar.pipeline import _program
 
 NUM_DEVICES = 8
 AXES = (lm.DATA, lm.PIPE, lm.MODEL)
