@@ -24,9 +24,11 @@ from ._paths import path_to_str
 from ._typing import PyTree
 from .mesh import DeviceMesh, as_jax_mesh
 from .nn.attention import ContextParallelAttention, HeadParallelAttention
+from .nn.dropout import ParallelDropout
 from .nn.embedding import FeatureParallelEmbedding, VocabParallelEmbedding
 from .nn.linear import ColumnParallelLinear, RowParallelLinear
 from .nn.parallel_layers import PARALLEL_LAYERS, to_serial_layer
+from .nn.rotary import ParallelRotaryEmbedding
 from .nn.sequence import SequenceParallelDropout
 
 __all__ = [
@@ -51,6 +53,7 @@ _PLANNABLE = (
     eqx.nn.LayerNorm,
     eqx.nn.RMSNorm,
     eqx.nn.Dropout,
+    eqx.nn.RotaryPositionalEmbedding,
 )
 
 
@@ -423,6 +426,7 @@ def parallelize(
     axis_sizes = None if mesh is None else dict(as_jax_mesh(mesh).shape)
     used: set[str] = set()
     paths: list[str] = []
+    split_axes, sequence_axes = _plan_axes(plan)
 
     def convert(path: tuple, node: PyTree) -> PyTree:
         if not _is_plannable(node):
@@ -431,7 +435,7 @@ def parallelize(
         paths.append(where)
         key = single_match(patterns, where, "parallelize")
         if key is None:
-            return node
+            return _split_aware(node, split_axes, sequence_axes)
         used.add(key)
         style = plan[key]
         serial = to_serial_layer(node)
@@ -467,6 +471,43 @@ def parallelize(
             raise ValueError(message + " Pass strict=False to only warn.")
         warnings.warn(message, stacklevel=2)
     return converted
+
+
+def _plan_axes(plan: Mapping[str, Style]) -> tuple[tuple, tuple]:
+    """The mesh axes the plan splits activations over, and its context-parallel
+    `(axis, layout)` pairs (over which the sequence is split from the inputs onwards)."""
+    split_axes: dict = {}
+    sequence_axes: dict = {}
+    for style in plan.values():
+        axes = [style.axis, getattr(style, "head_axis_name", None)]
+        for axis in axes:
+            for name in axis if isinstance(axis, tuple) else (axis,):
+                if name is not None:
+                    split_axes[name] = None
+        if isinstance(style, ContextParallel):
+            sequence_axes[(style.axis_name, style.layout)] = None
+    return tuple(split_axes), tuple(sequence_axes)
+
+
+def _split_aware(node: PyTree, split_axes: tuple, sequence_axes: tuple) -> PyTree:
+    """A layer no plan key names, made right on split activations where that matters: every
+    dropout draws the serial mask (`ParallelDropout`), and a rotary embedding uses global
+    positions where the plan splits the sequence (`ParallelRotaryEmbedding`)."""
+    if isinstance(node, eqx.nn.Dropout) and split_axes:
+        if isinstance(node, ParallelDropout):  # converted before: keep the axes it knew
+            split_axes = tuple(dict.fromkeys((*node.axis_names, *split_axes)))
+            sequence_axes = tuple(dict.fromkeys((*node.sequence_axes, *sequence_axes)))
+        elif type(node) is not eqx.nn.Dropout:
+            return node  # SequenceParallelDropout, or the author's own subclass
+        cp_axes = tuple(dict.fromkeys(axis for axis, _ in sequence_axes))
+        return ParallelDropout(to_serial_layer(node), axis_names=split_axes, sequence_axes=cp_axes)
+    if isinstance(node, eqx.nn.RotaryPositionalEmbedding) and sequence_axes:
+        if isinstance(node, ParallelRotaryEmbedding):
+            sequence_axes = tuple(dict.fromkeys((*node.sequence_axes, *sequence_axes)))
+        elif type(node) is not eqx.nn.RotaryPositionalEmbedding:
+            return node
+        return ParallelRotaryEmbedding(to_serial_layer(node), sequence_axes=sequence_axes)
+    return node
 
 
 def _check_axis(style: Style, layer: PyTree, where: str, axis_sizes: dict) -> None:

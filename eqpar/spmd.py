@@ -12,6 +12,7 @@ from jax.sharding import Mesh
 from . import _current
 from ._paths import path_to_str
 from ._specs import check_spec, is_spec_leaf
+from ._splits import fresh_record
 from ._typing import PyTree, Specs
 from .layout import (
     expand_specs,
@@ -119,24 +120,25 @@ def shard_map(
             _check_argument_specs(arg, arg_specs, axes, f"shard_map: in_specs for argument {i}")
         static_out: list = []
 
-        # The result and its specs travel inside a 1-tuple: JAX before 0.10 calls an `out_specs`
-        # that is callable (as an `eqx.Module` of specs is) instead of reading it as a pytree.
+        # The specs go to JAX as they are (no wrapping), so its own errors, such as a result
+        # that differs over an axis its spec leaves out, read as they should.
         @functools.wraps(fn)
         def local(*local_dynamic):
-            out = fn(*eqx.combine(local_dynamic, static))
+            with fresh_record():
+                out = fn(*eqx.combine(local_dynamic, static))
             out_dynamic, out_static = eqx.partition(out, eqx.is_array)
             static_out.append(out_static)
-            return (out_dynamic,)
+            return out_dynamic
 
         inner = jax.shard_map(
             local,
             mesh=jax_mesh,
             in_specs=specs,
-            out_specs=(out_specs,),
+            out_specs=out_specs,
             check_vma=check_vma,
             **extra,
         )
-        (out_dynamic,) = inner(*dynamic)
+        out_dynamic = inner(*dynamic)
         return eqx.combine(out_dynamic, static_out[-1])
 
     return mapped

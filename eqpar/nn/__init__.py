@@ -5,6 +5,7 @@ from .attention import HeadParallelAttention as HeadParallelAttention
 from .blocks import TPAttentionBlock as TPAttentionBlock
 from .blocks import TPLayerNorm as TPLayerNorm
 from .blocks import TPMLPBlock as TPMLPBlock
+from .dropout import ParallelDropout as ParallelDropout
 from .embedding import FeatureParallelEmbedding as FeatureParallelEmbedding
 from .embedding import VocabParallelEmbedding as VocabParallelEmbedding
 from .embedding import vocab_parallel_cross_entropy as vocab_parallel_cross_entropy
@@ -15,6 +16,7 @@ from .linear import TPDense as TPDense
 from .linear import scale_init as scale_init
 from .model_parallel import ModelParallelismWrapper as ModelParallelismWrapper
 from .pipeline import PipelineModule as PipelineModule
+from .rotary import ParallelRotaryEmbedding as ParallelRotaryEmbedding
 from .sequence import SequenceParallelDropout as SequenceParallelDropout
 from .sequence import gather_sequence as gather_sequence
 from .sequence import scatter_sequence as scatter_sequence
@@ -28,6 +30,8 @@ __all__ = [
     "FeatureParallelEmbedding",
     "HeadParallelAttention",
     "ModelParallelismWrapper",
+    "ParallelDropout",
+    "ParallelRotaryEmbedding",
     "PipelineModule",
     "RowParallelLinear",
     "ScannedLayers",

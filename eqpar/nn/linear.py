@@ -34,6 +34,7 @@ from .. import collectives
 from .._axes import axis_size
 from .._axes import axis_size as _bound_axis_size
 from .._checks import check_column_options, check_int
+from .._splits import Split, close_split, open_split
 from ._twins import (
     adopt,
     check_block,
@@ -713,7 +714,12 @@ class ColumnParallelLinear(eqx.nn.Linear):
         else:
             y = column_linear(x, self.weight, axis_name=self.axis_name, gather=None)
         y = y if self.bias is None else y + self.bias
-        return gather_replicated(y, self.axis_name, y.ndim - 1) if self.gather_output else y
+        if self.gather_output:
+            return gather_replicated(y, self.axis_name, y.ndim - 1)
+        # Until the row-parallel partner, the features are split: a dropout between reads this.
+        kind = "features_of_tokens" if self.sequence_parallel else "features"
+        open_split(Split(self.axis_name, kind, -1, self.out_features // n))
+        return y
 
 
 class RowParallelLinear(eqx.nn.Linear):
@@ -796,6 +802,7 @@ class RowParallelLinear(eqx.nn.Linear):
         n = axis_size(self.axis_name, owner)
         assert isinstance(self.out_features, int) and isinstance(self.in_features, int)
         check_divides(owner, "in_features", self.in_features, n, self.axis_name)
+        close_split(self.axis_name, ("features", "features_of_tokens"))
         check_block(owner, "weight", self.weight.shape, (self.out_features, self.in_features // n))
         if self.sequence_parallel:
             if x.shape != (n, self.in_features // n):

@@ -22,6 +22,8 @@ are split over the axis on the feature dimension, and the block ends with one re
 | `VocabParallelEmbedding` | rows (vocabulary) | token ids | embeddings (one `psum`) |
 | `FeatureParallelEmbedding` | columns (features) | token ids | embeddings (one gather) |
 | `SequenceParallelDropout` | nothing | this device's tokens | its rows of the serial mask |
+| `ParallelDropout` (every other dropout) | nothing | any block | its block of the serial mask |
+| `ParallelRotaryEmbedding` | nothing | this device's tokens | rotated by global positions |
 | `ContextParallelAttention` | the sequence | this device's tokens | its tokens' output |
 
 Gradients need no help from the user: with `shard_map`'s default `check_vma=True`, JAX
@@ -29,16 +31,17 @@ types a replicated input that meets a split weight as varying, and the transpose
 cast sums its cotangent over the axis.
 """
 
-
 from jaxtyping import PyTree
 
 from .attention import ContextParallelAttention as ContextParallelAttention
 from .attention import HeadParallelAttention as HeadParallelAttention
+from .dropout import ParallelDropout as ParallelDropout
 from .embedding import FeatureParallelEmbedding as FeatureParallelEmbedding
 from .embedding import VocabParallelEmbedding as VocabParallelEmbedding
 from .embedding import vocab_parallel_cross_entropy as vocab_parallel_cross_entropy
 from .linear import ColumnParallelLinear as ColumnParallelLinear
 from .linear import RowParallelLinear as RowParallelLinear
+from .rotary import ParallelRotaryEmbedding as ParallelRotaryEmbedding
 from .sequence import SequenceParallelDropout as SequenceParallelDropout
 from .sequence import gather_sequence as gather_sequence
 from .sequence import scatter_sequence as scatter_sequence
@@ -48,6 +51,8 @@ __all__ = [
     "ContextParallelAttention",
     "FeatureParallelEmbedding",
     "HeadParallelAttention",
+    "ParallelDropout",
+    "ParallelRotaryEmbedding",
     "RowParallelLinear",
     "SequenceParallelDropout",
     "VocabParallelEmbedding",
@@ -67,6 +72,8 @@ PARALLEL_LAYERS = (
     FeatureParallelEmbedding,
     SequenceParallelDropout,
     ContextParallelAttention,
+    ParallelDropout,
+    ParallelRotaryEmbedding,
 )
 
 

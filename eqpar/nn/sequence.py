@@ -4,14 +4,15 @@
 from collections.abc import Hashable
 
 import equinox as eqx
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, PRNGKeyArray, Shaped
 
 from .._axes import axis_size
+from .._splits import Split, close_split, open_split
 from .._vma import varies_over
 from ._twins import adopt, check_sequence_layout, gather_replicated, rebuilt
+from .dropout import serial_mask_block
 
 __all__ = [
     "SequenceParallelDropout",
@@ -70,6 +71,7 @@ def scatter_sequence(
             f"sequence-parallel part of the model begins."
         )
     block = x.shape[0] // n
+    open_split(Split(axis_name, "sequence", -x.ndim, block))
     return lax.dynamic_slice_in_dim(x, lax.axis_index(axis_name) * block, block, axis=0)
 
 
@@ -110,6 +112,7 @@ def gather_sequence(
             f"split over the sequence; gathering it would repeat it {lax.axis_size(axis_name)} "
             f"times. Gather only what `scatter_sequence` (or a sequence-parallel layer) split."
         )
+    close_split(axis_name, ("sequence",))
     return gather_replicated(x, axis_name, 0)
 
 
@@ -188,8 +191,7 @@ class SequenceParallelDropout(eqx.nn.Dropout):
         if x.ndim == 0:
             raise ValueError(f"{owner}: x must have a sequence axis first; got a scalar.")
         check_sequence_layout(owner, "x", x, self.axis_name, True)
-        block = x.shape[0]
         keep = 1 - lax.stop_gradient(self.p)
-        mask = jax.random.bernoulli(key, keep, (n * block, *x.shape[1:]))
-        mask = lax.dynamic_slice_in_dim(mask, lax.axis_index(self.axis_name) * block, block, 0)
+        split = Split(self.axis_name, "sequence", -x.ndim, x.shape[0])
+        mask = serial_mask_block(key, keep, x.shape, [(split, n)])
         return jnp.where(mask, x / keep, 0)

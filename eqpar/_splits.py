@@ -1,0 +1,86 @@
+"""Which activations eqpar has split, recorded while a model is traced.
+
+A dropout or a rotary embedding converted by `eqpar.parallelize` receives this device's block
+of an activation the serial layer saw whole. To draw the serial layer's mask (or use the
+serial positions) it must know which dimension is split and how: the layers that split
+activations say so here while they are traced, in program order. A column-parallel linear
+opens a split of the features that the row-parallel linear after it closes;
+`scatter_sequence` opens a split of the sequence that `gather_sequence` closes. The record
+is a stack per trace (a `contextvars` value that `eqpar.shard_map` starts empty), so a
+dropout between the two linears of an MLP sees the feature split, and a dropout between two
+sequence-parallel blocks sees the sequence split, even when both use the same mesh axis.
+
+No JAX transformation offers this: the replication types of `shard_map` say that a value
+differs between devices, not which of its dimensions is a block of what.
+"""
+
+import contextlib
+import contextvars
+from collections.abc import Hashable, Iterator
+from typing import NamedTuple
+
+
+class Split(NamedTuple):
+    """One split activation: dimension `dim` (counted from the end) holds `block` of
+    `block * n` entries, device `d` of `n` holding entries `[d * block, (d + 1) * block)`.
+
+    `kind` is `"features"`, `"sequence"`, or `"features_of_tokens"`: the output of a
+    sequence-parallel column linear, `[n, block]` per token, where row `j` is the token at
+    the same place in device `j`'s block of the sequence and the features are split.
+    """
+
+    axis_name: Hashable
+    kind: str
+    dim: int
+    block: int
+
+
+_OPEN: contextvars.ContextVar[tuple[Split, ...]] = contextvars.ContextVar(
+    "eqpar_open_splits", default=()
+)
+
+
+@contextlib.contextmanager
+def fresh_record() -> Iterator[None]:
+    """An empty record for one trace (what `eqpar.shard_map` opens around the function)."""
+    token = _OPEN.set(())
+    try:
+        yield
+    finally:
+        _OPEN.reset(token)
+
+
+def open_split(split: Split) -> None:
+    """Record `split` (once: a second column linear on the same axis, as in a gated MLP,
+    opens the same split)."""
+    current = _OPEN.get()
+    if split not in current:
+        _OPEN.set((*current, split))
+
+
+def close_split(axis_name: Hashable, kinds: tuple[str, ...]) -> None:
+    """Forget the most recent splits of `kinds` on `axis_name`."""
+    current = list(_OPEN.get())
+    for i in reversed(range(len(current))):
+        if current[i].axis_name == axis_name and current[i].kind in kinds:
+            del current[i]
+            break
+    _OPEN.set(tuple(current))
+
+
+def open_splits() -> tuple[Split, ...]:
+    """The open splits, oldest first."""
+    return _OPEN.get()
+
+
+def split_of(shape: tuple[int, ...], axis_name: Hashable) -> Split | None:
+    """The most recent open split on `axis_name` that an array of `shape` can be a block of."""
+    for split in reversed(_OPEN.get()):
+        if split.axis_name != axis_name or len(shape) < -split.dim:
+            continue
+        if shape[split.dim] != split.block:
+            continue
+        if split.kind == "features_of_tokens" and len(shape) < 3:
+            continue
+        return split
+    return None

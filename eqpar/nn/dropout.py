@@ -1,0 +1,204 @@
+"""Dropout on split activations: the serial layer's mask, this device's block of it.
+
+`eqpar.parallelize` converts every `eqx.nn.Dropout` of a model (`ParallelDropout`), so a
+dropout the author put anywhere, between the two linears of a tensor-parallel MLP, between
+sequence-parallel blocks, on a context-parallel sequence, draws the mask the serial model
+draws. Where eqpar cannot say which part of the serial activation a block is, the layer
+refuses at trace time instead of repeating one mask on every device.
+"""
+
+from collections.abc import Hashable
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jaxtyping import Array, PRNGKeyArray
+
+from .._splits import Split, split_of
+from .._vma import varies_over, varying_axes
+from ._twins import rebuilt
+
+__all__ = ["ParallelDropout"]
+
+
+def serial_mask_block(
+    key: PRNGKeyArray, keep: Array | float, shape: tuple[int, ...], splits: list[tuple[Split, int]]
+) -> Array:
+    """This device's block of `jax.random.bernoulli(key, keep, serial_shape)`, where
+    `shape` is the block's shape and `splits` (each with its axis size) say how it was cut
+    from the serial activation."""
+    ndim = len(shape)
+    serial_shape = list(shape)
+    for split, n in splits:
+        if split.kind == "features_of_tokens":
+            # [..., tokens / n, n, features / n] is cut from [..., tokens, features].
+            serial_shape[-3:] = [shape[-3] * n, shape[-1] * n]
+        else:
+            serial_shape[split.dim] *= n
+    mask = jax.random.bernoulli(key, keep, tuple(serial_shape))
+    for split, n in splits:
+        if split.kind == "features_of_tokens":
+            tokens, features = mask.shape[-2:]
+            mask = mask.reshape(*mask.shape[:-2], n, tokens // n, features)
+            mask = jnp.swapaxes(mask, -3, -2)
+        start = lax.axis_index(split.axis_name) * split.block
+        mask = lax.dynamic_slice_in_dim(mask, start, split.block, axis=ndim + split.dim)
+    return mask
+
+
+class ParallelDropout(eqx.nn.Dropout):
+    """`eqx.nn.Dropout` that draws the serial layer's mask when its input is split.
+
+    `eqpar.parallelize` puts one in place of every `eqx.nn.Dropout` that its plan does not
+    name. Inside `shard_map` each device may hold only a block of the activation the serial
+    layer saw whole, while every device has the same key: a plain dropout would then use one
+    mask for every device's block. This layer finds how its input was split (the record the
+    splitting layers keep while they are traced: a column-parallel linear splits the
+    features until its row-parallel partner, `scatter_sequence` the sequence until
+    `gather_sequence`; a context-parallel axis splits the sequence, `[seq / n, ...]`,
+    throughout), draws the mask for the whole activation and applies this device's block of
+    it. An input that is the same on every device, or whose key differs per device along
+    with it, gets the plain layer's mask.
+
+    When the input differs over one of `axis_names` while its key does not, and no split
+    on that axis fits the input's shape, the layer raises: the activation is split in a
+    way only the model knows (its own slicing, a per-token call under `jax.vmap` with keys
+    split inside the block), so one mask per device would be silently wrong.
+
+    **Arguments:**
+
+    - `dropout`: the `eqx.nn.Dropout` to convert (its `p` and `inference` are kept).
+    - `axis_names`: the mesh axes the plan splits activations over (the axes of its styles).
+    - `sequence_axes`: the context-parallel axes among them, over which the sequence
+      (`[seq / n, ...]` per example) is split from the model's inputs onwards.
+
+    ```python
+    import equinox as eqx, jax, jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+    import eqpar
+
+    class MLP(eqx.Module):  # dropout between the two linears, as many authors write it
+        up: eqx.nn.Linear
+        dropout: eqx.nn.Dropout
+        down: eqx.nn.Linear
+        def __call__(self, x, key):
+            h = self.dropout(jax.nn.gelu(jax.vmap(self.up)(x)), key=key)
+            return jax.vmap(self.down)(h)
+
+    k1, k2 = jax.random.split(jax.random.key(0))
+    mlp = MLP(eqx.nn.Linear(4, 16, key=k1), eqx.nn.Dropout(0.5), eqx.nn.Linear(16, 4, key=k2))
+    mesh = eqpar.DeviceMesh((4,), ("model",), devices=jax.devices()[:4])
+    plan = {"up": eqpar.ColumnParallel(), "down": eqpar.RowParallel()}
+    parallel = eqpar.parallelize(mlp, plan, mesh=mesh)
+    assert isinstance(parallel.dropout, eqpar.nn.ParallelDropout)
+    x, key = jnp.ones((3, 4)), jax.random.key(1)
+    run = eqpar.shard_map(
+        lambda m, x, k: m(x, k), mesh=mesh,
+        in_specs=(eqpar.partition_specs(parallel), P(), P()), out_specs=P(),
+    )
+    assert jnp.allclose(run(parallel, x, key), mlp(x, key), atol=1e-5)
+    ```
+    """
+
+    axis_names: tuple[Hashable, ...] = eqx.field(static=True)
+    sequence_axes: tuple[Hashable, ...] = eqx.field(static=True)
+
+    def __init__(
+        self,
+        dropout: eqx.nn.Dropout,
+        *,
+        axis_names: tuple[Hashable, ...] = ("model",),
+        sequence_axes: tuple[Hashable, ...] = (),
+    ):
+        if not isinstance(dropout, eqx.nn.Dropout):
+            raise TypeError(
+                f"ParallelDropout: expected an eqx.nn.Dropout; got {type(dropout).__name__}."
+            )
+        self.p = dropout.p
+        self.inference = dropout.inference
+        self.axis_names = tuple(dict.fromkeys((*axis_names, *sequence_axes)))
+        self.sequence_axes = tuple(sequence_axes)
+
+    def to_serial(self) -> eqx.nn.Dropout:
+        """The `eqx.nn.Dropout` with the same `p` and `inference`."""
+        return rebuilt(self, eqx.nn.Dropout)
+
+    def __call__(
+        self,
+        x: Array,
+        *,
+        key: PRNGKeyArray | None = None,
+        inference: bool | None = None,
+        deterministic: bool | None = None,
+    ) -> Array:
+        """`dropout(x)` with the serial layer's mask for this device's block of `x`.
+
+        **Arguments:** as `eqx.nn.Dropout.__call__`.
+
+        **Returns:** `x` with the mask applied (and scaled by `1 / (1 - p)`).
+        """
+        if deterministic is not None:
+            inference = deterministic
+        if inference is None:
+            inference = self.inference
+        if isinstance(self.p, int | float) and self.p == 0:
+            inference = True
+        if inference:
+            return x
+        if key is None:
+            raise RuntimeError("Dropout requires a key when running in non-deterministic mode.")
+        splits = self._splits(x, key)
+        keep = 1 - lax.stop_gradient(self.p)
+        if splits:
+            mask = serial_mask_block(key, keep, x.shape, splits)
+        else:
+            mask = jax.random.bernoulli(key, keep, x.shape)
+        return jnp.where(mask, x / keep, 0)
+
+    def _splits(self, x: Array, key: PRNGKeyArray) -> list[tuple[Split, int]]:
+        """How `x` was cut from the serial activation: one split per axis it is a block over."""
+        owner = type(self).__name__
+        key_axes = varying_axes(key)
+        splits = []
+        for axis in self.axis_names:
+            try:
+                n = int(lax.axis_size(axis))
+            except NameError:
+                continue  # not inside shard_map over this axis: nothing is split over it
+            varies = varies_over(x, axis)
+            if varies is False or axis in key_axes:
+                continue  # the same on every device, or a key of its own per device
+            split = split_of(x.shape, axis)
+            if split is None and varies and axis in self.sequence_axes:
+                if x.ndim < 2:
+                    continue  # one token (a per-token call): the key, not the sequence, decides
+                split = Split(axis, "sequence", -2, x.shape[-2])
+            if split is None:
+                if varies is None:
+                    continue  # check_vma=False: JAX does not say whether x differs
+                raise ValueError(
+                    f"{owner}: the input (shape {x.shape}) differs between the devices of "
+                    f"axis {axis!r} while its key is the same on each, and no split eqpar made "
+                    f"fits it (the features between a ColumnParallel and a RowParallel layer, "
+                    f"the sequence between scatter_sequence and gather_sequence, or [seq / n, "
+                    f"...] on a context axis). One mask on every device would repeat the "
+                    f"pattern across the blocks. Call the dropout on the activation as the "
+                    f"serial model holds it (a whole [seq, features] per example), or give "
+                    f"each device its own key on purpose: "
+                    f"`jax.random.fold_in(key, jax.lax.axis_index({axis!r}))`."
+                )
+            splits.append((split, n))
+        if len(splits) > 1 and any(s.kind == "features_of_tokens" for s, _ in splits):
+            raise ValueError(
+                f"{owner}: the input (shape {x.shape}) is split over several axes "
+                f"{[s.axis_name for s, _ in splits]}, one of them by a sequence-parallel "
+                f"column linear; eqpar cannot draw that mask. Put the dropout outside the "
+                f"column -> row pair, or drop sequence_parallel=True from the pair."
+            )
+        if len({s.dim for s, _ in splits}) < len(splits):
+            raise ValueError(
+                f"{owner}: the input (shape {x.shape}) is split over several axes on the "
+                f"same dimension; eqpar cannot say which block of the serial mask it holds."
+            )
+        return splits

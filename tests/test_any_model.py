@@ -1,0 +1,299 @@
+"""Models nobody on the team wrote, with dropout where their authors put it, against the
+same SGD step on one device: randomness and positions are right by construction.
+
+- The Vision Transformer of `equinox_vit.py` (Equinox's documented style) has a dropout
+  between the two linears of its MLP: under tensor parallelism every device holds a block of
+  that activation's features, and each must apply its block of the serial mask.
+- A rotary encoder in Equinox's documented pattern (`eqx.nn.RotaryPositionalEmbedding` in
+  `process_heads`, dropouts on the sequence) under context parallelism: each device holds a
+  block of the sequence, so its rows need their global positions and their rows of the mask.
+"""
+
+import equinox as eqx
+import equinox_vit as vit
+import jax
+import jax.numpy as jnp
+import pytest
+from jax import lax
+from jax.sharding import PartitionSpec as P
+from jaxtyping import Array, Float, PRNGKeyArray
+from numerics import assert_arrays_close, assert_tree_close
+
+import eqpar
+from eqpar.nn import ParallelDropout, ParallelRotaryEmbedding
+
+LR = 0.5
+VIT_PLAN = {
+    r"attention_blocks/\d+/attention": eqpar.HeadParallel(),
+    r"attention_blocks/\d+/linear1": eqpar.ColumnParallel(),
+    r"attention_blocks/\d+/linear2": eqpar.RowParallel(),
+}
+
+
+def sgd(model, grads):
+    return eqx.apply_updates(model, jax.tree.map(lambda g: -LR * g, grads))
+
+
+def mesh_of(shape: tuple[int, ...], names: tuple[str, ...]) -> eqpar.DeviceMesh:
+    size = 1
+    for n in shape:
+        size *= n
+    return eqpar.DeviceMesh(shape, names, devices=jax.devices()[:size])
+
+
+def serial_step(loss_fn, model, *batch):
+    value, grads = eqx.filter_jit(eqx.filter_value_and_grad(loss_fn))(model, *batch)
+    return value, sgd(model, grads)
+
+
+def sharded_step(loss_fn, model, mesh, batch_specs, *batch, mean_over=("data",)):
+    """The documented recipe: the loss averaged over the axes that split the batch (and the
+    sequence) inside shard_map, gradients taken outside."""
+    specs = eqpar.partition_specs(model)
+    sharded = eqpar.shard_map(
+        lambda m, *b: lax.pmean(loss_fn(m, *b), mean_over),
+        mesh=mesh,
+        in_specs=(specs, *batch_specs),
+        out_specs=P(),
+    )
+    value, grads = eqx.filter_jit(eqx.filter_value_and_grad(sharded))(model, *batch)
+    return value, eqpar.unparallelize(sgd(model, grads))
+
+
+@pytest.fixture(scope="module")
+def vit_setup():
+    model = vit.VisionTransformer(key=jax.random.key(0))
+    batch = vit.batch(4)
+    return model, batch, serial_step(vit.loss, model, *batch)
+
+
+def vit_step(model, mesh, batch, *, fsdp: bool = False):
+    if fsdp:
+        storage = eqpar.FSDP(mesh, axis="data", min_size_bytes=0).partition_specs(model)
+        model = eqx.filter_shard(model, eqpar.named_shardings(storage, mesh))
+    return sharded_step(vit.loss, model, mesh, (P("data"),) * 3, *batch)
+
+
+@pytest.mark.parametrize(
+    ("shape", "fsdp"),
+    [((1, 4), False), ((2, 4), False), ((2, 4), True)],
+    ids=["tp4", "dp2xtp4", "fsdp2xtp4"],
+)
+def test_vit_dropout_inside_the_tensor_parallel_mlp_draws_the_serial_mask(vit_setup, shape, fsdp):
+    model, batch, (serial_loss, serial_model) = vit_setup
+    mesh = mesh_of(shape, ("data", "model"))
+    parallel = eqpar.parallelize(model, VIT_PLAN, mesh=mesh)
+    # Every dropout is converted without a plan entry; the author's classes stay.
+    assert type(parallel.attention_blocks[0].dropout1) is ParallelDropout
+    assert type(parallel.attention_blocks[0]) is vit.AttentionBlock
+    assert type(eqpar.unparallelize(parallel).attention_blocks[0].dropout1) is eqx.nn.Dropout
+    loss, updated = vit_step(parallel, mesh, batch, fsdp=fsdp)
+    assert_tree_close(loss, serial_loss, what="loss")
+    assert_arrays_close(updated, serial_model)
+
+
+def test_vit_step_is_wrong_with_one_mask_per_device(vit_setup):
+    """What the conversion fixes: a plain dropout (kept by `Replicated()`) repeats its mask
+    on every device's block of the MLP's features."""
+    model, batch, (serial_loss, _) = vit_setup
+    mesh = mesh_of((1, 4), ("data", "model"))
+    plan = {**VIT_PLAN, r"attention_blocks/\d+/dropout1": eqpar.Replicated()}
+    parallel = eqpar.parallelize(model, plan, mesh=mesh)
+    assert type(parallel.attention_blocks[0].dropout1) is eqx.nn.Dropout
+    loss, _ = vit_step(parallel, mesh, batch)
+    assert abs(float(loss) - float(serial_loss)) > 1e-3 * abs(float(serial_loss))
+
+
+SEQ, DIM, HEADS, HIDDEN, LAYERS = 16, 16, 4, 32, 2
+
+
+class RotaryBlock(eqx.Module):
+    """Attention with rotary positions in `process_heads` (Equinox's documented pattern),
+    dropouts on the sequence and between the MLP's linears."""
+
+    norm1: eqx.nn.LayerNorm
+    attention: eqx.nn.MultiheadAttention
+    rotary: eqx.nn.RotaryPositionalEmbedding
+    dropout: eqx.nn.Dropout
+    norm2: eqx.nn.LayerNorm
+    up: eqx.nn.Linear
+    mlp_dropout: eqx.nn.Dropout
+    down: eqx.nn.Linear
+
+    def __init__(self, *, key: PRNGKeyArray):
+        k1, k2, k3 = jax.random.split(key, 3)
+        self.norm1, self.norm2 = eqx.nn.LayerNorm(DIM), eqx.nn.LayerNorm(DIM)
+        self.attention = eqx.nn.MultiheadAttention(HEADS, DIM, key=k1)
+        self.rotary = eqx.nn.RotaryPositionalEmbedding(DIM // HEADS)
+        self.dropout, self.mlp_dropout = eqx.nn.Dropout(0.3), eqx.nn.Dropout(0.3)
+        self.up, self.down = eqx.nn.Linear(DIM, HIDDEN, key=k2), eqx.nn.Linear(HIDDEN, DIM, key=k3)
+
+    def __call__(self, x: Float[Array, "seq dim"], key: PRNGKeyArray) -> Float[Array, "seq dim"]:
+        def process_heads(q, k, v):
+            rotate = jax.vmap(self.rotary, in_axes=1, out_axes=1)
+            return rotate(q), rotate(k), v
+
+        k1, k2 = jax.random.split(key)
+        normed = jax.vmap(self.norm1)(x)
+        attended = self.attention(normed, normed, normed, process_heads=process_heads)
+        x = x + self.dropout(attended, key=k1)
+        hidden = jax.nn.gelu(jax.vmap(self.up)(jax.vmap(self.norm2)(x)))
+        return x + jax.vmap(self.down)(self.mlp_dropout(hidden, key=k2))
+
+
+class RotaryEncoder(eqx.Module):
+    blocks: list[RotaryBlock]
+
+    def __init__(self, *, key: PRNGKeyArray):
+        self.blocks = [RotaryBlock(key=k) for k in jax.random.split(key, LAYERS)]
+
+    def __call__(self, x: Float[Array, "seq dim"], key: PRNGKeyArray) -> Float[Array, "seq dim"]:
+        for block, block_key in zip(self.blocks, jax.random.split(key, LAYERS)):
+            x = block(x, block_key)
+        return x
+
+
+def rotary_loss(model, x, targets, keys):
+    out = jax.vmap(model)(x, keys)
+    return jnp.mean((out - targets) ** 2)
+
+
+@pytest.fixture(scope="module")
+def rotary_setup():
+    model = RotaryEncoder(key=jax.random.key(3))
+    k1, k2, k3 = jax.random.split(jax.random.key(4), 3)
+    batch = (
+        jax.random.normal(k1, (4, SEQ, DIM)),
+        jax.random.normal(k2, (4, SEQ, DIM)),
+        jax.random.split(k3, 4),
+    )
+    return model, batch, serial_step(rotary_loss, model, *batch)
+
+
+@pytest.mark.parametrize(
+    ("shape", "plan"),
+    [
+        ((2, 4, 1), {r"blocks/\d+/attention": eqpar.ContextParallel()}),
+        (
+            (2, 2, 2),
+            {
+                r"blocks/\d+/attention": eqpar.ContextParallel(head_axis_name="model"),
+                r"blocks/\d+/up": eqpar.ColumnParallel(),
+                r"blocks/\d+/down": eqpar.RowParallel(),
+            },
+        ),
+    ],
+    ids=["dp2xcp4", "dp2xcp2xtp2"],
+)
+def test_rotary_positions_and_dropout_on_a_context_parallel_sequence(rotary_setup, shape, plan):
+    model, batch, (serial_loss, serial_model) = rotary_setup
+    mesh = mesh_of(shape, ("data", "context", "model"))
+    parallel = eqpar.parallelize(model, plan, mesh=mesh)
+    assert type(parallel.blocks[0].rotary) is ParallelRotaryEmbedding
+    assert type(parallel.blocks[0].dropout) is ParallelDropout
+    specs = (P("data", "context"), P("data", "context"), P("data"))
+    loss, updated = sharded_step(
+        rotary_loss, parallel, mesh, specs, *batch, mean_over=("data", "context")
+    )
+    assert_tree_close(loss, serial_loss, what="loss")
+    assert_arrays_close(updated, serial_model)
+
+
+class SequenceParallelBlock(eqx.Module):
+    """A block whose author marks where the trunk's tokens are split (TP+SP), with dropouts
+    between the MLP's linears (features split, tokens gathered) and after the block (the
+    sequence split)."""
+
+    norm: eqx.nn.LayerNorm
+    up: eqx.nn.Linear
+    inner_dropout: eqx.nn.Dropout
+    down: eqx.nn.Linear
+    outer_dropout: eqx.nn.Dropout
+
+    def __init__(self, *, key: PRNGKeyArray):
+        k1, k2 = jax.random.split(key)
+        self.norm = eqx.nn.LayerNorm(DIM)
+        self.up, self.down = eqx.nn.Linear(DIM, HIDDEN, key=k1), eqx.nn.Linear(HIDDEN, DIM, key=k2)
+        self.inner_dropout, self.outer_dropout = eqx.nn.Dropout(0.3), eqx.nn.Dropout(0.3)
+
+    def __call__(self, x: Float[Array, "seq dim"], key: PRNGKeyArray) -> Float[Array, "seq dim"]:
+        k1, k2 = jax.random.split(key)
+        x = eqpar.nn.scatter_sequence(x)
+        hidden = jax.nn.gelu(jax.vmap(self.up)(jax.vmap(self.norm)(x)))
+        out = jax.vmap(self.down)(self.inner_dropout(hidden, key=k1))
+        return eqpar.nn.gather_sequence(x + self.outer_dropout(out, key=k2))
+
+
+def test_tensor_and_sequence_parallel_dropouts_need_no_plan_entry():
+    block = SequenceParallelBlock(key=jax.random.key(5))
+    x = jax.random.normal(jax.random.key(6), (SEQ, DIM))
+    key = jax.random.key(7)
+
+    def loss(model, x, key):
+        return jnp.mean(model(x, key) ** 2)
+
+    def step(model, mesh):
+        run = eqpar.shard_map(
+            loss, mesh=mesh, in_specs=(eqpar.partition_specs(model), P(), P()), out_specs=P()
+        )
+        value, grads = eqx.filter_jit(eqx.filter_value_and_grad(run))(model, x, key)
+        return value, eqpar.unparallelize(sgd(model, grads))
+
+    # One device: scatter and gather are the identity, the dropouts the plain layer's.
+    want_loss, want = step(block, mesh_of((1,), ("model",)))
+    mesh = mesh_of((4,), ("model",))
+    plan = {
+        "up": eqpar.ColumnParallel(sequence_parallel=True),
+        "down": eqpar.RowParallel(sequence_parallel=True),
+    }
+    got_loss, got = step(eqpar.parallelize(block, plan, mesh=mesh), mesh)
+    assert_tree_close(got_loss, want_loss, what="loss")
+    assert_arrays_close(got, want)
+
+
+def test_a_dropout_on_a_split_activation_eqpar_cannot_place_is_refused():
+    """The author reshapes the MLP's hidden features before the dropout: eqpar cannot say
+    which block of the serial mask this is, so it refuses rather than repeat one mask."""
+
+    class Reshaping(eqx.Module):
+        up: eqx.nn.Linear
+        dropout: eqx.nn.Dropout
+        down: eqx.nn.Linear
+
+        def __call__(self, x, key):
+            hidden = jax.vmap(self.up)(x)
+            dropped = self.dropout(hidden.reshape(-1), key=key).reshape(hidden.shape)
+            return jax.vmap(self.down)(dropped)
+
+    k1, k2 = jax.random.split(jax.random.key(0))
+    model = Reshaping(
+        eqx.nn.Linear(4, 16, key=k1), eqx.nn.Dropout(0.5), eqx.nn.Linear(16, 4, key=k2)
+    )
+    mesh = mesh_of((4,), ("model",))
+    plan = {"up": eqpar.ColumnParallel(), "down": eqpar.RowParallel()}
+    parallel = eqpar.parallelize(model, plan, mesh=mesh)
+    run = eqpar.shard_map(
+        lambda m, x, k: m(x, k),
+        mesh=mesh,
+        in_specs=(eqpar.partition_specs(parallel), P(), P()),
+        out_specs=P(),
+    )
+    with pytest.raises(
+        ValueError, match=r"ParallelDropout.*differs between the devices of axis 'model'.*fold_in"
+    ):
+        run(parallel, jnp.ones((3, 4)), jax.random.key(1))
+
+
+def test_context_parallel_positions_and_masks_are_wrong_without_the_conversion(rotary_setup):
+    """What the conversion fixes: kept as they are (`Replicated()`), the rotary embedding
+    numbers every device's tokens from 0 and the dropouts repeat one mask per block."""
+    model, batch, (serial_loss, _) = rotary_setup
+    mesh = mesh_of((2, 4, 1), ("data", "context", "model"))
+    for kept in (r"blocks/\d+/rotary", r"blocks/\d+/(dropout|mlp_dropout)"):
+        plan = {r"blocks/\d+/attention": eqpar.ContextParallel(), kept: eqpar.Replicated()}
+        parallel = eqpar.parallelize(model, plan, mesh=mesh)
+        specs = (P("data", "context"), P("data", "context"), P("data"))
+        loss, _ = sharded_step(
+            rotary_loss, parallel, mesh, specs, *batch, mean_over=("data", "context")
+        )
+        assert abs(float(loss) - float(serial_loss)) > 1e-4 * abs(float(serial_loss)), kept
