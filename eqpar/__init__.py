@@ -40,6 +40,7 @@ from .plan import ColumnParallel as ColumnParallel
 from .plan import ContextParallel as ContextParallel
 from .plan import FeatureParallel as FeatureParallel
 from .plan import HeadParallel as HeadParallel
+from .plan import Remat as Remat
 from .plan import Replicated as Replicated
 from .plan import RowParallel as RowParallel
 from .plan import SequenceParallel as SequenceParallel
@@ -68,6 +69,7 @@ __all__ = [
     "LayoutMap",
     "ModelParallel",
     "Precision",
+    "Remat",
     "Replicated",
     "RowParallel",
     "SequenceParallel",

@@ -49,3 +49,12 @@ def leaf_paths(
         for path, leaf in flat
         if not arrays_only or eqx.is_array(leaf) or isinstance(leaf, jax.ShapeDtypeStruct)
     ]
+
+
+def map_children(node: object, path: tuple, fn: Callable[[object, tuple], object]) -> object:
+    """`node` with each direct child `c` (one pytree level down, at `path + key`) replaced by
+    `fn(c, path + key)`; a leaf comes back as it is. Static fields of modules stay."""
+    flat, treedef = jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda x: x is not node)
+    if jax.tree_util.treedef_is_leaf(treedef):
+        return node
+    return jax.tree_util.tree_unflatten(treedef, [fn(child, (*path, *key)) for key, child in flat])

@@ -20,7 +20,7 @@ import jax
 
 from ._checks import check_column_options, check_context_options
 from ._matching import compile_key, single_match, unused_key_hints
-from ._paths import path_to_str
+from ._paths import map_children, path_to_str
 from ._typing import PyTree
 from .mesh import DeviceMesh, as_jax_mesh
 from .nn.attention import ContextParallelAttention, HeadParallelAttention
@@ -30,12 +30,14 @@ from .nn.linear import ColumnParallelLinear, RowParallelLinear
 from .nn.parallel_layers import PARALLEL_LAYERS, to_serial_layer
 from .nn.rotary import ParallelRotaryEmbedding
 from .nn.sequence import SequenceParallelDropout
+from .nn.stacks import block_remat, remat_block, remat_policy
 
 __all__ = [
     "ColumnParallel",
     "ContextParallel",
     "FeatureParallel",
     "HeadParallel",
+    "Remat",
     "Replicated",
     "RowParallel",
     "SequenceParallel",
@@ -324,6 +326,41 @@ class Replicated(Style):
         return layer
 
 
+@dataclasses.dataclass(frozen=True)
+class Remat(Style):
+    """Recompute a block's activations in the backward pass instead of keeping them
+    (`jax.checkpoint`), named on the model's own blocks: the key is the path of a block
+    (an `eqx.Module` with a `__call__`, e.g. `layers/\\d+`) or of a list of them
+    (`layers`). The block keeps its fields and its author's `__call__`, which now runs
+    under `jax.checkpoint` with the policy: `"full"` keeps only the block's inputs,
+    `"matmuls"` also keeps the results of its matrix products, `"none"` keeps everything
+    (no remat). The block's class becomes a subclass of the author's (`isinstance` holds;
+    `unparallelize` gives the author's class back). Layers inside the block can have
+    styles of their own in the same plan.
+
+    ```python
+    import equinox as eqx, jax, jax.numpy as jnp, eqpar
+    mlp = eqx.nn.MLP(4, 4, 16, 2, key=jax.random.key(0))
+    plan = {"": eqpar.Remat("full")}  # "" is the root: the whole MLP
+    remat = eqpar.parallelize(mlp, plan)
+    assert isinstance(remat, eqx.nn.MLP) and type(remat) is not eqx.nn.MLP
+    x = jnp.ones(4)
+    grad = eqx.filter_grad(lambda m: m(x).sum())
+    assert jnp.allclose(grad(remat).layers[0].weight, grad(mlp).layers[0].weight)
+    assert type(eqpar.unparallelize(remat)) is eqx.nn.MLP
+    ```
+    """
+
+    policy: str = "full"
+    accepts = (eqx.Module,)
+
+    def __post_init__(self) -> None:
+        remat_policy(self.policy, "Remat")
+
+    def convert(self, layer: PyTree) -> PyTree:
+        return remat_block(layer, self.policy, "Remat")
+
+
 def _is_plannable(node: object) -> bool:
     return isinstance(node, _PLANNABLE)
 
@@ -341,7 +378,7 @@ def _check_plan(plan: object) -> dict[str, Any]:
             raise TypeError(
                 f"parallelize: plan[{key!r}] must be a style (ColumnParallel(), RowParallel(), "
                 f"HeadParallel(), ContextParallel(), VocabParallel(), FeatureParallel(), "
-                f"SequenceParallel(), Replicated()); got "
+                f"SequenceParallel(), Replicated(), Remat()); got "
                 f"{type(style).__name__}."
             )
     return patterns
@@ -422,11 +459,33 @@ def parallelize(
     assert eqx.tree_equal(eqpar.unparallelize(parallel), model)
     ```
     """
-    patterns = _check_plan(plan)
+    all_patterns = _check_plan(plan)
+    block_patterns = {k: p for k, p in all_patterns.items() if isinstance(plan[k], Remat)}
+    patterns = {k: p for k, p in all_patterns.items() if k not in block_patterns}
     axis_sizes = None if mesh is None else dict(as_jax_mesh(mesh).shape)
     used: set[str] = set()
     paths: list[str] = []
     split_axes, sequence_axes = _plan_axes(plan)
+
+    def convert_blocks(node: PyTree, path: tuple) -> PyTree:
+        if block_patterns:
+            where = path_to_str(path)
+            key = single_match(block_patterns, where, "parallelize")
+            if key is not None:
+                used.add(key)
+                style = plan[key]
+                try:
+                    if isinstance(node, list | tuple):
+                        return type(node)(style.convert(child) for child in node)
+                    return style.convert(node)
+                except TypeError as error:
+                    raise TypeError(
+                        f"parallelize: plan[{key!r}] = {style!r} cannot convert {where!r}: {error}"
+                    ) from error
+        return map_children(node, path, convert_blocks)
+
+    if block_patterns:
+        model = convert_blocks(model, ())
 
     def convert(path: tuple, node: PyTree) -> PyTree:
         if not _is_plannable(node):
@@ -548,6 +607,14 @@ def unparallelize(model: PyTree) -> PyTree:
     assert type(eqpar.unparallelize(parallel).layers[0]) is eqx.nn.Linear
     ```
     """
+
+    def serial(node: PyTree) -> PyTree:
+        if block_remat(node) is not None:
+            return unparallelize(remat_block(node, "none", "unparallelize"))
+        return to_serial_layer(node)
+
     return jax.tree.map(
-        to_serial_layer, model, is_leaf=lambda node: isinstance(node, PARALLEL_LAYERS)
+        serial,
+        model,
+        is_leaf=lambda node: isinstance(node, PARALLEL_LAYERS) or block_remat(node) is not None,
     )

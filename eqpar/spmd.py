@@ -2,6 +2,7 @@
 
 __all__ = ["build_sharded", "shard_map"]
 
+import dataclasses
 import functools
 from collections.abc import Callable, Hashable, Set
 
@@ -14,6 +15,7 @@ from ._paths import path_to_str
 from ._specs import check_spec, is_spec_leaf
 from ._splits import fresh_record
 from ._typing import PyTree, Specs
+from ._vma import varying_axes
 from .layout import (
     expand_specs,
     is_array_like,
@@ -128,6 +130,8 @@ def shard_map(
                 out = fn(*eqx.combine(local_dynamic, static))
             out_dynamic, out_static = eqx.partition(out, eqx.is_array)
             static_out.append(out_static)
+            if check_vma:
+                _check_result_replication(out_dynamic, out_specs, name)
             return out_dynamic
 
         inner = jax.shard_map(
@@ -142,6 +146,45 @@ def shard_map(
         return eqx.combine(out_dynamic, static_out[-1])
 
     return mapped
+
+
+def _check_result_replication(out: PyTree, out_specs: PyTree, name: str) -> None:
+    """Each result array against its out_spec: one that differs over a mesh axis its spec
+    leaves out is refused here, naming the leaf and the likely causes."""
+    try:
+        full = expand_specs(
+            out_specs, out, where="result", caller="shard_map", is_array=eqx.is_array
+        )
+    except (TypeError, ValueError) as error:
+        raise ValueError(
+            f"shard_map: out_specs does not fit what {name} returns: {error}"
+        ) from error
+    flat_specs = jax.tree.leaves(full, is_leaf=is_spec_leaf)
+    flat_out = jax.tree_util.tree_flatten_with_path(out, is_leaf=lambda x: x is None)[0]
+    if len(flat_specs) != len(flat_out):
+        return
+    for (path, leaf), spec in zip(flat_out, flat_specs):
+        if not eqx.is_array(leaf) or spec is None:
+            continue
+        named = {
+            a
+            for part in spec
+            if part is not None
+            for a in (part if isinstance(part, tuple) else (part,))
+        }
+        extra = sorted((varying_axes(leaf) - named), key=str)
+        if extra:
+            what = f"the result's leaf {path_to_str(path)!r}" if path else "the result"
+            raise ValueError(
+                f"shard_map: {what} returned by {name} differs between the devices of "
+                f"axis {extra[0]!r} (it was computed from values split over it), but its "
+                f"out_spec {spec} says it is the same on each. Average or sum it over the "
+                f"axis inside {name} (`jax.lax.pmean(x, {extra[0]!r})`: a loss over a batch or "
+                f"sequence split over it), or name the axis in its out_spec. A split parameter "
+                f"read directly gives this too, e.g. a tied unembedding `embedding.weight` "
+                f"after VocabParallel holds this device's rows of the vocabulary only: take "
+                f"the loss of those logits with `eqpar.nn.vocab_parallel_cross_entropy`."
+            )
 
 
 def _check_argument_specs(arg: PyTree, specs: PyTree, axes: dict | None, source: str) -> None:
@@ -208,6 +251,16 @@ def build_sharded(
             specs = current.partition_specs
     assert mesh is not None
     abstract = eqx.filter_eval_shape(constructor, *args)
+    static_arrays = _static_array_paths(abstract)
+    if static_arrays:
+        raise ValueError(
+            f"build_sharded (and build_model): the model holds JAX arrays in static fields at "
+            f"{static_arrays}: JAX "
+            f"cannot build them on the devices (a static field is part of the model's "
+            f"structure, not data). Make the field a plain one (drop `static=True`; eqpar "
+            f"then places it like any parameter, and `eqx.filter` / `jax.lax.stop_gradient` "
+            f"keep it out of training), or hold a tuple of Python numbers there instead."
+        )
     if specs is None:
         spec_tree = partition_specs(abstract, mesh=mesh)
     elif callable(specs) and not isinstance(specs, eqx.Module):
@@ -225,3 +278,29 @@ def build_sharded(
 
     arrays = jax.jit(make, out_shardings=shardings)(dynamic_args)
     return eqx.combine(arrays, static_model)
+
+
+def _static_array_paths(tree: PyTree) -> list[str]:
+    """The `/`-joined paths of the static fields of `tree`'s modules that hold JAX arrays."""
+    found: list[str] = []
+
+    def visit(node: PyTree, path: tuple) -> None:
+        if isinstance(node, eqx.Module):
+            for field in dataclasses.fields(node):
+                value = getattr(node, field.name, None)
+                where = (*path, jax.tree_util.GetAttrKey(field.name))
+                if field.metadata.get("static", False):
+                    if any(isinstance(leaf, jax.Array) for leaf in jax.tree.leaves(value)):
+                        found.append(path_to_str(where))
+                else:
+                    visit(value, where)
+            return
+        children = jax.tree_util.tree_flatten_with_path(
+            node, is_leaf=lambda x: x is not node and isinstance(x, eqx.Module)
+        )[0]
+        for child_path, child in children:
+            if isinstance(child, eqx.Module):
+                visit(child, (*path, *child_path))
+
+    visit(tree, ())
+    return found

@@ -297,3 +297,47 @@ def test_context_parallel_positions_and_masks_are_wrong_without_the_conversion(r
             rotary_loss, parallel, mesh, specs, *batch, mean_over=("data", "context")
         )
         assert abs(float(loss) - float(serial_loss)) > 1e-4 * abs(float(serial_loss)), kept
+
+
+def _primitives(jaxpr) -> set[str]:
+    names = set()
+    for eqn in jaxpr.eqns:
+        names.add(eqn.primitive.name)
+        for value in eqn.params.values():
+            for inner in value if isinstance(value, list | tuple) else (value,):
+                if hasattr(inner, "eqns"):
+                    names |= _primitives(inner)
+                elif hasattr(inner, "jaxpr") and hasattr(inner.jaxpr, "eqns"):
+                    names |= _primitives(inner.jaxpr)
+    return names
+
+
+@pytest.mark.parametrize("policy", ["full", "matmuls"])
+def test_remat_by_plan_keeps_the_authors_forward(vit_setup, policy):
+    """`Remat` on the model's list of blocks: each block's own `__call__` runs under
+    `jax.checkpoint`, with the tensor-parallel styles of its layers in the same plan."""
+    model, batch, (serial_loss, serial_model) = vit_setup
+    mesh = mesh_of((2, 4), ("data", "model"))
+    plan = {"attention_blocks": eqpar.Remat(policy), **VIT_PLAN}
+    parallel = eqpar.parallelize(model, plan, mesh=mesh)
+    block = parallel.attention_blocks[0]
+    assert isinstance(block, vit.AttentionBlock) and type(block) is not vit.AttentionBlock
+    assert type(block.dropout1) is ParallelDropout  # the layers inside are converted too
+    serial_blocks = eqpar.unparallelize(parallel).attention_blocks
+    assert type(serial_blocks[0]) is vit.AttentionBlock
+    assert type(serial_blocks[0].linear1) is eqx.nn.Linear
+    loss, updated = vit_step(parallel, mesh, batch)
+    assert_tree_close(loss, serial_loss, what="loss")
+    assert_arrays_close(updated, serial_model)
+    jaxpr, *_ = eqx.filter_make_jaxpr(lambda m: eqx.filter_grad(vit.loss)(m, *batch))(
+        eqpar.parallelize(model, {"attention_blocks": eqpar.Remat(policy)})
+    )
+    assert {"checkpoint", "remat2", "remat"} & _primitives(jaxpr.jaxpr)
+
+
+def test_remat_refuses_what_is_not_a_block(vit_setup):
+    model = vit_setup[0]
+    with pytest.raises(TypeError, match=r"plan\['cls_token'\].*Remat applies to a block"):
+        eqpar.parallelize(model, {"cls_token": eqpar.Remat()})
+    with pytest.raises(ValueError, match=r"`remat` must be one of"):
+        eqpar.Remat("everything")

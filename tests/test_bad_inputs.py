@@ -129,3 +129,62 @@ def test_attention_refuses_zero_length_sequences():
             eqpar.shard_map(
                 lambda m, q, k: m(q, k, k), mesh=mesh, in_specs=(specs, P(), P()), out_specs=P()
             )(layer, jnp.ones((query_length, 8)), jnp.ones((key_length, 8)))
+
+
+def test_build_model_names_a_static_field_holding_an_array():
+    """A per-instance table stored as a static field (common in ported models) cannot be
+    built on the devices; the error names the leaf paths and the fix, not a tracer leak."""
+    from eqpar.distributions import build_model
+
+    class Layer(eqx.Module):
+        weight: jax.Array
+        index: int = eqx.field(static=True)  # a static int per instance is fine
+        table: jax.Array = eqx.field(static=True)
+
+        def __init__(self, index, key):
+            self.weight = jax.random.normal(key, (8, 8))
+            self.index = index
+            self.table = jnp.arange(4.0) * index
+
+    def make(key):
+        return [Layer(i, k) for i, k in enumerate(jax.random.split(key, 2))]
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Equinox warns about arrays set as static
+        with eqpar.FSDP(min_size_bytes=0).scope():
+            expected = r"static fields at \['0/table', '1/table'\].*drop `static=True`"
+            with pytest.raises(ValueError, match=expected):
+                build_model(make, jax.random.key(0))
+
+
+def test_a_tied_unembedding_after_vocab_parallel_is_named_under_filter_value_and_grad():
+    """Reading the split table directly gives this device's rows only; the loss then differs
+    between devices, and the error says so through `eqx.filter_value_and_grad`."""
+
+    class TiedLM(eqx.Module):
+        embed: eqx.nn.Embedding
+
+        def __call__(self, tokens):
+            return jax.vmap(self.embed)(tokens) @ self.embed.weight.T
+
+    def loss(model, tokens):
+        return jnp.mean(jax.nn.log_softmax(model(tokens))[:, 0])
+
+    model = TiedLM(eqx.nn.Embedding(32, 8, key=jax.random.key(0)))
+    mesh = eqpar.DeviceMesh((4,), ("model",), devices=jax.devices()[:4])
+    parallel = eqpar.parallelize(model, {"embed": eqpar.VocabParallel()}, mesh=mesh)
+    run = eqpar.shard_map(
+        loss, mesh=mesh, in_specs=(eqpar.partition_specs(parallel), P()), out_specs=P()
+    )
+    expected = r"the result returned by loss differs .* axis 'model'.*vocab_parallel_cross_entropy"
+    with pytest.raises(ValueError, match=expected):
+        eqx.filter_value_and_grad(run)(parallel, jnp.arange(4))
+
+
+def test_out_specs_that_do_not_fit_the_result_name_the_mismatch():
+    mesh = eqpar.DeviceMesh((2,), ("data",), devices=jax.devices()[:2])
+    run = eqpar.shard_map(
+        lambda x: (jnp.sum(x), jnp.sum(x)), mesh=mesh, in_specs=P(), out_specs=(P(),)
+    )
+    with pytest.raises(ValueError, match=r"out_specs does not fit what <lambda> returns"):
+        eqx.filter_value_and_grad(lambda x: run(x)[0])(jnp.ones(4))

@@ -408,3 +408,66 @@ def remat_of_layers(stages: PyTree) -> RematPolicy:
         if is_layers(node) and node.remat != "none":
             return node.remat
     return "none"
+
+
+# ---------------------------------------------------------------------------------------
+# A block of the author's model, rematerialized in place (the plan's `Remat` style).
+
+_REMAT_BASE = "__eqpar_remat_base__"
+_REMAT_CLASSES: dict[tuple[type, str], type] = {}
+
+
+def _rematerialized_class(base: type, remat: str) -> type:
+    """A subclass of the author's `base` whose `__call__` is `base.__call__` under
+    `jax.checkpoint` with the policy named `remat`. One class per (base, policy), so
+    `isinstance(block, base)`, its fields and its methods are the author's."""
+    cached = _REMAT_CLASSES.get((base, remat))
+    if cached is not None:
+        return cached
+    base_call = base.__call__
+
+    def run(block: PyTree, args: tuple, kwargs: dict) -> PyTree:
+        return base_call(block, *args, **kwargs)
+
+    checkpointed = eqx.filter_checkpoint(run, policy=REMAT_POLICIES[remat])
+
+    def __call__(self: PyTree, *args: Any, **kwargs: Any) -> PyTree:
+        return checkpointed(self, args, kwargs)
+
+    __call__.__doc__ = base_call.__doc__
+    cls = type(
+        f"Rematerialized{base.__name__}",
+        (base,),
+        {"__call__": __call__, "__module__": base.__module__, _REMAT_BASE: (base, remat)},
+    )
+    _REMAT_CLASSES[(base, remat)] = cls
+    return cls
+
+
+def remat_block(block: PyTree, remat: str, owner: str) -> PyTree:
+    """`block` (an `eqx.Module` with a `__call__`) with its call rematerialized: the same
+    fields (the same arrays), its class a subclass of the author's. `"none"` gives the
+    author's class back."""
+    base = serial_block_class(block)
+    if not isinstance(block, eqx.Module) or not callable(block):
+        raise TypeError(
+            f"{owner}: Remat applies to a block of the model (an eqx.Module with a __call__) "
+            f"or a list of them; got {type(block).__name__}."
+        )
+    cls = base if remat == "none" else _rematerialized_class(base, remat)
+    new = object.__new__(cls)
+    for field in dataclasses.fields(base):
+        object.__setattr__(new, field.name, getattr(block, field.name))
+    return new
+
+
+def serial_block_class(block: object) -> type:
+    """The author's class of a block that `remat_block` converted (else its own class)."""
+    found = getattr(type(block), _REMAT_BASE, None)
+    return type(block) if found is None else found[0]
+
+
+def block_remat(block: object) -> str | None:
+    """The policy a block was rematerialized with by `remat_block`, or `None`."""
+    found = getattr(type(block), _REMAT_BASE, None)
+    return None if found is None else found[1]
