@@ -551,6 +551,12 @@ def ring_attention(
     module's notes on `layout`). `jax.nn.dot_product_attention` attends to a whole key/value
     sequence; this function exists for the sequence that no device holds whole.
 
+    **Rotary positions.** A model that rotates its queries and keys with its own code (a
+    port with raw weight arrays, say) numbers tokens with something like
+    `jnp.arange(seq)`; under context parallelism that numbers every device's block from 0.
+    Rotate by `sequence_positions(q_block, axis_name=axis_name, layout=layout)` instead,
+    the global positions of this device's tokens: that one line is the whole change.
+
     **Arguments:**
 
     - `query`: this device's queries, `[*batch, q_block, heads, qk_size]`.

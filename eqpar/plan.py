@@ -414,18 +414,28 @@ def parallelize(
     `shard_map` sums their gradients over the axis. The model's trunk must receive its own
     tokens: call `eqpar.nn.scatter_sequence(x)` where the trunk begins (after the
     embeddings, which need whole positions) and `eqpar.nn.gather_sequence(x)` where it ends,
-    two lines in the author's `__call__`. The attention mask stays whole. A dropout on the
-    split activations takes `SequenceParallel()`, so it applies this device's rows of the
-    serial mask instead of the same mask on every device's block. Mixing split and whole
+    two lines in the author's `__call__`. The attention mask stays whole. Mixing split and whole
     activations (a missing `scatter_sequence`, or a style without `sequence_parallel=True`
     in a sequence-parallel trunk) is an error, not a silent mix of tokens.
+
+    **Randomness and positions.** Every `eqx.nn.Dropout` that no key names becomes a
+    `ParallelDropout`: where its input is a block of the activation the serial layer saw
+    (the features between a `ColumnParallel` and a `RowParallel` layer, the sequence under
+    sequence or context parallelism) it applies that block of the serial mask; where eqpar
+    cannot say which block, it refuses at trace time. With a `ContextParallel` style in the
+    plan, every `eqx.nn.RotaryPositionalEmbedding` becomes a `ParallelRotaryEmbedding`,
+    which rotates each token by its global position. `Replicated()` keeps either layer as
+    it is.
+
+    **Blocks.** `Remat(policy)` on a block of the model (or a list of blocks) runs the
+    block's own `__call__` under `jax.checkpoint`.
 
     **Arguments:**
 
     - `model`: any Equinox model (or pytree of them); arrays may be abstract.
     - `plan`: `{path or regex: style}`; the styles are `ColumnParallel`, `RowParallel`,
       `HeadParallel`, `ContextParallel` (attention over a split sequence), `VocabParallel`,
-      `FeatureParallel`, `SequenceParallel` (dropout) and `Replicated`.
+      `FeatureParallel`, `SequenceParallel` (dropout), `Replicated` and `Remat` (blocks).
     - `mesh`: optional; when given, the styles' axes must be mesh axes and every size the
       plan splits must divide by its axis size (checked here rather than at trace time).
     - `strict`: a plan key that matches no layer raises (`True`) or warns (`False`).

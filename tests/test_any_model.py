@@ -341,3 +341,72 @@ def test_remat_refuses_what_is_not_a_block(vit_setup):
         eqpar.parallelize(model, {"cls_token": eqpar.Remat()})
     with pytest.raises(ValueError, match=r"`remat` must be one of"):
         eqpar.Remat("everything")
+
+
+class RawRotaryAttention(eqx.Module):
+    """Causal attention from raw weight arrays with its own rotary code, as Llama ports
+    write it; `positions` and `attend` are the two things context parallelism changes."""
+
+    wq: jax.Array
+    wk: jax.Array
+    wv: jax.Array
+    wo: jax.Array
+
+    def __init__(self, key):
+        keys = jax.random.split(key, 4)
+        self.wq, self.wk, self.wv, self.wo = (
+            jax.random.normal(k, (DIM, DIM)) / DIM**0.5 for k in keys
+        )
+
+    @staticmethod
+    def rotate(x, positions):
+        half = x.shape[-1] // 2
+        freqs = 1.0 / (10000.0 ** (jnp.arange(half) / half))
+        angles = positions[:, None, None] * freqs
+        x1, x2 = x[..., :half], x[..., half:]
+        return jnp.concatenate(
+            [
+                x1 * jnp.cos(angles) - x2 * jnp.sin(angles),
+                x1 * jnp.sin(angles) + x2 * jnp.cos(angles),
+            ],
+            axis=-1,
+        )
+
+    def __call__(self, x, positions, attend):
+        heads = lambda w: (x @ w).reshape(x.shape[0], HEADS, DIM // HEADS)
+        q = self.rotate(heads(self.wq), positions)
+        k = self.rotate(heads(self.wk), positions)
+        return attend(q, k, heads(self.wv)).reshape(x.shape[0], DIM) @ self.wo
+
+
+def test_ring_attention_with_a_models_own_rotary_code_takes_global_positions():
+    """The documented recipe: positions from `sequence_positions`, attention by
+    `ring_attention`; the weights, the rotary code and the loss are the author's."""
+    from eqpar.context import ring_attention, sequence_positions
+
+    model = RawRotaryAttention(jax.random.key(8))
+    x = jax.random.normal(jax.random.key(9), (2, SEQ, DIM))
+
+    def serial_loss(model, x):
+        def one(x):
+            positions = jnp.arange(x.shape[0])
+            attend = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True)
+            return model(x, positions, attend)
+
+        return jnp.mean(jax.vmap(one)(x) ** 2)
+
+    def context_loss(model, x):
+        def one(x):
+            positions = sequence_positions(x.shape[0], axis_name="context")
+            attend = lambda q, k, v: ring_attention(q, k, v, axis_name="context", causal=True)
+            return model(x, positions, attend)
+
+        return lax.pmean(jnp.mean(jax.vmap(one)(x) ** 2), "context")
+
+    want = eqx.filter_value_and_grad(serial_loss)(model, x)
+    mesh = mesh_of((4,), ("context",))
+    run = eqpar.shard_map(
+        context_loss, mesh=mesh, in_specs=(P(), P(None, "context")), out_specs=P()
+    )
+    got = eqx.filter_value_and_grad(run)(model, x)
+    assert_tree_close(got, want, what="loss and gradients")
