@@ -44,6 +44,7 @@ from .plan import Remat as Remat
 from .plan import Replicated as Replicated
 from .plan import RowParallel as RowParallel
 from .plan import SequenceParallel as SequenceParallel
+from .plan import SplitSequence as SplitSequence
 from .plan import Style as Style
 from .plan import VocabParallel as VocabParallel
 from .plan import parallelize as parallelize
@@ -73,6 +74,7 @@ __all__ = [
     "Replicated",
     "RowParallel",
     "SequenceParallel",
+    "SplitSequence",
     "Style",
     "TensorLayout",
     "VocabParallel",

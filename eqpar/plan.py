@@ -23,6 +23,7 @@ from ._matching import compile_key, single_match, unused_key_hints
 from ._paths import map_children, path_to_str
 from ._typing import PyTree
 from .mesh import DeviceMesh, as_jax_mesh
+from .nn._plan_blocks import block_options, convert_block, serial_block
 from .nn.attention import ContextParallelAttention, HeadParallelAttention
 from .nn.dropout import ParallelDropout
 from .nn.embedding import FeatureParallelEmbedding, VocabParallelEmbedding
@@ -30,7 +31,7 @@ from .nn.linear import ColumnParallelLinear, RowParallelLinear
 from .nn.parallel_layers import PARALLEL_LAYERS, to_serial_layer
 from .nn.rotary import ParallelRotaryEmbedding
 from .nn.sequence import SequenceParallelDropout
-from .nn.stacks import block_remat, remat_block, remat_policy
+from .nn.stacks import remat_policy
 
 __all__ = [
     "ColumnParallel",
@@ -41,6 +42,7 @@ __all__ = [
     "Replicated",
     "RowParallel",
     "SequenceParallel",
+    "SplitSequence",
     "Style",
     "VocabParallel",
     "parallelize",
@@ -84,6 +86,11 @@ class Style:
     def split_sizes(self, layer: PyTree) -> dict[str, int]:
         """The sizes that must divide by the axis size, by name."""
         return {}
+
+    def convert_list(self, layers: list | tuple) -> list | tuple:
+        """A key naming a list (of blocks) converts each (`SplitSequence` also marks the
+        first and the last)."""
+        return type(layers)(self.convert(layer) for layer in layers)
 
     @property
     def axis(self) -> Hashable | None:
@@ -358,7 +365,62 @@ class Remat(Style):
         remat_policy(self.policy, "Remat")
 
     def convert(self, layer: PyTree) -> PyTree:
-        return remat_block(layer, self.policy, "Remat")
+        return convert_block(layer, "Remat", remat=remat_policy(self.policy, "Remat"))
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitSequence(Style):
+    """Split the sequence over `axis_name` where the model's list of blocks begins, and
+    gather it where the list ends, so the author's `__call__` needs no
+    `scatter_sequence` / `gather_sequence` lines (sequence parallelism with
+    `sequence_parallel=True` styles on the blocks' layers, or context parallelism with
+    `ContextParallel` attention). The key is the path of the list (or of one block, split
+    on entry and gathered on exit). The first block's first positional argument must be the
+    sequence, `[seq, ...]` per example; its length must divide by the axis size (pad it and
+    mask the padding otherwise: the error says so). Everything before the list (embeddings,
+    which need whole positions) and after it (the head) sees the whole sequence.
+
+    ```python
+    import equinox as eqx, jax, jax.numpy as jnp, eqpar
+    from jax.sharding import PartitionSpec as P
+
+    class Block(eqx.Module):
+        norm: eqx.nn.LayerNorm
+        def __call__(self, x):
+            return x + jax.vmap(self.norm)(x)
+
+    model = [Block(eqx.nn.LayerNorm(4)), Block(eqx.nn.LayerNorm(4))]
+    parallel = eqpar.parallelize(model, {"": eqpar.SplitSequence("model")})
+    mesh = eqpar.DeviceMesh((4,), ("model",), devices=jax.devices()[:4])
+
+    def forward(blocks, x):
+        for block in blocks:
+            x = block(x)
+        return x
+
+    x = jnp.arange(32.0).reshape(8, 4)
+    run = eqpar.shard_map(forward, mesh=mesh, in_specs=(P(), P()), out_specs=P())
+    assert jnp.allclose(run(parallel, x), forward(model, x))
+    ```
+    """
+
+    axis_name: Hashable = "model"
+    accepts = (eqx.Module,)
+
+    def convert(self, layer: PyTree) -> PyTree:
+        axis = self.axis_name
+        return convert_block(layer, "SplitSequence", split_on_entry=axis, gather_on_exit=axis)
+
+    def convert_list(self, layers: list | tuple) -> list | tuple:
+        if not layers:
+            raise TypeError("SplitSequence applies to a non-empty list of blocks; got none.")
+        converted = list(layers)
+        converted[0] = convert_block(converted[0], "SplitSequence", split_on_entry=self.axis_name)
+        converted[-1] = convert_block(converted[-1], "SplitSequence", gather_on_exit=self.axis_name)
+        return type(layers)(converted)
+
+
+_BLOCK_STYLES = (Remat, SplitSequence)
 
 
 def _is_plannable(node: object) -> bool:
@@ -378,7 +440,7 @@ def _check_plan(plan: object) -> dict[str, Any]:
             raise TypeError(
                 f"parallelize: plan[{key!r}] must be a style (ColumnParallel(), RowParallel(), "
                 f"HeadParallel(), ContextParallel(), VocabParallel(), FeatureParallel(), "
-                f"SequenceParallel(), Replicated(), Remat()); got "
+                f"SequenceParallel(), Replicated(), Remat(), SplitSequence()); got "
                 f"{type(style).__name__}."
             )
     return patterns
@@ -470,7 +532,8 @@ def parallelize(
     ```
     """
     all_patterns = _check_plan(plan)
-    block_patterns = {k: p for k, p in all_patterns.items() if isinstance(plan[k], Remat)}
+    block_patterns = {k: p for k, p in all_patterns.items() if isinstance(plan[k], _BLOCK_STYLES)}
+    _check_block_styles(plan)
     patterns = {k: p for k, p in all_patterns.items() if k not in block_patterns}
     axis_sizes = None if mesh is None else dict(as_jax_mesh(mesh).shape)
     used: set[str] = set()
@@ -486,7 +549,7 @@ def parallelize(
                 style = plan[key]
                 try:
                     if isinstance(node, list | tuple):
-                        return type(node)(style.convert(child) for child in node)
+                        return style.convert_list(node)
                     return style.convert(node)
                 except TypeError as error:
                     raise TypeError(
@@ -540,6 +603,20 @@ def parallelize(
             raise ValueError(message + " Pass strict=False to only warn.")
         warnings.warn(message, stacklevel=2)
     return converted
+
+
+def _check_block_styles(plan: Mapping[str, Style]) -> None:
+    split = {s.axis_name for s in plan.values() if isinstance(s, SplitSequence)}
+    for key, style in plan.items():
+        if isinstance(style, ContextParallel) and style.axis_name in split:
+            if style.layout != "contiguous":
+                raise ValueError(
+                    f"parallelize: plan[{key!r}] = {style!r} expects the sequence in the "
+                    f"{style.layout!r} layout, but SplitSequence({style.axis_name!r}) splits "
+                    f"it into contiguous blocks. Use layout='contiguous', or split the "
+                    f"sequence yourself in that layout (eqpar.context.balance_sequence) and "
+                    f"drop SplitSequence."
+                )
 
 
 def _plan_axes(plan: Mapping[str, Style]) -> tuple[tuple, tuple]:
@@ -619,12 +696,12 @@ def unparallelize(model: PyTree) -> PyTree:
     """
 
     def serial(node: PyTree) -> PyTree:
-        if block_remat(node) is not None:
-            return unparallelize(remat_block(node, "none", "unparallelize"))
+        if block_options(node) is not None:
+            return unparallelize(serial_block(node))
         return to_serial_layer(node)
 
     return jax.tree.map(
         serial,
         model,
-        is_leaf=lambda node: isinstance(node, PARALLEL_LAYERS) or block_remat(node) is not None,
+        is_leaf=lambda node: isinstance(node, PARALLEL_LAYERS) or block_options(node) is not None,
     )

@@ -410,3 +410,42 @@ def test_ring_attention_with_a_models_own_rotary_code_takes_global_positions():
     )
     got = eqx.filter_value_and_grad(run)(model, x)
     assert_tree_close(got, want, what="loss and gradients")
+
+
+def test_split_sequence_by_plan_under_context_parallelism(rotary_setup):
+    """`SplitSequence` on the list of blocks: the model takes whole sequences (no in_specs
+    split over `context`), the blocks run on this device's block of each, and the output
+    comes back whole, so the loss needs no average over `context`."""
+    model, batch, (serial_loss, serial_model) = rotary_setup
+    mesh = mesh_of((2, 4), ("data", "context"))
+    plan = {
+        "blocks": eqpar.SplitSequence("context"),
+        r"blocks/\d+/attention": eqpar.ContextParallel(),
+    }
+    parallel = eqpar.parallelize(model, plan, mesh=mesh)
+    assert isinstance(parallel.blocks[0], RotaryBlock)
+    assert type(eqpar.unparallelize(parallel).blocks[0]) is RotaryBlock
+    loss, updated = sharded_step(rotary_loss, parallel, mesh, (P("data"),) * 3, *batch)
+    assert_tree_close(loss, serial_loss, what="loss")
+    assert_arrays_close(updated, serial_model)
+
+
+def test_split_sequence_refuses_a_length_the_axis_does_not_divide(vit_setup):
+    """The ViT's 2 x 2 patches and class token make 5 tokens: refused, with the fix."""
+    model, batch, _ = vit_setup
+    mesh = mesh_of((1, 4), ("data", "model"))
+    parallel = eqpar.parallelize(
+        model, {"attention_blocks": eqpar.SplitSequence("model")}, mesh=mesh
+    )
+    with pytest.raises(ValueError, match=r"scatter_sequence.*divides.*Pad the sequence"):
+        vit_step(parallel, mesh, batch)
+
+
+def test_split_sequence_and_a_balanced_context_layout_are_refused():
+    model = RotaryEncoder(key=jax.random.key(3))
+    plan = {
+        "blocks": eqpar.SplitSequence("context"),
+        r"blocks/\d+/attention": eqpar.ContextParallel(layout="balanced", causal=True),
+    }
+    with pytest.raises(ValueError, match=r"contiguous blocks.*balance_sequence"):
+        eqpar.parallelize(model, plan)

@@ -60,9 +60,11 @@ def check_sequence_layout(
     if sequence_parallel:
         raise ValueError(
             f"{owner}: sequence_parallel=True, but `{name}` is the same on every device of axis "
-            f"{axis_name!r}, not split over the sequence. Call `eqpar.nn.scatter_sequence` where "
-            f"the sequence-parallel part of the model begins (after the embeddings), or drop "
-            f"sequence_parallel=True from this layer's style."
+            f"{axis_name!r}, not split over the sequence. Put `eqpar.SplitSequence("
+            f"{axis_name!r})` on the model's list of blocks in the plan (or call "
+            f"`eqpar.nn.scatter_sequence` where the sequence-parallel part of the model "
+            f"begins, after the embeddings), or drop sequence_parallel=True from this layer's "
+            f"style."
         )
     raise ValueError(
         f"{owner}: `{name}` differs between the devices of axis {axis_name!r} (split over the "

@@ -1,0 +1,101 @@
+"""The model's own blocks, changed by a plan without changing their code.
+
+A plan entry on a block of the author's model (an `eqx.Module` with a `__call__`), or on a
+list of them, says how the block runs: rematerialized (`Remat`), or with the sequence split
+over a mesh axis on entry to the list and gathered on exit (`SplitSequence`). The block keeps
+its fields (the same arrays) and its author's `__call__`; its class becomes a subclass of the
+author's made for those options (one class per combination, cached), so `isinstance` holds
+and `serial_block` gives the author's class back.
+"""
+
+import dataclasses
+from collections.abc import Hashable
+from typing import Any, NamedTuple
+
+import equinox as eqx
+from jaxtyping import PyTree
+
+from .sequence import gather_sequence, scatter_sequence
+from .stacks import REMAT_POLICIES
+
+_OPTIONS = "__eqpar_block_options__"
+_CLASSES: dict[tuple[type, "BlockOptions"], type] = {}
+
+
+class BlockOptions(NamedTuple):
+    """How a block runs: `remat` (a `REMAT_POLICIES` name), and the mesh axis the sequence
+    is split over on entry (`split_on_entry`) and gathered from on exit (`gather_on_exit`)."""
+
+    remat: str = "none"
+    split_on_entry: Hashable | None = None
+    gather_on_exit: Hashable | None = None
+
+
+def block_options(block: object) -> BlockOptions | None:
+    """The options a block was converted with, or `None` for a block as its author wrote it."""
+    found = getattr(type(block), _OPTIONS, None)
+    return None if found is None else found[1]
+
+
+def _author_class(block: object) -> type:
+    found = getattr(type(block), _OPTIONS, None)
+    return type(block) if found is None else found[0]
+
+
+def _block_class(base: type, options: BlockOptions) -> type:
+    cached = _CLASSES.get((base, options))
+    if cached is not None:
+        return cached
+    base_call = base.__call__
+
+    def run(block: PyTree, args: tuple, kwargs: dict) -> PyTree:
+        return base_call(block, *args, **kwargs)
+
+    if options.remat != "none":
+        run = eqx.filter_checkpoint(run, policy=REMAT_POLICIES[options.remat])
+
+    def __call__(self: PyTree, *args: Any, **kwargs: Any) -> PyTree:
+        if options.split_on_entry is not None:
+            if not args:
+                raise TypeError(
+                    f"{base.__name__}: the plan splits the sequence of this block's first "
+                    f"positional argument, but it was called without one; pass the sequence "
+                    f"`[seq, ...]` positionally."
+                )
+            args = (scatter_sequence(args[0], options.split_on_entry), *args[1:])
+        out = run(self, args, kwargs)
+        if options.gather_on_exit is not None:
+            out = gather_sequence(out, options.gather_on_exit)
+        return out
+
+    __call__.__doc__ = base_call.__doc__
+    cls = type(
+        base.__name__,
+        (base,),
+        {"__call__": __call__, "__module__": base.__module__, _OPTIONS: (base, options)},
+    )
+    _CLASSES[(base, options)] = cls
+    return cls
+
+
+def convert_block(block: PyTree, owner: str, **changes: Any) -> PyTree:
+    """`block` with its options updated by `changes` (fields of `BlockOptions`): the same
+    fields, in the subclass of the author's class made for those options (the author's class
+    itself when every option is off)."""
+    if not isinstance(block, eqx.Module) or not callable(block):
+        raise TypeError(
+            f"{owner} applies to a block of the model (an eqx.Module with a __call__) or a "
+            f"list of them; got {type(block).__name__}."
+        )
+    base = _author_class(block)
+    options = (block_options(block) or BlockOptions())._replace(**changes)
+    cls = base if options == BlockOptions() else _block_class(base, options)
+    new = object.__new__(cls)
+    for field in dataclasses.fields(base):
+        object.__setattr__(new, field.name, getattr(block, field.name))
+    return new
+
+
+def serial_block(block: PyTree) -> PyTree:
+    """The block in its author's class (the same fields)."""
+    return convert_block(block, "serial_block", **BlockOptions()._asdict())
