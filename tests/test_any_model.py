@@ -449,3 +449,58 @@ def test_split_sequence_and_a_balanced_context_layout_are_refused():
     }
     with pytest.raises(ValueError, match=r"contiguous blocks.*balance_sequence"):
         eqpar.parallelize(model, plan)
+
+
+class IndexedLayer(eqx.Module):
+    """A layer that knows its place, as a static field (as ported Llamas often do), and
+    uses it to pick its randomness."""
+
+    weight: jax.Array
+    layer_index: int = eqx.field(static=True)
+
+    def __init__(self, layer_index: int, key: PRNGKeyArray):
+        self.weight = jax.random.normal(key, (DIM, DIM)) / DIM**0.5
+        self.layer_index = layer_index
+
+    def __call__(self, x: Array, key: PRNGKeyArray) -> Array:
+        noise = jax.random.normal(jax.random.fold_in(key, self.layer_index), x.shape[-1:])
+        return jnp.tanh(x @ self.weight) + 0.1 * noise
+
+
+def test_layers_that_differ_in_integer_static_fields_stack_scan_and_pipeline():
+    from eqpar.nn import PipelineModule, ScannedLayers, stack_layers, unstack_layers
+
+    layers = [IndexedLayer(i, k) for i, k in enumerate(jax.random.split(jax.random.key(0), 4))]
+    x, key = jax.random.normal(jax.random.key(1), (8, DIM)), jax.random.key(2)
+    want = x
+    for layer in layers:
+        want = layer(want, key)
+
+    stacked = stack_layers(layers)
+    assert isinstance(stacked, IndexedLayer) and stacked.layer_index.tolist() == [0, 1, 2, 3]
+    back = unstack_layers(stacked)
+    assert type(back[3]) is IndexedLayer and back[3].layer_index == 3
+    assert eqx.tree_equal(back, layers)
+    assert_tree_close(ScannedLayers(stacked)(x, key), want, what="scanned")
+
+    mesh = mesh_of((4,), ("pipe",))
+    body = PipelineModule.from_layers(
+        stacked, num_stages=4, num_microbatches=2, broadcast_output=True
+    )
+    run = eqpar.shard_map(
+        lambda m, x, k: m(x, k),
+        mesh=mesh,
+        in_specs=(eqpar.partition_specs(body), P(), P()),
+        out_specs=P(),
+    )
+    assert_tree_close(run(body, x, key), want, what="pipelined")
+
+
+def test_layers_that_differ_in_a_float_static_field_are_still_refused():
+    class Scaled(eqx.Module):
+        weight: jax.Array
+        scale: float = eqx.field(static=True)
+
+    layers = [Scaled(jnp.ones(2), 1.0), Scaled(jnp.ones(2), 2.0)]
+    with pytest.raises(ValueError, match=r"layers\[1\].*at `scale`.*integer or boolean static"):
+        eqpar.nn.stack_layers(layers)

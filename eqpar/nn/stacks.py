@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec
 from jaxtyping import Array, PyTree
 
 from .._declare import prefixed, stacked_partition_specs
-from .._paths import path_to_str
+from .._paths import key_to_str, map_children, path_to_str
 from ..pipeline._executors import call_stage, call_varying
 from ..pipeline._tools import typed_scan
 
@@ -195,6 +195,9 @@ def stack_layers(layers: Sequence[Any]) -> PyTree:
         )
     if not layers:
         raise ValueError(f"{owner}: `layers` is empty; give at least one layer to stack.")
+    varying = _varying_static_fields(list(layers))
+    if varying:
+        layers = [_with_dynamic_fields(layer, varying) for layer in layers]
     first = layers[0]
     for index, layer in enumerate(layers[1:], start=1):
         found = _first_difference(first, layer)
@@ -203,8 +206,9 @@ def stack_layers(layers: Sequence[Any]) -> PyTree:
             at = f"at `{where}`" if where else "as a whole"
             raise ValueError(
                 f"{owner}: `layers[{index}]` differs from `layers[0]` {at}: it has {what}. "
-                f"Only array values may differ between stacked layers; build every layer with "
-                f"the same constructor arguments (and share functions such as activations "
+                f"Only array values, and integer or boolean static fields (such as a layer's "
+                f"index), may differ between stacked layers; build every layer with the same "
+                f"other constructor arguments (and share functions such as activations "
                 f"instead of creating one per layer)."
             )
     arrays = [eqx.filter(layer, eqx.is_array) for layer in layers]
@@ -242,7 +246,106 @@ def unstack_layers(stacked: PyTree) -> list[Any]:
     ```
     """
     size = common_leading_size(stacked, "stacked", "unstack_layers")
-    return [map_arrays(lambda a, i=i: a[i], stacked) for i in range(size)]
+    return [_with_static_fields(map_arrays(lambda a, i=i: a[i], stacked)) for i in range(size)]
+
+
+# Integer and boolean static fields that differ per layer (a layer's index, say) are stacked
+# as arrays: the layer's class is swapped for a subclass in which those fields are ordinary
+# fields, one per combination (cached). Inside a scan the layer then reads a scalar array;
+# `unstack_layers` puts the Python values and the author's class back. Floats are left
+# static: as arrays they would be trained.
+_DYNAMIC = "__eqpar_dynamic_static_fields__"
+_DYNAMIC_CLASSES: dict[tuple[type, frozenset], type] = {}
+
+
+def _varying_static_fields(layers: list) -> dict[tuple, frozenset]:
+    """`{module path: field names}` of the integer/boolean static fields that differ."""
+    found: dict[tuple, frozenset] = {}
+
+    def walk(nodes: list, path: tuple) -> None:
+        first = nodes[0]
+        if any(type(node) is not type(first) for node in nodes):
+            return
+        if isinstance(first, eqx.Module):
+            names = []
+            for field in dataclasses.fields(first):
+                values = [getattr(node, field.name, None) for node in nodes]
+                if field.metadata.get("static", False):
+                    kinds = {type(v) for v in values}
+                    if len(kinds) == 1 and kinds <= {int, bool} and len(set(values)) > 1:
+                        names.append(field.name)
+                else:
+                    walk(values, (*path, field.name))
+            if names:
+                found[path] = frozenset(names)
+            return
+        flats = [
+            jax.tree_util.tree_flatten_with_path(n, is_leaf=lambda x, n=n: x is not n)
+            for n in nodes
+        ]
+        if jax.tree_util.treedef_is_leaf(flats[0][1]) or any(f[1] != flats[0][1] for f in flats):
+            return
+        for i, (key, _) in enumerate(flats[0][0]):
+            walk([f[0][i][1] for f in flats], (*path, path_to_str(key)))
+
+    walk(layers, ())
+    return found
+
+
+def _dynamic_class(base: type, names: frozenset) -> type:
+    cached = _DYNAMIC_CLASSES.get((base, names))
+    if cached is None:
+        namespace: dict[str, Any] = {
+            "__annotations__": dict.fromkeys(sorted(names), Any),
+            "__module__": base.__module__,
+            _DYNAMIC: base,
+        }
+        namespace.update({name: eqx.field(default=None) for name in names})
+        cached = type(base.__name__, (base,), namespace)
+        _DYNAMIC_CLASSES[(base, names)] = cached
+    return cached
+
+
+def _rebuilt_as(module: PyTree, cls: type, values: dict) -> PyTree:
+    new = object.__new__(cls)
+    for field in dataclasses.fields(module):
+        value = values.get(field.name, getattr(module, field.name))
+        object.__setattr__(new, field.name, value)
+    return new
+
+
+def _with_dynamic_fields(layer: PyTree, varying: dict[tuple, frozenset]) -> PyTree:
+    def convert(node: PyTree, path: tuple) -> PyTree:
+        node = map_children(node, path, convert)
+        names = varying.get(tuple(key_to_str(k) for k in path))
+        if names is None or not isinstance(node, eqx.Module):
+            return node
+        values = {name: jnp.asarray(getattr(node, name)) for name in names}
+        return _rebuilt_as(node, _dynamic_class(type(node), names), values)
+
+    return convert(layer, ())
+
+
+def _with_static_fields(layer: PyTree) -> PyTree:
+    """The inverse of `_with_dynamic_fields` for one (unstacked, concrete) layer."""
+
+    def convert(node: PyTree, path: tuple) -> PyTree:
+        node = map_children(node, path, convert)
+        base = getattr(type(node), _DYNAMIC, None)
+        if base is None or type(node) is base:
+            return node
+        values = {}
+        for field in dataclasses.fields(base):
+            value = getattr(node, field.name)
+            if field.metadata.get("static", False) and eqx.is_array(value):
+                try:
+                    value = value.item()
+                except Exception:  # a traced layer keeps its arrays (and this class)
+                    return node
+            values[field.name] = value
+        return _rebuilt_as(node, base, values)
+
+    return convert(layer, ())
 
 
 class ScannedLayers(eqx.Module):
