@@ -39,6 +39,22 @@ def is_array_like(leaf: object) -> bool:
     return eqx.is_array(leaf) or isinstance(leaf, jax.ShapeDtypeStruct)
 
 
+def _extended(declared: PartitionSpec, mapped: PartitionSpec, rank: int) -> PartitionSpec | None:
+    """`declared` with `mapped`'s axes added on the dimensions it leaves open, or `None` when
+    they disagree on a dimension both split, or an axis would split two dimensions."""
+    entries = []
+    for mine, theirs in zip(_normalized(declared, rank), _normalized(mapped, rank)):
+        if mine is not None and theirs is not None and mine != theirs:
+            return None
+        entries.append(mine if mine is not None else theirs)
+    names = [name for entry in entries for name in entry_names(entry)]
+    if len(names) != len(set(names)):
+        return None
+    if entries == list(_normalized(declared, rank)):
+        return declared
+    return PartitionSpec(*entries)
+
+
 def _normalized(spec: PartitionSpec | Sequence[AxisEntry], rank: int) -> tuple:
     """Spec entries padded to `rank`, with `("a",)` written as `"a"` and `()` as `None`."""
     entries = []
@@ -308,8 +324,10 @@ def partition_specs(
     array leaf, `None` at every other leaf.
 
     What modules declare (`eqpar.DeclaresPartitionSpecs`) comes first; `layout_map` fills in
-    the leaves they leave open; the rest is replicated (`P()`). Where a declaration and the
-    layout map both give a spec and they differ, it raises. With a mesh (the layout map's, or
+    the leaves they leave open, and extends a declared spec on the dimensions it leaves open
+    (say `model` on a pipeline stack's per-layer dimensions, as FSDP adds `data`); the rest
+    is replicated (`P()`). Where a declaration and the layout map split the same dimension
+    differently (or would use one axis twice), it raises. With a mesh (the layout map's, or
     `mesh`), every spec is checked against it: known axes, dimensions divisible.
 
     The result works as `jax.jit` shardings
@@ -371,14 +389,16 @@ def partition_specs(
             check_spec(
                 path, mapped_spec, shape, axes, source=f"LayoutMap[{map_key!r}]", exact_rank=True
             )
-            if declared_spec is not None and _normalized(declared_spec, len(shape)) != _normalized(
-                mapped_spec, len(shape)
-            ):
-                raise ValueError(
-                    f"partition_specs: leaf {path!r} is declared {declared_spec} by its module "
-                    f"but LayoutMap[{map_key!r}] gives {mapped_spec}; remove or narrow that key, "
-                    f"or make it agree."
-                )
+            if declared_spec is not None:
+                extended = _extended(declared_spec, mapped_spec, len(shape))
+                if extended is None:
+                    raise ValueError(
+                        f"partition_specs: leaf {path!r} is declared {declared_spec} by its "
+                        f"module but LayoutMap[{map_key!r}] gives {mapped_spec}; a layout map "
+                        f"may only add axes on the dimensions a declaration leaves open (as "
+                        f"FSDP does). Remove or narrow that key, or make it agree."
+                    )
+                declared_spec = extended
         if declared_spec is not None:
             specs.append(declared_spec)
         elif mapped_spec is not None:

@@ -335,3 +335,17 @@ class BadDeclaration(eqx.Module):
 def test_declared_path_that_is_not_a_leaf_raises():
     with pytest.raises(ValueError, match=r"declare specs for \['inner/kernel'\]"):
         partition_specs({"inner": BadDeclaration(jnp.zeros(8))})
+
+
+def test_the_map_extends_a_declared_spec_on_the_dimensions_it_leaves_open(mesh):
+    """As FSDP adds `data`, a layout map adds an axis where a module's declaration says
+    nothing (the one route for a pipeline stack with tensor-parallel raw arrays)."""
+    layout_map = LayoutMap(mesh)
+    layout_map["blocks/.*/weight"] = ("data", None)
+    specs = partition_specs(make_net(P(None, "model")), layout_map)
+    assert specs.blocks[0].weight == P("data", "model")
+    layout_map = LayoutMap(mesh)
+    layout_map["blocks/.*/weight"] = (None, "model")  # the same as declared: unchanged
+    assert partition_specs(make_net(P(None, "model")), layout_map).blocks[0].weight == P(
+        None, "model"
+    )
