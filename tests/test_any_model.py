@@ -543,3 +543,38 @@ def test_vit_under_a_bfloat16_policy_equals_the_serial_bfloat16_step(vit_setup):
         for g, w in zip(got, want, strict=True)
     ]
     assert max(errors) < 3e-2, errors  # measured: at most 8.7e-3
+
+
+# --- a Llama-style model with raw weight arrays -----------------------------------------
+
+
+@pytest.fixture(scope="module")
+def llama_setup():
+    import llama_style as llama
+
+    model = llama.Llama(key=jax.random.key(0))
+    tokens = llama.batch(8)
+    return llama, model, tokens, serial_step(llama.loss, model, tokens)
+
+
+@pytest.mark.parametrize("mode", ["dp", "fsdp", "remat"])
+def test_llama_with_raw_arrays_under_dp_fsdp_and_remat_by_plan(llama_setup, mode):
+    """Data parallelism and FSDP place the arrays (the step is the serial one, partitioned
+    by `jax.jit`); remat is one plan entry on the list of layers, whose raw arrays need no
+    layer conversion."""
+    llama, model, tokens, (serial_loss, serial_model) = llama_setup
+    mesh = mesh_of((8,), ("data",))
+    if mode == "remat":
+        model = eqpar.parallelize(model, {"layers": eqpar.Remat("full")})
+        assert isinstance(model.layers[1], llama.LlamaLayer) and model.layers[1].layer_index == 1
+        loss, updated = sharded_step(llama.loss, model, mesh, (P("data"),), tokens)
+    else:
+        distribution = (
+            eqpar.DataParallel(mesh) if mode == "dp" else eqpar.FSDP(mesh, min_size_bytes=0)
+        )
+        placed = distribution.distribute_model(model)
+        loss, updated = serial_step(llama.loss, placed, distribution.distribute_input(tokens))
+        if mode == "fsdp":
+            assert updated.layers[0].w_up.sharding.spec != P()  # stored split over data
+    assert_tree_close(loss, serial_loss, what="loss")
+    assert_arrays_close(eqpar.unparallelize(updated), serial_model)
