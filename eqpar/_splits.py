@@ -6,7 +6,9 @@ serial positions) it must know which dimension is split and how: the layers that
 activations say so here while they are traced, in program order. A column-parallel linear
 opens a split of the features that the row-parallel linear after it closes;
 `scatter_sequence` opens a split of the sequence that `gather_sequence` closes. The record
-is a stack per trace (a `contextvars` value that `eqpar.shard_map` starts empty), so a
+is a stack per trace (a `contextvars` value that `eqpar.shard_map` starts empty; under
+`jax.shard_map` called directly, entries a trace leaves open, such as a column-parallel
+head's, stay until the process ends), so a
 dropout between the two linears of an MLP sees the feature split, and a dropout between two
 sequence-parallel blocks sees the sequence split, even when both use the same mesh axis.
 
@@ -21,18 +23,21 @@ from typing import NamedTuple
 
 
 class Split(NamedTuple):
-    """One split activation: dimension `dim` (counted from the end) holds `block` of
-    `block * n` entries, device `d` of `n` holding entries `[d * block, (d + 1) * block)`.
+    """One split activation: dimension `dim` holds `block` of `block * n` entries, device `d`
+    of `n` holding entries `[d * block, (d + 1) * block)` (with `layout="balanced"`, the
+    entries `eqpar.context.sequence_positions` gives).
 
-    `kind` is `"features"`, `"sequence"`, or `"features_of_tokens"`: the output of a
-    sequence-parallel column linear, `[n, block]` per token, where row `j` is the token at
-    the same place in device `j`'s block of the sequence and the features are split.
+    `kind` is `"features"` (`dim=-1`), `"sequence"` (`dim=0`: one example's sequence comes
+    first), or `"features_of_tokens"`: the output of a sequence-parallel column linear,
+    `[n, block]` per token, where row `j` is the token at the same place in device `j`'s
+    block of the sequence and the features are split.
     """
 
     axis_name: Hashable
     kind: str
     dim: int
     block: int
+    layout: str = "contiguous"
 
 
 _OPEN: contextvars.ContextVar[tuple[Split, ...]] = contextvars.ContextVar(
@@ -59,13 +64,12 @@ def open_split(split: Split) -> None:
 
 
 def close_split(axis_name: Hashable, kinds: tuple[str, ...]) -> None:
-    """Forget the most recent splits of `kinds` on `axis_name`."""
-    current = list(_OPEN.get())
-    for i in reversed(range(len(current))):
-        if current[i].axis_name == axis_name and current[i].kind in kinds:
-            del current[i]
-            break
-    _OPEN.set(tuple(current))
+    """Forget the open splits of `kinds` on `axis_name` (every one: the queries and the
+    smaller keys of grouped-query attention are both closed by the output projection)."""
+    current = _OPEN.get()
+    kept = tuple(s for s in current if not (s.axis_name == axis_name and s.kind in kinds))
+    if kept != current:
+        _OPEN.set(kept)
 
 
 def open_splits() -> tuple[Split, ...]:
@@ -76,7 +80,8 @@ def open_splits() -> tuple[Split, ...]:
 def split_of(shape: tuple[int, ...], axis_name: Hashable) -> Split | None:
     """The most recent open split on `axis_name` that an array of `shape` can be a block of."""
     for split in reversed(_OPEN.get()):
-        if split.axis_name != axis_name or len(shape) < -split.dim:
+        rank_needed = split.dim + 1 if split.dim >= 0 else -split.dim
+        if split.axis_name != axis_name or len(shape) < rank_needed:
             continue
         if shape[split.dim] != split.block:
             continue

@@ -497,7 +497,8 @@ def parallelize(
     - `model`: any Equinox model (or pytree of them); arrays may be abstract.
     - `plan`: `{path or regex: style}`; the styles are `ColumnParallel`, `RowParallel`,
       `HeadParallel`, `ContextParallel` (attention over a split sequence), `VocabParallel`,
-      `FeatureParallel`, `SequenceParallel` (dropout), `Replicated` and `Remat` (blocks).
+      `FeatureParallel`, `SequenceParallel` (dropout), `Replicated`, and for blocks `Remat`
+      and `SplitSequence`.
     - `mesh`: optional; when given, the styles' axes must be mesh axes and every size the
       plan splits must divide by its axis size (checked here rather than at trace time).
     - `strict`: a plan key that matches no layer raises (`True`) or warns (`False`).
@@ -549,12 +550,14 @@ def parallelize(
                 style = plan[key]
                 try:
                     if isinstance(node, list | tuple):
-                        return style.convert_list(node)
-                    return style.convert(node)
+                        node = style.convert_list(node)
+                    else:
+                        node = style.convert(node)
                 except TypeError as error:
                     raise TypeError(
                         f"parallelize: plan[{key!r}] = {style!r} cannot convert {where!r}: {error}"
                     ) from error
+        # Keys for blocks inside this one (or for each block of a converted list) still apply.
         return map_children(node, path, convert_blocks)
 
     if block_patterns:
@@ -595,8 +598,10 @@ def parallelize(
         message = (
             f"parallelize: plan keys that match no layer: {hints}. Keys are "
             f"matched against the paths of Linear, MultiheadAttention, Embedding, LayerNorm, "
-            f"RMSNorm and Dropout layers (`eqpar.leaf_paths(model)` lists leaf paths; drop the "
-            f"last part such as '/weight'). The projections inside a MultiheadAttention are "
+            f"RMSNorm, Dropout and RotaryPositionalEmbedding layers, and Remat / SplitSequence "
+            f"keys against the paths of blocks (modules) and lists of them "
+            f"(`eqpar.leaf_paths(model)` lists leaf paths; drop the last part such as "
+            f"'/weight'). The projections inside a MultiheadAttention are "
             f"not layers of their own here: HeadParallel() on the attention splits them all."
         )
         if strict:
@@ -625,11 +630,9 @@ def _plan_axes(plan: Mapping[str, Style]) -> tuple[tuple, tuple]:
     split_axes: dict = {}
     sequence_axes: dict = {}
     for style in plan.values():
-        axes = [style.axis, getattr(style, "head_axis_name", None)]
-        for axis in axes:
-            for name in axis if isinstance(axis, tuple) else (axis,):
-                if name is not None:
-                    split_axes[name] = None
+        for axis in (style.axis, getattr(style, "head_axis_name", None)):
+            if axis is not None:  # a tuple of axes splits over their product: kept whole
+                split_axes[axis] = None
         if isinstance(style, ContextParallel):
             sequence_axes[(style.axis_name, style.layout)] = None
     return tuple(split_axes), tuple(sequence_axes)
@@ -645,8 +648,9 @@ def _split_aware(node: PyTree, split_axes: tuple, sequence_axes: tuple) -> PyTre
             sequence_axes = tuple(dict.fromkeys((*node.sequence_axes, *sequence_axes)))
         elif type(node) is not eqx.nn.Dropout:
             return node  # SequenceParallelDropout, or the author's own subclass
-        cp_axes = tuple(dict.fromkeys(axis for axis, _ in sequence_axes))
-        return ParallelDropout(to_serial_layer(node), axis_names=split_axes, sequence_axes=cp_axes)
+        return ParallelDropout(
+            to_serial_layer(node), axis_names=split_axes, sequence_axes=sequence_axes
+        )
     if isinstance(node, eqx.nn.RotaryPositionalEmbedding) and sequence_axes:
         if isinstance(node, ParallelRotaryEmbedding):
             sequence_axes = tuple(dict.fromkeys((*node.sequence_axes, *sequence_axes)))

@@ -578,3 +578,91 @@ def test_llama_with_raw_arrays_under_dp_fsdp_and_remat_by_plan(llama_setup, mode
             assert updated.layers[0].w_up.sharding.spec != P()  # stored split over data
     assert_tree_close(loss, serial_loss, what="loss")
     assert_arrays_close(eqpar.unparallelize(updated), serial_model)
+
+
+# --- cases a review found -----------------------------------------------------------------
+
+
+def test_balanced_context_layout_with_rotary_and_dropout(rotary_setup):
+    """With `layout="balanced"` each device holds two chunks of the sequence: the rotary
+    positions and the dropout rows are those chunks' (the loss, a mean over every token,
+    does not see the order)."""
+    from eqpar.context import balance_sequence
+
+    model, (x, targets, keys), (serial_loss, serial_model) = rotary_setup
+    mesh = mesh_of((2, 4), ("data", "context"))
+    plan = {r"blocks/\d+/attention": eqpar.ContextParallel(layout="balanced")}
+    parallel = eqpar.parallelize(model, plan, mesh=mesh)
+    balanced = (balance_sequence(x, 4, axis=1), balance_sequence(targets, 4, axis=1), keys)
+    specs = (P("data", "context"), P("data", "context"), P("data"))
+    loss, updated = sharded_step(
+        rotary_loss, parallel, mesh, specs, *balanced, mean_over=("data", "context")
+    )
+    assert_tree_close(loss, serial_loss, what="loss")
+    assert_arrays_close(updated, serial_model)
+
+
+class GroupedQueryMLP(eqx.Module):
+    """Two column-parallel projections of different widths (as the queries and the fewer
+    keys of grouped-query attention) closed by one row-parallel layer, then a dropout on
+    the whole output: the record must hold no split after the row layer."""
+
+    wide: eqx.nn.Linear
+    narrow: eqx.nn.Linear
+    down: eqx.nn.Linear
+    dropout: eqx.nn.Dropout
+
+    def __call__(self, x, key):
+        wide = jax.vmap(self.wide)(x)
+        narrow = jax.vmap(self.narrow)(x)  # opens a second, narrower split
+        hidden = wide + 0.0 * jnp.sum(narrow)
+        return self.dropout(jax.vmap(self.down)(hidden), key=key)
+
+
+def test_every_feature_split_closes_at_the_row_layer_and_tuple_axes_work():
+    keys = jax.random.split(jax.random.key(0), 3)
+    model = GroupedQueryMLP(
+        eqx.nn.Linear(8, 16, key=keys[0]),
+        eqx.nn.Linear(8, 8, key=keys[1]),
+        eqx.nn.Linear(16, 8, key=keys[2]),
+        eqx.nn.Dropout(0.5),
+    )
+    x, key = jax.random.normal(jax.random.key(1), (4, 8)), jax.random.key(2)
+    want = model(x, key)
+    for axis, mesh in [
+        ("model", mesh_of((2,), ("model",))),
+        (("a", "b"), mesh_of((2, 2), ("a", "b"))),
+    ]:
+        plan = {
+            "wide": eqpar.ColumnParallel(axis_name=axis),
+            "narrow": eqpar.ColumnParallel(axis_name=axis),
+            "down": eqpar.RowParallel(axis_name=axis),
+        }
+        parallel = eqpar.parallelize(model, plan, mesh=mesh)
+        run = eqpar.shard_map(
+            lambda m, x, k: m(x, k),
+            mesh=mesh,
+            in_specs=(eqpar.partition_specs(parallel), P(), P()),
+            out_specs=P(),
+        )
+        assert_tree_close(run(parallel, x, key), want, what=f"axis {axis}")
+
+
+def test_remat_and_split_sequence_in_one_plan_and_pickling():
+    import pickle
+
+    model = RotaryEncoder(key=jax.random.key(3))
+    plan = {
+        "blocks": eqpar.SplitSequence("context"),
+        r"blocks/\d+": eqpar.Remat("full"),
+        r"blocks/\d+/attention": eqpar.ContextParallel(),
+    }
+    parallel = eqpar.parallelize(model, plan)
+    assert all(isinstance(b, RotaryBlock) and type(b) is not RotaryBlock for b in parallel.blocks)
+    again = pickle.loads(pickle.dumps(parallel))
+    assert type(again.blocks[0]) is type(parallel.blocks[0])
+    assert eqx.tree_equal(eqpar.unparallelize(again), model)
+    stacked = eqpar.nn.stack_layers(
+        [IndexedLayer(i, k) for i, k in enumerate(jax.random.split(jax.random.key(0), 2))]
+    )
+    assert eqx.tree_equal(pickle.loads(pickle.dumps(stacked)), stacked)

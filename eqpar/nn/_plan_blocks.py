@@ -68,14 +68,28 @@ def _block_class(base: type, options: BlockOptions) -> type:
             out = gather_sequence(out, options.gather_on_exit)
         return out
 
+    def __reduce__(self: PyTree) -> tuple:
+        # The class has the author's name but is not the author's class: pickle rebuilds it.
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(base)}
+        return _restore_block, (base, options, fields)
+
     __call__.__doc__ = base_call.__doc__
-    cls = type(
-        base.__name__,
-        (base,),
-        {"__call__": __call__, "__module__": base.__module__, _OPTIONS: (base, options)},
-    )
+    namespace = {
+        "__call__": __call__,
+        "__reduce__": __reduce__,
+        "__module__": base.__module__,
+        _OPTIONS: (base, options),
+    }
+    cls = type(base.__name__, (base,), namespace)
     _CLASSES[(base, options)] = cls
     return cls
+
+
+def _restore_block(base: type, options: BlockOptions, fields: dict) -> PyTree:
+    new = object.__new__(_block_class(base, options))
+    for name, value in fields.items():
+        object.__setattr__(new, name, value)
+    return new
 
 
 def convert_block(block: PyTree, owner: str, **changes: Any) -> PyTree:

@@ -17,6 +17,7 @@ from jaxtyping import Array, PRNGKeyArray
 
 from .._splits import Split, split_of
 from .._vma import varies_over, varying_axes
+from ..context import sequence_positions
 from ._twins import rebuilt
 
 __all__ = ["ParallelDropout"]
@@ -42,8 +43,13 @@ def serial_mask_block(
             tokens, features = mask.shape[-2:]
             mask = mask.reshape(*mask.shape[:-2], n, tokens // n, features)
             mask = jnp.swapaxes(mask, -3, -2)
-        start = lax.axis_index(split.axis_name) * split.block
-        mask = lax.dynamic_slice_in_dim(mask, start, split.block, axis=ndim + split.dim)
+        dim = split.dim if split.dim >= 0 else ndim + split.dim
+        if split.layout == "contiguous":
+            start = lax.axis_index(split.axis_name) * split.block
+            mask = lax.dynamic_slice_in_dim(mask, start, split.block, axis=dim)
+        else:
+            rows = sequence_positions(split.block, axis_name=split.axis_name, layout="balanced")
+            mask = jnp.take(mask, rows, axis=dim)
     return mask
 
 
@@ -63,15 +69,22 @@ class ParallelDropout(eqx.nn.Dropout):
 
     When the input differs over one of `axis_names` while its key does not, and no split
     on that axis fits the input's shape, the layer raises: the activation is split in a
-    way only the model knows (its own slicing, a per-token call under `jax.vmap` with keys
-    split inside the block), so one mask per device would be silently wrong.
+    way only the model knows (its own reshaping, a per-token call under `jax.vmap`), so one
+    mask per device would be silently wrong. A split fits by its block's size: the last
+    dimension for features, the first (each example's sequence) for tokens. An activation
+    derived some other way whose dimension happens to have that size (attention weights
+    over a sequence as long as a feature block, computed by the author's own attention
+    from column-parallel projections) is taken for the split one; attention written with
+    `eqx.nn.MultiheadAttention` and a `HeadParallel` style draws its own masks right.
+    The author's own subclasses of `eqx.nn.Dropout` are left as they are.
 
     **Arguments:**
 
     - `dropout`: the `eqx.nn.Dropout` to convert (its `p` and `inference` are kept).
     - `axis_names`: the mesh axes the plan splits activations over (the axes of its styles).
-    - `sequence_axes`: the context-parallel axes among them, over which the sequence
-      (`[seq / n, ...]` per example) is split from the model's inputs onwards.
+    - `sequence_axes`: `(axis_name, layout)` pairs: the context-parallel axes among them,
+      over which each example's sequence (its first dimension, `[seq / n, ...]`) is split
+      from the model's inputs onwards, in the `"contiguous"` or `"balanced"` layout.
 
     ```python
     import equinox as eqx, jax, jax.numpy as jnp
@@ -102,14 +115,14 @@ class ParallelDropout(eqx.nn.Dropout):
     """
 
     axis_names: tuple[Hashable, ...] = eqx.field(static=True)
-    sequence_axes: tuple[Hashable, ...] = eqx.field(static=True)
+    sequence_axes: tuple[tuple[Hashable, str], ...] = eqx.field(static=True)
 
     def __init__(
         self,
         dropout: eqx.nn.Dropout,
         *,
         axis_names: tuple[Hashable, ...] = ("model",),
-        sequence_axes: tuple[Hashable, ...] = (),
+        sequence_axes: tuple[tuple[Hashable, str], ...] = (),
     ):
         if not isinstance(dropout, eqx.nn.Dropout):
             raise TypeError(
@@ -117,8 +130,10 @@ class ParallelDropout(eqx.nn.Dropout):
             )
         self.p = dropout.p
         self.inference = dropout.inference
-        self.axis_names = tuple(dict.fromkeys((*axis_names, *sequence_axes)))
-        self.sequence_axes = tuple(sequence_axes)
+        self.sequence_axes = tuple((axis, layout) for axis, layout in sequence_axes)
+        self.axis_names = tuple(
+            dict.fromkeys((*axis_names, *(axis for axis, _ in self.sequence_axes)))
+        )
 
     def to_serial(self) -> eqx.nn.Dropout:
         """The `eqx.nn.Dropout` with the same `p` and `inference`."""
@@ -160,20 +175,22 @@ class ParallelDropout(eqx.nn.Dropout):
         """How `x` was cut from the serial activation: one split per axis it is a block over."""
         owner = type(self).__name__
         key_axes = varying_axes(key)
+        layouts = dict(self.sequence_axes)
         splits = []
         for axis in self.axis_names:
+            names = axis if isinstance(axis, tuple) else (axis,)
             try:
                 n = int(lax.axis_size(axis))
             except NameError:
                 continue  # not inside shard_map over this axis: nothing is split over it
             varies = varies_over(x, axis)
-            if varies is False or axis in key_axes:
+            if varies is False or key_axes & set(names):
                 continue  # the same on every device, or a key of its own per device
             split = split_of(x.shape, axis)
-            if split is None and varies and axis in self.sequence_axes:
-                if x.ndim < 2:
-                    continue  # one token (a per-token call): the key, not the sequence, decides
-                split = Split(axis, "sequence", -2, x.shape[-2])
+            if split is None and varies and axis in layouts and x.ndim >= 2:
+                # Context parallelism: each example's sequence comes first, split from the
+                # inputs on. (A one-token input is a per-token call: refused below.)
+                split = Split(axis, "sequence", 0, x.shape[0], layouts[axis])
             if split is None:
                 if varies is None:
                     continue  # check_vma=False: JAX does not say whether x differs
@@ -181,12 +198,13 @@ class ParallelDropout(eqx.nn.Dropout):
                     f"{owner}: the input (shape {x.shape}) differs between the devices of "
                     f"axis {axis!r} while its key is the same on each, and no split eqpar made "
                     f"fits it (the features between a ColumnParallel and a RowParallel layer, "
-                    f"the sequence between scatter_sequence and gather_sequence, or [seq / n, "
-                    f"...] on a context axis). One mask on every device would repeat the "
-                    f"pattern across the blocks. Call the dropout on the activation as the "
-                    f"serial model holds it (a whole [seq, features] per example), or give "
-                    f"each device its own key on purpose: "
-                    f"`jax.random.fold_in(key, jax.lax.axis_index({axis!r}))`."
+                    f"or the sequence, first in [seq / n, ...], between scatter_sequence and "
+                    f"gather_sequence or on a context axis). One mask on every device would "
+                    f"repeat the pattern across the blocks. Call the dropout on the activation "
+                    f"as the serial model holds it (a whole [seq, ...] per example, not one "
+                    f"token at a time under jax.vmap, nor reshaped), or give each device its "
+                    f"own key on purpose (`jax.random.fold_in(key, jax.lax.axis_index("
+                    f"{axis!r}))`: then the masks are no longer the serial model's)."
                 )
             splits.append((split, n))
         if len(splits) > 1 and any(s.kind == "features_of_tokens" for s, _ in splits):

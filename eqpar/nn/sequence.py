@@ -71,7 +71,7 @@ def scatter_sequence(
             f"sequence-parallel part of the model begins."
         )
     block = x.shape[0] // n
-    open_split(Split(axis_name, "sequence", -x.ndim, block))
+    open_split(Split(axis_name, "sequence", 0, block))
     return lax.dynamic_slice_in_dim(x, lax.axis_index(axis_name) * block, block, axis=0)
 
 
@@ -192,6 +192,6 @@ class SequenceParallelDropout(eqx.nn.Dropout):
             raise ValueError(f"{owner}: x must have a sequence axis first; got a scalar.")
         check_sequence_layout(owner, "x", x, self.axis_name, True)
         keep = 1 - lax.stop_gradient(self.p)
-        split = Split(self.axis_name, "sequence", -x.ndim, x.shape[0])
+        split = Split(self.axis_name, "sequence", 0, x.shape[0])
         mask = serial_mask_block(key, keep, x.shape, [(split, n)])
         return jnp.where(mask, x / keep, 0)

@@ -301,9 +301,23 @@ def _dynamic_class(base: type, names: frozenset) -> type:
             _DYNAMIC: base,
         }
         namespace.update({name: eqx.field(default=None) for name in names})
+
+        def __reduce__(self: PyTree) -> tuple:
+            # The class has the author's name but is not the author's: pickle rebuilds it.
+            fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+            return _restore_dynamic, (base, names, fields)
+
+        namespace["__reduce__"] = __reduce__
         cached = type(base.__name__, (base,), namespace)
         _DYNAMIC_CLASSES[(base, names)] = cached
     return cached
+
+
+def _restore_dynamic(base: type, names: frozenset, fields: dict) -> PyTree:
+    new = object.__new__(_dynamic_class(base, names))
+    for name, value in fields.items():
+        object.__setattr__(new, name, value)
+    return new
 
 
 def _rebuilt_as(module: PyTree, cls: type, values: dict) -> PyTree:
