@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 import equinox as eqx
 from jaxtyping import PyTree
 
+from ._twins import instance_with
 from .sequence import gather_sequence, scatter_sequence
 from .stacks import REMAT_POLICIES
 
@@ -86,10 +87,7 @@ def _block_class(base: type, options: BlockOptions) -> type:
 
 
 def _restore_block(base: type, options: BlockOptions, fields: dict) -> PyTree:
-    new = object.__new__(_block_class(base, options))
-    for name, value in fields.items():
-        object.__setattr__(new, name, value)
-    return new
+    return instance_with(_block_class(base, options), fields)
 
 
 def convert_block(block: PyTree, owner: str, **changes: Any) -> PyTree:
@@ -104,10 +102,7 @@ def convert_block(block: PyTree, owner: str, **changes: Any) -> PyTree:
     base = _author_class(block)
     options = (block_options(block) or BlockOptions())._replace(**changes)
     cls = base if options == BlockOptions() else _block_class(base, options)
-    new = object.__new__(cls)
-    for field in dataclasses.fields(base):
-        object.__setattr__(new, field.name, getattr(block, field.name))
-    return new
+    return instance_with(cls, {f.name: getattr(block, f.name) for f in dataclasses.fields(base)})
 
 
 def serial_block(block: PyTree) -> PyTree:

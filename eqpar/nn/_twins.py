@@ -24,6 +24,37 @@ def rebuilt(layer: eqx.Module, cls: type) -> PyTree:
     return new
 
 
+def instance_with(cls: type, fields: dict) -> PyTree:
+    """A `cls` instance holding `fields` (no initialisation: the author's `__init__` may take
+    arguments eqpar does not have)."""
+    new = object.__new__(cls)
+    for name, value in fields.items():
+        object.__setattr__(new, name, value)
+    return new
+
+
+def active_dropout(
+    layer: eqx.nn.Dropout,
+    inference: bool | None,
+    deterministic: bool | None,
+    key: object,
+    owner: str,
+) -> bool:
+    """Whether a dropout twin draws a mask on this call, read as `eqx.nn.Dropout` reads its
+    arguments (`deterministic` is the older name of `inference`; `p == 0` never drops)."""
+    if deterministic is not None:
+        inference = deterministic
+    if inference is None:
+        inference = layer.inference
+    if isinstance(layer.p, int | float) and layer.p == 0:
+        inference = True
+    if inference:
+        return False
+    if key is None:
+        raise RuntimeError(f"{owner} requires a key when running in non-deterministic mode.")
+    return True
+
+
 def check_divides(owner: str, label: str, size: int, n: int, axis_name: Hashable) -> None:
     if size % n:
         raise ValueError(

@@ -18,7 +18,7 @@ from jaxtyping import Array, PRNGKeyArray
 from .._splits import Split, split_of
 from .._vma import varies_over, varying_axes
 from ..context import sequence_positions
-from ._twins import rebuilt
+from ._twins import active_dropout, rebuilt
 
 __all__ = ["ParallelDropout"]
 
@@ -153,16 +153,9 @@ class ParallelDropout(eqx.nn.Dropout):
 
         **Returns:** `x` with the mask applied (and scaled by `1 / (1 - p)`).
         """
-        if deterministic is not None:
-            inference = deterministic
-        if inference is None:
-            inference = self.inference
-        if isinstance(self.p, int | float) and self.p == 0:
-            inference = True
-        if inference:
+        if not active_dropout(self, inference, deterministic, key, "Dropout"):
             return x
-        if key is None:
-            raise RuntimeError("Dropout requires a key when running in non-deterministic mode.")
+        assert key is not None
         splits = self._splits(x, key)
         keep = 1 - lax.stop_gradient(self.p)
         if splits:

@@ -11,7 +11,7 @@ from jaxtyping import Array, PRNGKeyArray, Shaped
 from .._axes import axis_size
 from .._splits import Split, close_split, open_split
 from .._vma import varies_over
-from ._twins import adopt, check_sequence_layout, gather_replicated, rebuilt
+from ._twins import active_dropout, adopt, check_sequence_layout, gather_replicated, rebuilt
 from .dropout import serial_mask_block
 
 __all__ = [
@@ -177,16 +177,9 @@ class SequenceParallelDropout(eqx.nn.Dropout):
         **Returns:** `x` with the serial layer's mask for these rows applied.
         """
         owner = type(self).__name__
-        if deterministic is not None:
-            inference = deterministic
-        if inference is None:
-            inference = self.inference
-        if isinstance(self.p, int | float) and self.p == 0:
-            inference = True
-        if inference:
+        if not active_dropout(self, inference, deterministic, key, owner):
             return x
-        if key is None:
-            raise RuntimeError(f"{owner} requires a key when running in non-deterministic mode.")
+        assert key is not None
         n = axis_size(self.axis_name, owner)
         if x.ndim == 0:
             raise ValueError(f"{owner}: x must have a sequence axis first; got a scalar.")

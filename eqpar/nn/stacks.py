@@ -25,6 +25,7 @@ from .._declare import prefixed, stacked_partition_specs
 from .._paths import key_to_str, map_children, path_to_str
 from ..pipeline._executors import call_stage, call_varying
 from ..pipeline._tools import typed_scan
+from ._twins import instance_with
 
 __all__ = ["RematPolicy", "ScannedLayers", "stack_layers", "unstack_layers"]
 
@@ -314,18 +315,12 @@ def _dynamic_class(base: type, names: frozenset) -> type:
 
 
 def _restore_dynamic(base: type, names: frozenset, fields: dict) -> PyTree:
-    new = object.__new__(_dynamic_class(base, names))
-    for name, value in fields.items():
-        object.__setattr__(new, name, value)
-    return new
+    return instance_with(_dynamic_class(base, names), fields)
 
 
 def _rebuilt_as(module: PyTree, cls: type, values: dict) -> PyTree:
-    new = object.__new__(cls)
-    for field in dataclasses.fields(module):
-        value = values.get(field.name, getattr(module, field.name))
-        object.__setattr__(new, field.name, value)
-    return new
+    fields = {f.name: getattr(module, f.name) for f in dataclasses.fields(module)}
+    return instance_with(cls, {**fields, **values})
 
 
 def _with_dynamic_fields(layer: PyTree, varying: dict[tuple, frozenset]) -> PyTree:
