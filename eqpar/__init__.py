@@ -44,6 +44,7 @@ from .plan import Remat as Remat
 from .plan import Replicated as Replicated
 from .plan import RowParallel as RowParallel
 from .plan import SequenceParallel as SequenceParallel
+from .plan import Sharded as Sharded
 from .plan import SplitSequence as SplitSequence
 from .plan import Style as Style
 from .plan import VocabParallel as VocabParallel
@@ -74,6 +75,7 @@ __all__ = [
     "Replicated",
     "RowParallel",
     "SequenceParallel",
+    "Sharded",
     "SplitSequence",
     "Style",
     "TensorLayout",

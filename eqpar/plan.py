@@ -17,10 +17,12 @@ from typing import Any
 
 import equinox as eqx
 import jax
+from jax.sharding import PartitionSpec
 
 from ._checks import check_column_options, check_context_options
 from ._matching import compile_key, single_match, unused_key_hints
 from ._paths import map_children, path_to_str
+from ._specs import check_spec
 from ._typing import PyTree
 from .mesh import DeviceMesh, as_jax_mesh
 from .nn._plan_blocks import block_options, convert_block, serial_block
@@ -42,6 +44,7 @@ __all__ = [
     "Replicated",
     "RowParallel",
     "SequenceParallel",
+    "Sharded",
     "SplitSequence",
     "Style",
     "VocabParallel",
@@ -420,6 +423,53 @@ class SplitSequence(Style):
         return type(layers)(converted)
 
 
+@dataclasses.dataclass(frozen=True)
+class Sharded(Style):
+    """Lay out a raw array leaf of the model (a weight the author keeps as a plain
+    `jax.Array`, not in an `eqx.nn` layer) by a `PartitionSpec`. The key is the leaf's path
+    (`layers/\\d+/wq`). This is the compiled route, as `ModelParallel` takes: the module
+    that holds the array declares the spec (its class becomes a subclass of the author's),
+    so `eqpar.partition_specs(model)` gives it; place the model by those specs and run the
+    serial step under `jax.jit`, whose partitioner inserts the collectives the author's
+    own code needs, whatever it does with the array (reshapes into heads included). The
+    model runs outside `shard_map` on this route, so keep the styles that convert layers
+    for models run inside it.
+
+    ```python
+    import equinox as eqx, jax, jax.numpy as jnp, eqpar
+    from jax.sharding import PartitionSpec as P
+
+    class MLP(eqx.Module):  # raw arrays
+        w_in: jax.Array
+        w_out: jax.Array
+        def __call__(self, x):
+            return jax.nn.gelu(x @ self.w_in) @ self.w_out
+
+    k1, k2 = jax.random.split(jax.random.key(0))
+    mlp = MLP(jax.random.normal(k1, (8, 32)), jax.random.normal(k2, (32, 8)))
+    mesh = eqpar.DeviceMesh((2, 4), ("data", "model"))
+    plan = {"w_in": eqpar.Sharded(P(None, "model")), "w_out": eqpar.Sharded(P("model", None))}
+    parallel = eqpar.parallelize(mlp, plan, mesh=mesh)
+    placed = eqx.filter_shard(
+        parallel, eqpar.named_shardings(eqpar.partition_specs(parallel), mesh)
+    )
+    assert placed.w_in.sharding.spec == P(None, "model")
+    x = jnp.ones((4, 8))
+    assert jnp.allclose(eqx.filter_jit(lambda m, x: m(x))(placed, x), mlp(x), rtol=1e-5)
+    ```
+    """
+
+    spec: PartitionSpec = dataclasses.field(default_factory=PartitionSpec)
+    accepts = (jax.Array,)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.spec, PartitionSpec):
+            raise TypeError(
+                f"Sharded: spec must be a jax.sharding.PartitionSpec, e.g. "
+                f"Sharded(P(None, 'model')); got {type(self.spec).__name__}."
+            )
+
+
 _BLOCK_STYLES = (Remat, SplitSequence)
 
 
@@ -440,7 +490,7 @@ def _check_plan(plan: object) -> dict[str, Any]:
             raise TypeError(
                 f"parallelize: plan[{key!r}] must be a style (ColumnParallel(), RowParallel(), "
                 f"HeadParallel(), ContextParallel(), VocabParallel(), FeatureParallel(), "
-                f"SequenceParallel(), Replicated(), Remat(), SplitSequence()); got "
+                f"SequenceParallel(), Replicated(), Remat(), SplitSequence(), Sharded(spec)); got "
                 f"{type(style).__name__}."
             )
     return patterns
@@ -497,8 +547,8 @@ def parallelize(
     - `model`: any Equinox model (or pytree of them); arrays may be abstract.
     - `plan`: `{path or regex: style}`; the styles are `ColumnParallel`, `RowParallel`,
       `HeadParallel`, `ContextParallel` (attention over a split sequence), `VocabParallel`,
-      `FeatureParallel`, `SequenceParallel` (dropout), `Replicated`, and for blocks `Remat`
-      and `SplitSequence`.
+      `FeatureParallel`, `SequenceParallel` (dropout), `Replicated`, for blocks `Remat`
+      and `SplitSequence`, and for raw array leaves `Sharded` (the compiled route).
     - `mesh`: optional; when given, the styles' axes must be mesh axes and every size the
       plan splits must divide by its axis size (checked here rather than at trace time).
     - `strict`: a plan key that matches no layer raises (`True`) or warns (`False`).
@@ -535,7 +585,10 @@ def parallelize(
     all_patterns = _check_plan(plan)
     block_patterns = {k: p for k, p in all_patterns.items() if isinstance(plan[k], _BLOCK_STYLES)}
     _check_block_styles(plan)
-    patterns = {k: p for k, p in all_patterns.items() if k not in block_patterns}
+    array_patterns = {k: p for k, p in all_patterns.items() if isinstance(plan[k], Sharded)}
+    patterns = {
+        k: p for k, p in all_patterns.items() if k not in block_patterns and k not in array_patterns
+    }
     axis_sizes = None if mesh is None else dict(as_jax_mesh(mesh).shape)
     used: set[str] = set()
     paths: list[str] = []
@@ -562,6 +615,8 @@ def parallelize(
 
     if block_patterns:
         model = convert_blocks(model, ())
+    if array_patterns:
+        model = _attach_array_specs(model, plan, array_patterns, used, axis_sizes)
 
     def convert(path: tuple, node: PyTree) -> PyTree:
         if not _is_plannable(node):
@@ -598,8 +653,9 @@ def parallelize(
         message = (
             f"parallelize: plan keys that match no layer: {hints}. Keys are "
             f"matched against the paths of Linear, MultiheadAttention, Embedding, LayerNorm, "
-            f"RMSNorm, Dropout and RotaryPositionalEmbedding layers, and Remat / SplitSequence "
-            f"keys against the paths of blocks (modules) and lists of them "
+            f"RMSNorm, Dropout and RotaryPositionalEmbedding layers, Remat / SplitSequence "
+            f"keys against the paths of blocks (modules) and lists of them, and Sharded keys "
+            f"against the paths of array leaves "
             f"(`eqpar.leaf_paths(model)` lists leaf paths; drop the last part such as "
             f"'/weight'). The projections inside a MultiheadAttention are "
             f"not layers of their own here: HeadParallel() on the attention splits them all."
@@ -608,6 +664,49 @@ def parallelize(
             raise ValueError(message + " Pass strict=False to only warn.")
         warnings.warn(message, stacklevel=2)
     return converted
+
+
+def _attach_array_specs(
+    model: PyTree, plan: Mapping, patterns: dict, used: set, axis_sizes: dict | None
+) -> PyTree:
+    """Each raw array a `Sharded` key names, declared by the innermost module holding it."""
+    owned: dict[tuple, dict[str, PartitionSpec]] = {}
+
+    def visit(node: PyTree, path: tuple, owner: tuple | None) -> PyTree:
+        if eqx.is_array(node) or isinstance(node, jax.ShapeDtypeStruct):
+            where = path_to_str(path)
+            key = single_match(patterns, where, "parallelize")
+            if key is None:
+                return node
+            used.add(key)
+            spec = plan[key].spec
+            if owner is None:
+                raise ValueError(
+                    f"parallelize: plan[{key!r}] = {plan[key]!r} names {where!r}, which no "
+                    f"eqx.Module holds; Sharded lays out arrays that a module of the model "
+                    f"holds (the module declares their specs)."
+                )
+            check_spec(where, spec, tuple(node.shape), axis_sizes, source=f"plan[{key!r}]")
+            relative = path_to_str(path[len(owner) :])
+            owned.setdefault(owner, {})[relative] = spec
+            return node
+        if isinstance(node, eqx.Module):
+            node = map_children(node, path, lambda child, p: visit(child, p, path))
+            specs = owned.get(path)
+            if specs:
+                declared = getattr(node, "__partition_specs__", None)
+                clash = sorted(set(specs) & set(declared() if declared else {}))
+                if clash:
+                    raise ValueError(
+                        f"parallelize: a Sharded key names {clash} of the module at "
+                        f"{path_to_str(path)!r}, which declares their layout itself; drop "
+                        f"the key."
+                    )
+                node = convert_block(node, "Sharded", specs=tuple(sorted(specs.items())))
+            return node
+        return map_children(node, path, lambda child, p: visit(child, p, owner))
+
+    return visit(model, (), None)
 
 
 def _check_block_styles(plan: Mapping[str, Style]) -> None:

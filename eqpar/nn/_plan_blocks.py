@@ -2,7 +2,8 @@
 
 A plan entry on a block of the author's model (an `eqx.Module` with a `__call__`), or on a
 list of them, says how the block runs: rematerialized (`Remat`), or with the sequence split
-over a mesh axis on entry to the list and gathered on exit (`SplitSequence`). The block keeps
+over a mesh axis on entry to the list and gathered on exit (`SplitSequence`); and how its
+raw array leaves are laid out (`Sharded`: the block declares their specs). The block keeps
 its fields (the same arrays) and its author's `__call__`; its class becomes a subclass of the
 author's made for those options (one class per combination, cached), so `isinstance` holds
 and `serial_block` gives the author's class back.
@@ -13,8 +14,10 @@ from collections.abc import Hashable
 from typing import Any, NamedTuple
 
 import equinox as eqx
+from jax.sharding import PartitionSpec
 from jaxtyping import PyTree
 
+from .._declare import declared_partition_specs
 from ._twins import instance_with
 from .sequence import gather_sequence, scatter_sequence
 from .stacks import REMAT_POLICIES
@@ -30,6 +33,15 @@ class BlockOptions(NamedTuple):
     remat: str = "none"
     split_on_entry: Hashable | None = None
     gather_on_exit: Hashable | None = None
+    specs: tuple[tuple[str, PartitionSpec], ...] = ()  # for its raw array leaves (`Sharded`)
+
+    @property
+    def changes_call(self) -> bool:
+        return (
+            self.remat != "none"
+            or self.split_on_entry is not None
+            or (self.gather_on_exit is not None)
+        )
 
 
 def block_options(block: object) -> BlockOptions | None:
@@ -47,6 +59,38 @@ def _block_class(base: type, options: BlockOptions) -> type:
     cached = _CLASSES.get((base, options))
     if cached is not None:
         return cached
+    namespace: dict[str, Any] = {
+        "__module__": base.__module__,
+        "__reduce__": lambda self: _reduce_block(self, base, options),
+        _OPTIONS: (base, options),
+    }
+    if options.changes_call:
+        namespace["__call__"] = _block_call(base, options)
+    if options.specs:
+        namespace["__partition_specs__"] = lambda self: _block_specs(self, base, options)
+    cls = type(base.__name__, (base,), namespace)
+    _CLASSES[(base, options)] = cls
+    return cls
+
+
+def _reduce_block(block: PyTree, base: type, options: BlockOptions) -> tuple:
+    # The class has the author's name but is not the author's class: pickle rebuilds it.
+    fields = {f.name: getattr(block, f.name) for f in dataclasses.fields(base)}
+    return _restore_block, (base, options, fields)
+
+
+def _block_specs(block: PyTree, base: type, options: BlockOptions) -> dict[str, PartitionSpec]:
+    """What the block declares: what the modules inside it declare (the outermost declaring
+    module speaks for those below it), and the specs the plan gave its raw arrays."""
+    specs: dict[str, PartitionSpec] = {}
+    for field in dataclasses.fields(base):
+        inner = declared_partition_specs(getattr(block, field.name))
+        specs.update({f"{field.name}/{path}": spec for path, spec in inner.items()})
+    specs.update(options.specs)
+    return specs
+
+
+def _block_call(base: type, options: BlockOptions) -> Any:
     base_call = base.__call__
 
     def run(block: PyTree, args: tuple, kwargs: dict) -> PyTree:
@@ -69,21 +113,8 @@ def _block_class(base: type, options: BlockOptions) -> type:
             out = gather_sequence(out, options.gather_on_exit)
         return out
 
-    def __reduce__(self: PyTree) -> tuple:
-        # The class has the author's name but is not the author's class: pickle rebuilds it.
-        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(base)}
-        return _restore_block, (base, options, fields)
-
     __call__.__doc__ = base_call.__doc__
-    namespace = {
-        "__call__": __call__,
-        "__reduce__": __reduce__,
-        "__module__": base.__module__,
-        _OPTIONS: (base, options),
-    }
-    cls = type(base.__name__, (base,), namespace)
-    _CLASSES[(base, options)] = cls
-    return cls
+    return __call__
 
 
 def _restore_block(base: type, options: BlockOptions, fields: dict) -> PyTree:
@@ -94,13 +125,13 @@ def convert_block(block: PyTree, owner: str, **changes: Any) -> PyTree:
     """`block` with its options updated by `changes` (fields of `BlockOptions`): the same
     fields, in the subclass of the author's class made for those options (the author's class
     itself when every option is off)."""
-    if not isinstance(block, eqx.Module) or not callable(block):
+    base = _author_class(block)
+    options = (block_options(block) or BlockOptions())._replace(**changes)
+    if not isinstance(block, eqx.Module) or (options.changes_call and not callable(block)):
         raise TypeError(
             f"{owner} applies to a block of the model (an eqx.Module with a __call__) or a "
             f"list of them; got {type(block).__name__}."
         )
-    base = _author_class(block)
-    options = (block_options(block) or BlockOptions())._replace(**changes)
     cls = base if options == BlockOptions() else _block_class(base, options)
     return instance_with(cls, {f.name: getattr(block, f.name) for f in dataclasses.fields(base)})
 
