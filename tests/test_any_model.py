@@ -699,3 +699,62 @@ def test_sharded_errors_name_the_key_and_the_fix(llama_setup):
         eqpar.parallelize(model, {"layers/0/wq": eqpar.Sharded(P("nope"))}, mesh=mesh)
     with pytest.raises(TypeError, match="spec"):  # beartype's check in the test suite, else ours
         eqpar.Sharded(("model",))
+
+
+def test_llama_raw_arrays_fsdp_x_tp_on_the_compiled_route(llama_setup):
+    """FSDP over `data` on top of the `Sharded` tensor-parallel layout: each weight keeps
+    its split over `model` and gains one over `data`; the step is still the serial one."""
+    llama, model, tokens, (serial_loss, serial_model) = llama_setup
+    mesh = mesh_of((2, 4), ("data", "model"))
+    plan = {
+        r"layers/\d+/(wq|wk|wv|w_gate|w_up)": eqpar.Sharded(P(None, "model")),
+        r"layers/\d+/(wo|w_down)": eqpar.Sharded(P("model", None)),
+    }
+    parallel = eqpar.parallelize(model, plan, mesh=mesh)
+    fsdp = eqpar.FSDP(mesh, axis="data", min_size_bytes=0)
+    storage = fsdp.partition_specs(parallel)
+    assert storage.layers[0].w_up == P("data", "model")
+    placed = eqx.filter_shard(parallel, eqpar.named_shardings(storage, mesh))
+    loss, updated = serial_step(llama.loss, placed, fsdp.distribute_input(tokens))
+    assert_tree_close(loss, serial_loss, what="loss")
+    assert_arrays_close(eqpar.unparallelize(updated), serial_model)
+
+
+class PerHeadDropout(eqx.Module):
+    """A dropout on the queries inside `process_heads` ([seq, heads, size] per example)."""
+
+    attention: eqx.nn.MultiheadAttention
+    dropout: eqx.nn.Dropout
+
+    def __call__(self, x, key):
+        def process_heads(q, k, v):
+            return self.dropout(q, key=key), k, v
+
+        return self.attention(x, x, x, process_heads=process_heads)
+
+
+def test_context_parallel_dropout_on_per_head_queries_and_per_token_refusal():
+    model = PerHeadDropout(
+        eqx.nn.MultiheadAttention(HEADS, DIM, key=jax.random.key(0)), eqx.nn.Dropout(0.5)
+    )
+    x, key = jax.random.normal(jax.random.key(1), (SEQ, DIM)), jax.random.key(2)
+    mesh = mesh_of((4,), ("context",))
+    parallel = eqpar.parallelize(model, {"attention": eqpar.ContextParallel()}, mesh=mesh)
+    run = eqpar.shard_map(
+        lambda m, x, k: m(x, k),
+        mesh=mesh,
+        in_specs=(eqpar.partition_specs(parallel), P("context"), P()),
+        out_specs=P("context"),
+    )
+    assert_tree_close(run(parallel, x, key), model(x, key), what="per-head queries")
+
+    per_token = eqpar.shard_map(
+        lambda m, x, k: jax.vmap(lambda t, kk: m.dropout(t, key=kk))(
+            x, jax.random.split(k, x.shape[0])
+        ),
+        mesh=mesh,
+        in_specs=(eqpar.partition_specs(parallel), P("context"), P()),
+        out_specs=P("context"),
+    )
+    with pytest.raises(ValueError, match=r"not one token at a time under jax.vmap"):
+        per_token(parallel, x, key)
