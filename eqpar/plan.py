@@ -25,7 +25,13 @@ from ._paths import map_children, path_to_str
 from ._specs import check_spec
 from ._typing import PyTree
 from .mesh import DeviceMesh, as_jax_mesh
-from .nn._plan_blocks import block_options, convert_block, serial_block
+from .nn._plan_blocks import (
+    BlockOptions,
+    author_declared_specs,
+    block_options,
+    convert_block,
+    serial_block,
+)
 from .nn.attention import ContextParallelAttention, HeadParallelAttention
 from .nn.dropout import ParallelDropout
 from .nn.embedding import FeatureParallelEmbedding, VocabParallelEmbedding
@@ -628,6 +634,14 @@ def parallelize(
             return _split_aware(node, split_axes, sequence_axes)
         used.add(key)
         style = plan[key]
+        options = block_options(node)
+        if options is not None and options.specs and not isinstance(style, Replicated):
+            raise ValueError(
+                f"parallelize: plan[{key!r}] = {style!r} converts the layer at {where!r}, whose "
+                f"leaves {[name for name, _ in options.specs]} Sharded keys lay out: the two "
+                f"layouts conflict. Keep one: the layer's style (inside shard_map) or the "
+                f"Sharded keys (the compiled route)."
+            )
         serial = to_serial_layer(node)
         if not isinstance(serial, style.accepts):
             names = ", ".join(f"eqx.nn.{t.__name__}" for t in style.accepts)
@@ -694,15 +708,16 @@ def _attach_array_specs(
             node = map_children(node, path, lambda child, p: visit(child, p, path))
             specs = owned.get(path)
             if specs:
-                declared = getattr(node, "__partition_specs__", None)
-                clash = sorted(set(specs) & set(declared() if declared else {}))
+                clash = sorted(set(specs) & set(author_declared_specs(node)))
                 if clash:
                     raise ValueError(
                         f"parallelize: a Sharded key names {clash} of the module at "
-                        f"{path_to_str(path)!r}, which declares their layout itself; drop "
-                        f"the key."
+                        f"{path_to_str(path)!r}, whose class declares their layout itself "
+                        f"(`__partition_specs__`); drop the key."
                     )
-                node = convert_block(node, "Sharded", specs=tuple(sorted(specs.items())))
+                earlier = dict((block_options(node) or BlockOptions()).specs)  # a former call's
+                merged = tuple(sorted({**earlier, **specs}.items()))
+                node = convert_block(node, "Sharded", specs=merged)
             return node
         return map_children(node, path, lambda child, p: visit(child, p, owner))
 

@@ -758,3 +758,37 @@ def test_context_parallel_dropout_on_per_head_queries_and_per_token_refusal():
     )
     with pytest.raises(ValueError, match=r"not one token at a time under jax.vmap"):
         per_token(parallel, x, key)
+
+
+def test_sharded_keeps_what_the_author_declares_merges_calls_and_refuses_conflicts():
+    mesh = mesh_of((2, 4), ("data", "model"))
+
+    class Declares(eqx.Module):
+        a: jax.Array
+        b: jax.Array
+
+        def __partition_specs__(self):
+            return {"a": P("model", None)}
+
+    module = Declares(jnp.ones((8, 8)), jnp.ones((8, 8)))
+    parallel = eqpar.parallelize(module, {"b": eqpar.Sharded(P(None, "model"))}, mesh=mesh)
+    specs = eqpar.partition_specs(parallel)
+    assert (specs.a, specs.b) == (P("model", None), P(None, "model"))
+
+    layer = eqx.nn.Linear(8, 16, key=jax.random.key(0))
+    once = eqpar.parallelize({"up": layer}, {"up/weight": eqpar.Sharded(P("model"))}, mesh=mesh)
+    twice = eqpar.parallelize(once, {"up/bias": eqpar.Sharded(P("model"))}, mesh=mesh)
+    specs = eqpar.partition_specs(twice)["up"]
+    assert (specs.weight, specs.bias) == (P("model"), P("model"))
+    with pytest.raises(ValueError, match=r"plan\['up'\].*Sharded keys lay out"):
+        eqpar.parallelize(twice, {"up": eqpar.ColumnParallel()}, mesh=mesh)
+
+
+def test_a_varying_static_field_declared_before_other_fields_stacks():
+    class IndexFirst(eqx.Module):
+        index: int = eqx.field(static=True)
+        weight: jax.Array
+
+    stacked = eqpar.nn.stack_layers([IndexFirst(0, jnp.ones(2)), IndexFirst(1, jnp.ones(2))])
+    assert stacked.index.tolist() == [0, 1]
+    assert [layer.index for layer in eqpar.nn.unstack_layers(stacked)] == [0, 1]

@@ -82,12 +82,20 @@ def _reduce_block(block: PyTree, base: type, options: BlockOptions) -> tuple:
 def _block_specs(block: PyTree, base: type, options: BlockOptions) -> dict[str, PartitionSpec]:
     """What the block declares: what the modules inside it declare (the outermost declaring
     module speaks for those below it), and the specs the plan gave its raw arrays."""
-    specs: dict[str, PartitionSpec] = {}
-    for field in dataclasses.fields(base):
-        inner = declared_partition_specs(getattr(block, field.name))
-        specs.update({f"{field.name}/{path}": spec for path, spec in inner.items()})
+    specs = author_declared_specs(block)
+    if not hasattr(base, "__partition_specs__"):
+        for field in dataclasses.fields(base):
+            inner = declared_partition_specs(getattr(block, field.name))
+            specs.update({f"{field.name}/{path}": spec for path, spec in inner.items()})
     specs.update(options.specs)
     return specs
+
+
+def author_declared_specs(block: PyTree) -> dict[str, PartitionSpec]:
+    """What the author's class of `block` declares itself (`__partition_specs__`), if
+    anything; an author who declares speaks for the modules inside."""
+    declare = getattr(_author_class(block), "__partition_specs__", None)
+    return dict(declare(block)) if declare is not None else {}
 
 
 def _block_call(base: type, options: BlockOptions) -> Any:

@@ -171,7 +171,10 @@ def stack_layers(layers: Sequence[Any]) -> PyTree:
     **Arguments:**
 
     - `layers`: a non-empty list (or tuple) of modules of the same structure, with array
-      leaves of equal shapes and dtypes.
+      leaves of equal shapes and dtypes. Integer or boolean static fields may differ (a
+      layer's index): they are stacked as arrays, so inside `ScannedLayers` or a pipeline
+      the layer reads a scalar array there (fine for arithmetic and `fold_in`, not for
+      Python control flow), and `unstack_layers` gives the Python values back.
 
     **Returns:** one module like `layers[0]`, each array leaf of shape `[len(layers), ...]`.
 
@@ -299,9 +302,12 @@ def _dynamic_class(base: type, names: frozenset) -> type:
         namespace: dict[str, Any] = {
             "__annotations__": dict.fromkeys(sorted(names), Any),
             "__module__": base.__module__,
+            # An `__init__` of its own keeps the dataclass from writing one, which would
+            # refuse a redeclared field ahead of fields with defaults; eqpar never calls it.
+            "__init__": base.__init__,
             _DYNAMIC: base,
         }
-        namespace.update({name: eqx.field(default=None) for name in names})
+        namespace.update({name: eqx.field() for name in names})
 
         def __reduce__(self: PyTree) -> tuple:
             # The class has the author's name but is not the author's: pickle rebuilds it.
