@@ -22,3 +22,12 @@ def axis_size(axis_name: AxisName, owner: str, *, argument: str = "axis_name") -
             f"model with the specs of `eqpar.partition_specs(model)` as in_specs; outside "
             f"shard_map, `eqpar.unparallelize` gives a converted model's serial form."
         ) from error
+
+
+def bound_axis_size(axis_name: AxisName) -> int | None:
+    """The size of mesh axis `axis_name` where it is bound (inside `shard_map` over it), else
+    `None`: for layers that act only where an axis splits their input."""
+    try:
+        return int(lax.axis_size(axis_name))
+    except NameError:
+        return None

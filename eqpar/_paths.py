@@ -1,6 +1,7 @@
 """Leaf paths of pytrees as `/`-joined strings, e.g. `layers/0/weight`."""
 
 from collections.abc import Callable
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -51,10 +52,16 @@ def leaf_paths(
     ]
 
 
+def children(node: object) -> tuple[list[tuple[tuple, Any]], Any]:
+    """The direct children of `node`, one pytree level down, each with its key path, and the
+    treedef that puts them back; for a leaf, the treedef is a leaf's."""
+    return jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda x: x is not node)
+
+
 def map_children(node: object, path: tuple, fn: Callable[[object, tuple], object]) -> object:
     """`node` with each direct child `c` (one pytree level down, at `path + key`) replaced by
     `fn(c, path + key)`; a leaf comes back as it is. Static fields of modules stay."""
-    flat, treedef = jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda x: x is not node)
+    flat, treedef = children(node)
     if jax.tree_util.treedef_is_leaf(treedef):
         return node
     return jax.tree_util.tree_unflatten(treedef, [fn(child, (*path, *key)) for key, child in flat])

@@ -12,7 +12,7 @@ from jax.sharding import Mesh
 
 from . import _current
 from ._paths import path_to_str
-from ._specs import check_spec, is_spec_leaf
+from ._specs import check_spec, entry_names, is_spec_leaf
 from ._splits import fresh_record
 from ._typing import PyTree, Specs
 from ._vma import varying_axes
@@ -159,19 +159,8 @@ def _check_result_replication(out: PyTree, out_specs: PyTree, name: str) -> None
         raise ValueError(
             f"shard_map: out_specs does not fit what {name} returns: {error}"
         ) from error
-    flat_specs = jax.tree.leaves(full, is_leaf=is_spec_leaf)
-    flat_out = jax.tree_util.tree_flatten_with_path(out, is_leaf=lambda x: x is None)[0]
-    if len(flat_specs) != len(flat_out):
-        return
-    for (path, leaf), spec in zip(flat_out, flat_specs):
-        if not eqx.is_array(leaf) or spec is None:
-            continue
-        named = {
-            a
-            for part in spec
-            if part is not None
-            for a in (part if isinstance(part, tuple) else (part,))
-        }
+    for path, leaf, spec in _arrays_with_specs(out, full):
+        named = {axis for entry in spec for axis in entry_names(entry)}
         extra = sorted((varying_axes(leaf) - named), key=str)
         if extra:
             what = f"the result's leaf {path_to_str(path)!r}" if path else "the result"
@@ -189,13 +178,23 @@ def _check_result_replication(out: PyTree, out_specs: PyTree, name: str) -> None
 
 def _check_argument_specs(arg: PyTree, specs: PyTree, axes: dict | None, source: str) -> None:
     """Every array of `arg` against its spec, through the one spec checker."""
+    for path, leaf, spec in _arrays_with_specs(arg, specs):
+        check_spec(path_to_str(path), spec, tuple(leaf.shape), axes, source=source)
+
+
+def _arrays_with_specs(tree: PyTree, specs: PyTree) -> list[tuple[tuple, PyTree, PyTree]]:
+    """`(path, array, spec)` for each array leaf of `tree` with a spec in `specs` (the full
+    specs `expand_specs` gives for it); none where the structures differ, which JAX
+    reports itself."""
     flat_specs = jax.tree.leaves(specs, is_leaf=is_spec_leaf)
-    flat_args = jax.tree_util.tree_flatten_with_path(arg, is_leaf=lambda x: x is None)[0]
-    if len(flat_specs) != len(flat_args):
-        return  # expand_specs gave the argument's structure; anything else JAX reports itself
-    for (path, leaf), spec in zip(flat_args, flat_specs):
-        if eqx.is_array(leaf) and spec is not None:
-            check_spec(path_to_str(path), spec, tuple(leaf.shape), axes, source=source)
+    flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: x is None)[0]
+    if len(flat_specs) != len(flat):
+        return []
+    return [
+        (path, leaf, spec)
+        for (path, leaf), spec in zip(flat, flat_specs)
+        if eqx.is_array(leaf) and spec is not None
+    ]
 
 
 def build_sharded(

@@ -158,6 +158,13 @@ def rotary_loss(model, x, targets, keys):
     return jnp.mean((out - targets) ** 2)
 
 
+def context_step(model, mesh, batch):
+    """The rotary encoder's step with each sequence split over `context` by the in_specs
+    (inputs and targets; the keys are per example), the loss averaged over both axes."""
+    specs = (P("data", "context"), P("data", "context"), P("data"))
+    return sharded_step(rotary_loss, model, mesh, specs, *batch, mean_over=("data", "context"))
+
+
 @pytest.fixture(scope="module")
 def rotary_setup():
     model = RotaryEncoder(key=jax.random.key(3))
@@ -191,10 +198,7 @@ def test_rotary_positions_and_dropout_on_a_context_parallel_sequence(rotary_setu
     parallel = eqpar.parallelize(model, plan, mesh=mesh)
     assert type(parallel.blocks[0].rotary) is ParallelRotaryEmbedding
     assert type(parallel.blocks[0].dropout) is ParallelDropout
-    specs = (P("data", "context"), P("data", "context"), P("data"))
-    loss, updated = sharded_step(
-        rotary_loss, parallel, mesh, specs, *batch, mean_over=("data", "context")
-    )
+    loss, updated = context_step(parallel, mesh, batch)
     assert_tree_close(loss, serial_loss, what="loss")
     assert_arrays_close(updated, serial_model)
 
@@ -292,10 +296,7 @@ def test_context_parallel_positions_and_masks_are_wrong_without_the_conversion(r
     for kept in (r"blocks/\d+/rotary", r"blocks/\d+/(dropout|mlp_dropout)"):
         plan = {r"blocks/\d+/attention": eqpar.ContextParallel(), kept: eqpar.Replicated()}
         parallel = eqpar.parallelize(model, plan, mesh=mesh)
-        specs = (P("data", "context"), P("data", "context"), P("data"))
-        loss, _ = sharded_step(
-            rotary_loss, parallel, mesh, specs, *batch, mean_over=("data", "context")
-        )
+        loss, _ = context_step(parallel, mesh, batch)
         assert abs(float(loss) - float(serial_loss)) > 1e-4 * abs(float(serial_loss)), kept
 
 
@@ -594,10 +595,7 @@ def test_balanced_context_layout_with_rotary_and_dropout(rotary_setup):
     plan = {r"blocks/\d+/attention": eqpar.ContextParallel(layout="balanced")}
     parallel = eqpar.parallelize(model, plan, mesh=mesh)
     balanced = (balance_sequence(x, 4, axis=1), balance_sequence(targets, 4, axis=1), keys)
-    specs = (P("data", "context"), P("data", "context"), P("data"))
-    loss, updated = sharded_step(
-        rotary_loss, parallel, mesh, specs, *balanced, mean_over=("data", "context")
-    )
+    loss, updated = context_step(parallel, mesh, balanced)
     assert_tree_close(loss, serial_loss, what="loss")
     assert_arrays_close(updated, serial_model)
 

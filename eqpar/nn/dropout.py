@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, PRNGKeyArray
 
+from .._axes import bound_axis_size
 from .._splits import Split, split_of
 from .._vma import varies_over, varying_axes
 from ..context import sequence_positions
@@ -172,9 +173,8 @@ class ParallelDropout(eqx.nn.Dropout):
         splits = []
         for axis in self.axis_names:
             names = axis if isinstance(axis, tuple) else (axis,)
-            try:
-                n = int(lax.axis_size(axis))
-            except NameError:
+            n = bound_axis_size(axis)
+            if n is None:
                 continue  # not inside shard_map over this axis: nothing is split over it
             varies = varies_over(x, axis)
             if varies is False or key_axes & set(names):

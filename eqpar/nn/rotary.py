@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, Float, PRNGKeyArray
 
+from .._axes import bound_axis_size
 from .._splits import open_splits, split_of
 from .._vma import varies_over
 from ..context import sequence_positions
@@ -110,7 +111,7 @@ class ParallelRotaryEmbedding(eqx.nn.RotaryPositionalEmbedding):
         block = x.shape[0]
         found = []
         for axis, layout in self.sequence_axes:
-            if _bound(axis) and varies_over(x, axis):
+            if bound_axis_size(axis) is not None and varies_over(x, axis):
                 found.append((axis, layout))
         for split in open_splits():  # a sequence split by scatter_sequence: contiguous
             if split.kind != "sequence" or split_of(x.shape, split.axis_name) != split:
@@ -127,11 +128,3 @@ class ParallelRotaryEmbedding(eqx.nn.RotaryPositionalEmbedding):
         ((axis, layout),) = found
         positions = sequence_positions(block, axis_name=axis, layout=layout)  # type: ignore[arg-type]
         return positions, block * int(lax.axis_size(axis))
-
-
-def _bound(axis: Hashable) -> bool:
-    try:
-        lax.axis_size(axis)
-    except NameError:
-        return False
-    return True

@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec
 from jaxtyping import Array, PyTree
 
 from .._declare import prefixed, stacked_partition_specs
-from .._paths import key_to_str, map_children, path_to_str
+from .._paths import children, key_to_str, map_children, path_to_str
 from ..pipeline._executors import call_stage, call_varying
 from ..pipeline._tools import typed_scan
 from ._twins import instance_with
@@ -138,8 +138,8 @@ def _first_difference(a: PyTree, b: PyTree, path: tuple[str, ...] = ()) -> tuple
             if found is not None:
                 return found
         return None
-    flat_a, def_a = jax.tree_util.tree_flatten_with_path(a, is_leaf=lambda n: n is not a)
-    flat_b, def_b = jax.tree_util.tree_flatten_with_path(b, is_leaf=lambda n: n is not b)
+    flat_a, def_a = children(a)
+    flat_b, def_b = children(b)
     if jax.tree_util.treedef_is_leaf(def_a):  # an opaque leaf (function, int, ...) or None
         try:
             same = a is b or bool(a == b)
@@ -283,10 +283,7 @@ def _varying_static_fields(layers: list) -> dict[tuple, frozenset]:
             if names:
                 found[path] = frozenset(names)
             return
-        flats = [
-            jax.tree_util.tree_flatten_with_path(n, is_leaf=lambda x, n=n: x is not n)
-            for n in nodes
-        ]
+        flats = [children(node) for node in nodes]
         if jax.tree_util.treedef_is_leaf(flats[0][1]) or any(f[1] != flats[0][1] for f in flats):
             return
         for i, (key, _) in enumerate(flats[0][0]):
