@@ -15,6 +15,7 @@ backward half that autodiff of a forward `lax.scan` runs is the forward table re
 
 import dataclasses
 import pathlib
+import typing
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import numpy as np
@@ -27,6 +28,7 @@ else:  # matplotlib is optional: imported only when a chart is drawn
     _Figure = Any
 
 ActionKind = Literal["forward", "backward", "backward_input", "backward_weight", "idle"]
+_ACTION_KINDS: tuple[str, ...] = typing.get_args(ActionKind)
 _BACKWARD_KINDS = ("backward", "backward_input", "backward_weight")
 
 _NO_MICROBATCH = -1
@@ -98,6 +100,28 @@ class Action:
     kind: ActionKind
     microbatch: int | None = None
     stage: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in _ACTION_KINDS:
+            raise ValueError(
+                f"Action: `kind` must be one of {', '.join(map(repr, _ACTION_KINDS))}; got "
+                f"{self.kind!r}."
+            )
+        if self.kind == "idle":
+            if self.microbatch is not None or self.stage is not None:
+                raise ValueError(
+                    f"Action: an idle action has no microbatch or stage; got microbatch="
+                    f"{self.microbatch!r}, stage={self.stage!r}. Write `Action(\"idle\")`."
+                )
+            return
+        for name in ("microbatch", "stage"):
+            value = getattr(self, name)
+            if value is None:
+                raise ValueError(
+                    f"Action: a {self.kind!r} action needs a `{name}` (an int from 0); got None."
+                )
+            # Stored as a plain int, so that tables built from NumPy integers compare equal.
+            object.__setattr__(self, name, check_int(value, name=name, owner="Action", minimum=0))
 
     def label(self) -> str:
         """A short text such as `F3`, `B0` or `W2` (`.` for idle)."""

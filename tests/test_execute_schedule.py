@@ -383,17 +383,23 @@ def test_ring_collectives_inside_stages():
         jax.shard_map(train, mesh=mesh, in_specs=(P("pipe"), P(None, "ctx")), out_specs=P())(ws, x)
 
 
+def _cells(schedule, kind):
+    return [
+        (t, d, a) for t, row in enumerate(schedule.actions) for d, a in enumerate(row)
+        if a.kind == kind
+    ]  # fmt: skip
+
+
+def _with_cell(schedule, step, device, action):
+    rows = [list(row) for row in schedule.actions]
+    rows[step][device] = action
+    schedule._table = tuple(tuple(row) for row in rows)
+    return schedule
+
+
 def test_a_table_out_of_order_is_refused():
     """A table whose actions come before what they use would run on values not there yet."""
-    import dataclasses
-
     from eqpar.schedule import Action
-
-    def broken(schedule, step, device, action):
-        rows = [list(row) for row in schedule.actions]
-        rows[step][device] = action
-        schedule._table = tuple(tuple(row) for row in rows)
-        return schedule
 
     swapped = GPipeSchedule(2, 2)  # stage 1 runs microbatch 0 before stage 0 has
     rows = [list(row) for row in swapped.actions]
@@ -401,21 +407,76 @@ def test_a_table_out_of_order_is_refused():
     swapped._table = tuple(tuple(row) for row in rows)
     with pytest.raises(ValueError, match="does not come after the previous stage's"):
         _program.compile_schedule(swapped, store_residuals=False)
-    missing = broken(GPipeSchedule(2, 2), 0, 0, Action("idle"))
+    missing = _with_cell(GPipeSchedule(2, 2), 0, 0, Action("idle"))
     with pytest.raises(ValueError, match="microbatch 0, stage 0: no forward"):
         _program.compile_schedule(missing, store_residuals=False)
-    elsewhere = broken(GPipeSchedule(2, 2), 0, 1, Action("forward", microbatch=1, stage=0))
+    elsewhere = _with_cell(GPipeSchedule(2, 2), 0, 1, Action("forward", microbatch=1, stage=0))
     with pytest.raises(ValueError, match="not on its stage's device"):
         _program.compile_schedule(elsewhere, store_residuals=False)
     zero_bubble = ZeroBubbleH1Schedule(2, 2)
-    first_w = next(
-        (t, d) for t, row in enumerate(zero_bubble.actions) for d, a in enumerate(row)
-        if a.kind == "backward_weight"
-    )  # fmt: skip
-    w = zero_bubble.actions[first_w[0]][first_w[1]]
-    early = broken(zero_bubble, 0, first_w[1], dataclasses.replace(w))
-    with pytest.raises(ValueError, match="comes before the input-gradient backward"):
+    t, d, w = _cells(zero_bubble, "backward_weight")[0]
+    early = _with_cell(_with_cell(zero_bubble, t, d, Action("idle")), 0, d, w)
+    with pytest.raises(ValueError, match="its backward_weight comes before its backward_input"):
         _program.compile_schedule(early, store_residuals=True)
+
+
+def test_a_table_missing_or_repeating_a_gradient_is_refused():
+    """Each of these tables ran before and gave wrong gradients or a wrong loss."""
+    from eqpar.schedule import Action
+
+    # A weight-gradient action replaced by idle: that microbatch's weight gradient was lost.
+    t, d, _ = _cells(ZeroBubbleH1Schedule(2, 2), "backward_weight")[-1]
+    no_weight = _with_cell(ZeroBubbleH1Schedule(2, 2), t, d, Action("idle"))
+    with pytest.raises(ValueError, match="backward_input but no backward_weight"):
+        _program.compile_schedule(no_weight, store_residuals=True)
+    # A full backward plus a weight-gradient action: the weight gradient counted twice.
+    one_f_one_b = OneFOneBSchedule(2, 2)
+    t, d, b = _cells(one_f_one_b, "backward")[-1]
+    rows = [list(row) for row in one_f_one_b.actions] + [[Action("idle")] * 2]
+    rows[-1][d] = Action("backward_weight", microbatch=b.microbatch, stage=b.stage)
+    one_f_one_b._table = tuple(tuple(row) for row in rows)
+    with pytest.raises(ValueError, match="as well as a full backward"):
+        _program.compile_schedule(one_f_one_b, store_residuals=True)
+    # A 1F1B table built for 3 microbatches declared as 2: microbatch 2 ran microbatch 1 again.
+    three_as_two = OneFOneBSchedule(2, 2)
+    three_as_two._table = OneFOneBSchedule(2, 3).actions
+    with pytest.raises(ValueError, match="declares num_microbatches=2"):
+        _program.compile_schedule(three_as_two, store_residuals=True)
+    # A table with fewer microbatches than declared.
+    two_as_three = OneFOneBSchedule(2, 3)
+    two_as_three._table = OneFOneBSchedule(2, 2).actions
+    with pytest.raises(ValueError, match="microbatch 2, stage 0: no forward; no backward"):
+        _program.compile_schedule(two_as_three, store_residuals=True)
+
+
+def test_a_malformed_action_is_refused_where_it_is_made():
+    import inspect
+
+    from eqpar.schedule import Action
+
+    def unchecked(*args, **kwargs):  # as a user without the suite's beartype hook calls it
+        action = object.__new__(Action)
+        inspect.unwrap(Action.__init__)(action, *args, **kwargs)
+        return action
+
+    with pytest.raises(ValueError, match="`kind` must be one of 'forward', "):
+        unchecked("Forward", microbatch=0, stage=0)
+    with pytest.raises(ValueError, match="needs a `stage`"):
+        Action("forward", microbatch=0)
+    with pytest.raises(ValueError, match="an idle action has no microbatch"):
+        Action("idle", microbatch=0, stage=0)
+    with pytest.raises(ValueError, match="`microbatch` must be at least 0, got -1"):
+        Action("backward", microbatch=-1, stage=0)
+    with pytest.raises(TypeError, match="`stage` must be an int, got float"):
+        unchecked("backward", microbatch=0, stage=1.0)
+    short = GPipeSchedule(2, 2)
+    short._table = tuple(row[:1] for row in short.actions)
+    with pytest.raises(ValueError, match="step 0 of the table has 1 actions, but the sched"):
+        _program.compile_schedule(short, store_residuals=False)
+    not_actions = GPipeSchedule(2, 2)
+    not_actions._table = tuple(tuple(("forward", 0, d) for d in range(2)) for _ in range(3))
+    with pytest.raises(TypeError, match="Action"):  # the suite's beartype hook, else ours
+        _program.compile_schedule(not_actions, store_residuals=False)
 
 
 # --------------------------------------------------------------------------------------
@@ -635,3 +696,135 @@ def test_loss_with_a_pipe_collective_but_no_pipe_split_parameters_is_refused():
 
         with pytest.raises(ValueError, match=match):
             jax.shard_map(run, mesh=mesh, in_specs=(P(), P()), out_specs=P())(x, t)
+
+
+# --------------------------------------------------------------------------------------
+# Integer leaves of the activations: the loss sees what the last stage returns.
+
+
+class CountingStage(eqx.Module):
+    """A stage whose activation carries an integer leaf it changes: the count of stages."""
+
+    weight: jax.Array
+
+    def __call__(self, h):
+        y, n = h
+        return jnp.tanh(y @ self.weight), n + 1
+
+
+class CountLoss(eqx.Module):
+    """A loss that reads the count; with `scale` split over `pipe` it runs on every device."""
+
+    scale: jax.Array | None
+
+    def __call__(self, out, t):
+        y, n = out
+        loss = jnp.mean((y * n[:, None] - t) ** 2)
+        if self.scale is None:
+            return loss
+        return jax.lax.psum(jnp.sum(self.scale), "pipe") * loss
+
+
+COUNT_CASES = [
+    pytest.param(schedule, recompute, split, id=f"{schedule._name} recompute={recompute} {split=}")
+    for schedule in (
+        OneFOneBSchedule(2, 2),
+        ZeroBubbleH1Schedule(2, 2),
+        GPipeSchedule(2, 2, include_backward=True),
+    )
+    for recompute in (False, True)
+    for split in (False, True)
+    if not split or schedule._name == "ZB-H1"
+]
+
+
+@pytest.mark.parametrize(("schedule", "recompute", "split"), COUNT_CASES)
+def test_the_loss_sees_the_integer_leaves_the_last_stage_returns(schedule, recompute, split):
+    """Before, training schedules handed the loss the last stage's input integer leaves (or
+    the batch's): a count of stages read 1 (or 0) instead of 2."""
+    s, m = schedule.num_devices, schedule.num_microbatches
+    weights = jax.random.normal(jax.random.key(0), (s, FEATURES, FEATURES)) / 2
+    y = jax.random.normal(jax.random.key(1), (m * ROWS, FEATURES))
+    t = jax.random.normal(jax.random.key(2), (m * ROWS, FEATURES))
+    n = jnp.zeros((m * ROWS,), jnp.int32)
+    scale = jnp.array([0.5, 1.5]) if split else None
+
+    def serial(weights):
+        h = (y, n)
+        for i in range(s):
+            h = CountingStage(weights[i])(h)
+        return (1.0 if scale is None else jnp.sum(scale)) * CountLoss(None)(h, t)
+
+    loss_ref, grads_ref = jax.value_and_grad(serial)(weights)
+
+    def step(weights, scale, y, n, t):
+        loss_fn = CountLoss(scale if split else None)
+        loss, grads = execute_schedule(
+            schedule, CountingStage(weights[0]), loss_fn, (y, n), t,
+            model_axis_name="pipe", recompute=recompute,
+        )  # fmt: skip
+        return loss, grads.weight[None]
+
+    mesh = Mesh(np.array(jax.devices()[:s]), ("pipe",))
+    run = jax.shard_map(
+        step, mesh=mesh, in_specs=(P("pipe"), P("pipe"), P(), P(), P()),
+        out_specs=(P(), P("pipe")),
+    )  # fmt: skip
+    loss, grads = jax.jit(run)(weights, jnp.ones((s,)) if scale is None else scale, y, n, t)
+    assert_tree_close(loss, loss_ref)
+    assert_tree_close(grads, grads_ref)
+
+
+def test_a_loss_split_over_the_pipeline_axis_that_differs_by_device_is_refused():
+    """A loss with parameters split over `pipe` runs on every device of it; before, one whose
+    value differed by device (its parts not summed) trained on a wrong gradient."""
+
+    class UnsummedLoss(eqx.Module):
+        scale: jax.Array
+
+        def __call__(self, out, t):
+            return jnp.sum(self.scale) * jnp.mean((out[0] - t) ** 2)  # no psum over "pipe"
+
+    weights = jnp.ones((2, FEATURES, FEATURES)) / 4
+    y = jnp.ones((2 * ROWS, FEATURES))
+    n = jnp.zeros((2 * ROWS,), jnp.int32)
+
+    def step(weights, scale, y, n):
+        return execute_schedule(
+            OneFOneBSchedule(2, 2), CountingStage(weights[0]), UnsummedLoss(scale), (y, n), y,
+            model_axis_name="pipe",
+        )[0]  # fmt: skip
+
+    mesh = Mesh(np.array(jax.devices()[:2]), ("pipe",))
+    run = jax.shard_map(step, mesh=mesh, in_specs=(P("pipe"),) * 2 + (P(),) * 2, out_specs=P())
+    with pytest.raises(ValueError, match=r"must give the same loss on each.*lax\.psum"):
+        run(weights, jnp.ones((2,)), y, n)
+
+
+def test_a_pipeline_under_check_vma_false_is_refused():
+    """Before, a batch split over `pipe` under check_vma=False came back with 2 of 8 rows."""
+    from eqpar.pipeline import execute_pipeline
+
+    weights = jnp.ones((4, FEATURES, FEATURES)) / 4
+    y = jnp.ones((8, FEATURES))
+    n = jnp.zeros((8,), jnp.int32)
+    mesh = Mesh(np.array(jax.devices()[:4]), ("pipe",))
+
+    def forward(weights, y, n):
+        return execute_pipeline(
+            CountingStage(weights[0]), (y, n), num_microbatches=2, model_axis_name="pipe"
+        )[0]
+
+    def train(weights, y, n):
+        return execute_schedule(
+            OneFOneBSchedule(4, 2), CountingStage(weights[0]), CountLoss(None), (y, n), y,
+            model_axis_name="pipe",
+        )[0]  # fmt: skip
+
+    for fn, out_specs in ((forward, P("pipe")), (train, P())):
+        run = jax.shard_map(
+            fn, mesh=mesh, in_specs=(P("pipe"), P("pipe"), P("pipe")), out_specs=out_specs,
+            check_vma=False,
+        )  # fmt: skip
+        with pytest.raises(ValueError, match="needs `shard_map`'s replication types"):
+            run(weights, y, n)

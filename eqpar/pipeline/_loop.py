@@ -13,6 +13,7 @@ from jaxtyping import Array, PyTree
 
 from .._typing import AxisName
 from .._vma import cast_varying as _cast_varying
+from .._vma import varies_over as _varies_over
 from .._vma import varying_axes as _varying_axes
 from . import _program
 from ._jaxpr import uses_primitive
@@ -44,6 +45,9 @@ class LoopState(NamedTuple):
     received_cotangent: Tree | None  # the cotangent the next device sent at the last step
     inputs: Tree  # stage inputs waiting for their actions: [input slots + 1, ...]
     cotangents: Tree | None  # cotangents, and the last stage's outputs, waiting: [slots + 1, ...]
+    # The last stage's outputs' other leaves (integers, booleans), beside their inexact leaves
+    # in `cotangents` (same rows): the loss sees what the stage returned, not its input's.
+    kept_rest: Tree | None
     residuals: Tree  # what forwards stored for their backwards: [residual slots + 1, ...]
     outputs: Tree | None  # forward runs: the last stage's outputs, [M + 1, ...]
     grads: Tree | None  # gradient of the stage parameters so far
@@ -60,6 +64,7 @@ class Work(NamedTuple):
     repeat: Index  # which of the device's stages (circular schedules)
     cotangents: Tree | None  # the cotangent buffer (a backward reads its slot in its branch)
     cotangent_slot: Index
+    kept_rest: Tree | None  # the last stage's outputs' other leaves (rows as `cotangents`)
     residuals: Tree  # the residual buffer, likewise
     residual_slot: Index
     grads: Tree | None
@@ -74,6 +79,7 @@ class Done(NamedTuple):
     sent_forward: Tree  # the stage output, for the device of the next stage
     sent_back: Tree  # the input cotangent, for the device of the previous stage
     kept_cotangent: Tree  # the last stage's output (forward) or its cotangent (backward input)
+    kept_rest: Tree  # the last stage's output's other leaves (forward)
     residuals: Tree  # what a forward stores for its backward
     output: Tree | None  # a forward run's last-stage output
     grads: Tree | None
@@ -182,7 +188,15 @@ class StepLoop:
         if not loss_on_every_device:  # it runs inside the branches, which must agree on types
             loss_params = cast_tree(loss_params, self.pipe)
         self.loss_params = loss_params
-        self.targets = cast_tree(target_microbatches, self.pipe)
+        # In the branches the targets must have the branches' types; a loss run on every
+        # device (`loss_everywhere`) takes them as they are, the same on every device, so that
+        # its value is too (a loss typed as varying over the axis would have the cotangent of
+        # its replicated output summed over the axis: a gradient S times too large).
+        self.targets = (
+            target_microbatches
+            if loss_on_every_device
+            else cast_tree(target_microbatches, self.pipe)
+        )
         self.skips_bubbles = self._skips_bubbles()
         self.layout = (
             _Residuals(self.stage_vjp, self.stage_params(self.params, 0), self.first)
@@ -192,6 +206,7 @@ class StepLoop:
         self.no_residuals = self.layout.zeros() if self.layout else ()
         self.zero_h = zeros_like(self.first)
         self.zero_cotangent = eqx.filter(self.zero_h, eqx.is_inexact_array)
+        self.zero_rest = _integer_leaves(self.zero_h)
         self.zero_output = None if self.training else self.zero_h
         self.scale = jnp.asarray(1.0 / self.num_microbatches, loss_dtype or jnp.float32)
         self.loss_steps = self._loss_steps()
@@ -310,6 +325,14 @@ class StepLoop:
             return eqx.combine(lp, self.loss_static)(eqx.combine(od, out_rest), target)
 
         value, loss_pullback = jax.vjp(loss_of, out_diff, self.loss_params)
+        if self.loss_on_every_device and _varies_over(value, self.axis_name):
+            raise ValueError(
+                f"`loss_fn` has parameters split over the pipeline axis "
+                f"{self.axis_name!r}, so it runs on every device of it, and must give the "
+                f"same loss on each; it returns a value that varies over {self.axis_name!r}. "
+                f"Reduce the parts that each device computes with "
+                f"`lax.psum(..., {self.axis_name!r})` before they enter the loss."
+            )
         d_out, d_loss_params = loss_pullback(_cast_varying(self.scale, _varying_axes(value)))
         return d_out, d_loss_params, value * self.scale
 
@@ -327,41 +350,47 @@ class StepLoop:
             loss_device, program.microbatch[at], program.cotangent_slot[at], program.repeat[at],
         ], axis=-1))  # fmt: skip
 
-    def loss_everywhere(self, cotangents: Tree, h: Tree, t: Array) -> tuple:
+    def loss_everywhere(self, cotangents: Tree, kept_rest: Tree, h: Tree, t: Array) -> tuple:
         """At a step where a last stage's backward starts: every device's part of its loss
         (`loss_on_every_device`); zeros at the other steps. `h` is this device's stage input
         at the step: on the last stage's device, the input of that stage's backward."""
         owner, microbatch, slot, repeat = self.loss_steps[t]
 
-        def run(cotangents: Tree) -> tuple:
+        def run(cotangents: Tree, kept_rest: Tree) -> tuple:
             if self.store:  # the last stage's forward kept its output
                 kept = index_tree(cotangents, jnp.maximum(slot, 0))
+                out_rest = index_tree(kept_rest, jnp.maximum(slot, 0))
             else:  # it left its forward to its backward: run it here, on every device alike
                 out = self.run_stage(self.stage_params(self.params, repeat), h, microbatch, repeat)
-                kept = eqx.filter(out, eqx.is_inexact_array)
+                kept, out_rest = eqx.partition(out, eqx.is_inexact_array)
             out_diff = jax.tree.map(
                 lambda a: lax.psum(
                     jnp.where(self.device == owner, a, jnp.zeros_like(a)), self.axis_name
                 ),
                 kept,
             )
-            # Integer leaves (masks) pass through the stages unchanged: the microbatch's own.
-            out_rest = _integer_leaves(index_tree(self.microbatches, microbatch))
+            # Other leaves (integers: positions, counts, masks) as the last stage returned
+            # them; the loss runs on every device, so they come from the stage's own.
+            out_rest = jax.tree.map(
+                lambda a: lax.psum(jnp.where(self.device == owner, a, jnp.zeros_like(a)),
+                                   self.axis_name),
+                out_rest,
+            )  # fmt: skip
             return self.loss_and_pullback(out_diff, out_rest, microbatch)
 
-        def skip(cotangents: Tree) -> tuple:
-            shapes = jax.eval_shape(run, cotangents)
+        def skip(cotangents: Tree, kept_rest: Tree) -> tuple:
+            shapes = jax.eval_shape(run, cotangents, kept_rest)
             return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
         # The step, not the device, picks the branch: every device runs the same one.
-        return typed_switch((owner >= 0).astype(jnp.int32), [skip, run], cotangents)
+        return typed_switch((owner >= 0).astype(jnp.int32), [skip, run], cotangents, kept_rest)
 
     # --- the actions --------------------------------------------------------------------
 
     def idle(self, w: Work) -> Done:
         return Done(
-            self.zero_h, self.zero_cotangent, self.zero_cotangent, self.no_residuals,
-            self.zero_output, w.grads, w.loss_grads, w.loss,
+            self.zero_h, self.zero_cotangent, self.zero_cotangent, self.zero_rest,
+            self.no_residuals, self.zero_output, w.grads, w.loss_grads, w.loss,
         )  # fmt: skip
 
     def forward(self, w: Work) -> Done:
@@ -379,10 +408,8 @@ class StepLoop:
             p = self.stage_params(self.params, w.repeat)
             return self.idle(w)._replace(output=self.run_stage(p, w.h, w.microbatch, w.repeat))
         done = self.forward(w)  # the output waits in the cotangent buffer for the loss
-        return done._replace(
-            sent_forward=self.zero_h,
-            kept_cotangent=eqx.filter(done.sent_forward, eqx.is_inexact_array),
-        )
+        kept, rest = eqx.partition(done.sent_forward, eqx.is_inexact_array)
+        return done._replace(sent_forward=self.zero_h, kept_cotangent=kept, kept_rest=rest)
 
     def backward(self, w: Work, *, weights: bool = True, inputs: bool = True) -> Done:
         pullback, out_axes, _ = self.pullback_of(w)
@@ -402,11 +429,11 @@ class StepLoop:
 
     def backward_last(self, w: Work, *, weights: bool = True) -> Done:
         pullback, out_axes, out = self.pullback_of(w)
-        if out is None:  # the forward kept the output's inexact leaves; the others are the
-            # input's (a stage passes integer leaves such as masks through unchanged)
+        if out is None:  # the forward kept the output, in two buffers (the second is None
+            # where the activations have only inexact leaves)
             assert w.cotangents is not None
             kept = index_tree(w.cotangents, w.cotangent_slot)
-            out = eqx.combine(kept, _integer_leaves(w.h))
+            out = eqx.combine(kept, index_tree(w.kept_rest, w.cotangent_slot))
         if self.loss_on_every_device:  # the loss ran before the branches (`loss_everywhere`)
             d_out, done = w.loss_cotangent, self.idle(w)
         else:
@@ -452,11 +479,13 @@ class StepLoop:
         h = jax.tree.map(lambda f, s: jnp.where(input_slot < 0, f, s), fresh, waiting)
         loss_grads, loss, loss_cotangent = state.loss_grads, state.loss, None
         if training and self.loss_on_every_device:
-            loss_cotangent, d_loss_params, part = self.loss_everywhere(cotangents, h, t)
+            loss_cotangent, d_loss_params, part = self.loss_everywhere(
+                cotangents, state.kept_rest, h, t
+            )
             loss_grads, loss = tree_add(loss_grads, d_loss_params), loss + part
         work = Work(
-            h, microbatch, repeat, cotangents, cotangent_slot, state.residuals, residual_slot,
-            state.grads, loss_grads, loss, loss_cotangent,
+            h, microbatch, repeat, cotangents, cotangent_slot, state.kept_rest, state.residuals,
+            residual_slot, state.grads, loss_grads, loss, loss_cotangent,
         )  # fmt: skip
         is_forward = (kind == _program.FORWARD) | (kind == _program.FORWARD_LAST)
         if training:
@@ -470,6 +499,12 @@ class StepLoop:
             keeps = (kind == _program.FORWARD_LAST) | (kind == _program.BACKWARD_INPUT_LAST)
             row = jnp.where(keeps, cotangent_slot, program.num_cotangent_slots)
             cotangents = _write(cotangents, row, done.kept_cotangent)
+        kept_rest = state.kept_rest
+        if kept_rest is not None:
+            row = jnp.where(
+                kind == _program.FORWARD_LAST, cotangent_slot, program.num_cotangent_slots
+            )
+            kept_rest = _write(kept_rest, row, done.kept_rest)
         residuals = state.residuals
         if self.store:
             row = jnp.where(is_forward, residual_slot, program.num_residual_slots)
@@ -490,7 +525,7 @@ class StepLoop:
             self.send(done.sent_back, backward_pattern, program.backward_pairs)
             if training
             else None,
-            inputs, cotangents, residuals, outputs,
+            inputs, cotangents, kept_rest, residuals, outputs,
             done.grads, done.loss_grads, done.loss, x_grads,
         )  # fmt: skip
         return new, None
@@ -510,6 +545,9 @@ class StepLoop:
             inputs=buffer(self.zero_h, program.num_input_slots + 1),
             cotangents=buffer(self.zero_cotangent, program.num_cotangent_slots + 1)
             if training
+            else None,
+            kept_rest=buffer(self.zero_rest, program.num_cotangent_slots + 1)
+            if training and self.store
             else None,
             residuals=buffer(self.no_residuals, program.num_residual_slots + 1),
             outputs=None if training else buffer(self.zero_h, self.num_microbatches + 1),

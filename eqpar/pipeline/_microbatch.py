@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from jaxtyping import PyTree
 
 from .._typing import AxisName
+from .._vma import varies_over as _varies_over
 from .._vma import varying_axes as _varying_axes
 from ._tools import cast_tree, describe_tree, index_tree
 
@@ -179,7 +180,18 @@ def batch_size(tree: PyTree, name: str, caller: str) -> int | None:
 
 
 def check_replicated(tree: PyTree, name: str, axis_name: AxisName, caller: str) -> None:
-    """The batch must be the same on every device of the pipeline axis (check_vma types)."""
+    """The batch must be the same on every device of the pipeline axis (check_vma types).
+
+    Under `shard_map(..., check_vma=False)` JAX does not say what differs between devices, so
+    a batch split over the pipeline axis cannot be told from a replicated one: refused."""
+    if _varies_over(jnp.zeros(()), axis_name) is None:
+        raise ValueError(
+            f"{caller}: the pipeline needs `shard_map`'s replication types (its default "
+            f"check_vma=True) to check that `{name}` is the same on every device of the pipeline "
+            f"axis {axis_name!r}; under check_vma=False a batch split over {axis_name!r} would "
+            f"silently lose the rows of all but one device. Call it inside `eqpar.shard_map` or "
+            f"`jax.shard_map` with check_vma=True (the default)."
+        )
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
         if axis_name in _varying_axes(leaf):
             raise ValueError(
