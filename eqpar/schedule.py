@@ -111,7 +111,7 @@ class Action:
             if self.microbatch is not None or self.stage is not None:
                 raise ValueError(
                     f"Action: an idle action has no microbatch or stage; got microbatch="
-                    f"{self.microbatch!r}, stage={self.stage!r}. Write `Action(\"idle\")`."
+                    f'{self.microbatch!r}, stage={self.stage!r}. Write `Action("idle")`.'
                 )
             return
         for name in ("microbatch", "stage"):

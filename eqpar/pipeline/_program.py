@@ -101,7 +101,7 @@ def _acted_on(schedule: PipelineSchedule) -> dict[tuple[str, int, int], int]:
         if len(row) != num_devices:
             raise ValueError(
                 f"{owner}: step {t} of the table has {len(row)} actions, but the schedule has "
-                f"{num_devices} devices; give every step one action per device (`Action(\"idle\")` "
+                f'{num_devices} devices; give every step one action per device (`Action("idle")` '
                 f"where a device does nothing)."
             )
         for d, action in enumerate(row):
