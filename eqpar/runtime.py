@@ -209,18 +209,20 @@ def _listen(address: str, port: int | None = None) -> socket.socket:
     try:
         return socket.create_server((host, own_port if port is None else port), family=family)
     except OSError as error:
-        reason = error.strerror or str(error)
+        reason = (error.strerror or str(error)).split(" (while attempting")[0]
         where = f"initialize: process 0 (the coordinator) cannot listen on {address}"
         if error.errno == errno.EADDRINUSE:
             message = (
                 f"{where}: port {own_port} is in use ({reason}). Choose another port (in "
                 "`coordinator_address`, the same on every process) or end what holds it."
             )
-        else:  # EADDRNOTAVAIL (another machine's, a NAT'd or public IP), or no such host
-            resolves = not isinstance(error, socket.gaierror)
-            what = "is not an address of" if resolves else "does not resolve on"
+        else:  # EADDRNOTAVAIL: another machine's address, a NAT'd or public IP; or no host
+            what = {
+                errno.EADDRNOTAVAIL: "is not an address of this machine",
+                socket.EAI_NONAME: "does not resolve on this machine",
+            }.get(error.errno or 0, "cannot be listened on here")
             message = (
-                f"{where}: {host!r} {what} this machine ({reason}). The coordinator listens on "
+                f"{where}: {host!r} {what} ({reason}). The coordinator listens on "
                 "`coordinator_address` unless `coordinator_bind_address` (or "
                 f"${COORDINATOR_BIND_ADDRESS_ENV}) says where: pass process 0's own address "
                 f"with the same port there, or '0.0.0.0:{own_port}' to listen on every "
