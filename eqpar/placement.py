@@ -33,6 +33,7 @@ import enum
 import functools
 import json
 import zlib
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -123,16 +124,41 @@ def _gather(mesh: Mesh, row: np.ndarray) -> dict[int, np.ndarray]:
     return dict(zip(owners, np.asarray(whole.addressable_data(0))))
 
 
-def _check_agreement(mesh: Mesh, described: dict[str, str], function: str) -> None:
+_SAME_ERROR = {"TypeError": TypeError, "ValueError": ValueError}
+"""The error types a process whose peer failed raises as its own (others: `RuntimeError`)."""
+
+
+def _check_agreement(
+    mesh: Mesh, described: dict[str, str], function: str, failure: Exception | None = None
+) -> None:
     """Raise unless every process of `mesh` described its leaves alike: a digest first, and
-    the descriptions themselves only when the digests differ, to name the leaf."""
-    text = json.dumps(described).encode()
+    the descriptions themselves only when the digests differ, to name the leaf.
+
+    A process whose own checks failed (`failure`) still takes part, sending its error instead
+    of a description, so its peers raise too, naming it, instead of waiting for it; and every
+    process runs the same collectives, so the next call pairs up as usual. This function then
+    returns on the failed process, which raises its own error."""
+    sent: dict[str, Any] = {"leaves": described}
+    if failure is not None:
+        sent = {"failed": type(failure).__name__, "reason": str(failure)}
+    text = json.dumps(sent).encode()
     digests = _gather(mesh, np.array([len(text), zlib.crc32(text) & 0x7FFFFFFF], np.int32))
     if len({tuple(row) for row in digests.values()}) == 1:
-        return
+        return  # all alike (failed alike too: each process then raises its own error)
     padded = text.ljust(max(int(row[0]) for row in digests.values()))
     gathered = _gather(mesh, np.frombuffer(padded, np.uint8).astype(np.int32))
-    tables = {p: json.loads(bytes(row.astype(np.uint8))) for p, row in gathered.items()}
+    received = {p: json.loads(bytes(row.astype(np.uint8))) for p, row in gathered.items()}
+    if failed := {p: r for p, r in received.items() if "failed" in r}:
+        if failure is not None:
+            return
+        who = ", ".join(map(str, sorted(failed)))
+        who = f"process {who}" if len(failed) == 1 else f"processes {who}"
+        reasons = " ".join(f"[process {p}] {r['failed']}: {r['reason']}" for p, r in failed.items())
+        raise _SAME_ERROR.get(failed[min(failed)]["failed"], RuntimeError)(
+            f"`{function}`: {who} refused its own data, so the call fails on every process "
+            f"(they stay in step: the next call pairs up as usual). {reasons}"
+        )
+    tables = {p: r["leaves"] for p, r in received.items()}
     differ = (k for t in tables.values() for k in t if len({u.get(k) for u in tables.values()}) > 1)
     leaf = next(differ, "<order>")
     seen = "; ".join(f"process {p}: {t.get(leaf, 'no such leaf')}" for p, t in tables.items())
@@ -168,7 +194,12 @@ def _check_rows(function: str, path: str, leaf: PyTree, devices: int, scope: str
 
 
 def checked_local_leaves(
-    local_data: PyTree, mesh: Mesh, function: str, *, same_values: bool = False
+    local_data: PyTree,
+    mesh: Mesh,
+    function: str,
+    *,
+    same_values: bool = False,
+    check_leaf: Callable[[str, Any], None] | None = None,
 ) -> tuple[list[str], list[Any], Any]:
     """The leaves of a per-process batch, checked before a global array is built from them.
 
@@ -180,7 +211,11 @@ def checked_local_leaves(
     `jax_enable_x64` is off); and with several processes, every process of `mesh` must pass
     the same leaves with the same shapes and dtypes (and, with `same_values`, the same values,
     by CRC-32), checked by one tiny exchange of a digest among the mesh's processes, skipped
-    in a single process. Every process of `mesh` must therefore call it together.
+    in a single process. Every process of `mesh` must therefore call it together. A process
+    whose leaves fail these checks still takes part in the exchange, sending its error: it
+    raises that error, and every other process raises one that names it and says why (of the
+    same type, `TypeError` or `ValueError`), instead of waiting for it; every process has then
+    run the same collectives, so the next call pairs up as usual.
 
     **Arguments:**
 
@@ -188,12 +223,15 @@ def checked_local_leaves(
     - `mesh`: the mesh the data goes to; its processes take part in the exchange.
     - `function`: the public function to name in errors.
     - `same_values`: also require equal values on every process (replicated data).
+    - `check_leaf`: a further check `check_leaf(path, leaf)` of each leaf that raises when
+      it fails; it runs before the exchange, so its error reaches every process too.
 
     **Returns:** `(paths, leaves, treedef)`: the `/`-joined leaf paths, the leaves (NumPy
     arrays, or the local JAX arrays as given) and the tree structure.
 
     **Raises:** `TypeError` for a leaf that is not array data; `ValueError` for values that
-    do not fit their dtype, or processes that disagree, naming the leaf and the processes.
+    do not fit their dtype, or processes that disagree, naming the leaf and the processes;
+    on the other processes, an error naming the process whose checks failed, and why.
 
     ```python
     import jax, numpy as np
@@ -212,27 +250,37 @@ def checked_local_leaves(
     flat, treedef = tree_flatten_with_path(local_data)
     paths = [path_to_str(key_path) or "<root>" for key_path, _ in flat]
     leaves, described, problems = [], {}, []
-    for path, (_, leaf) in zip(paths, flat):
-        local_jax = isinstance(leaf, jax.Array) and leaf.is_fully_addressable
-        host = isinstance(leaf, np.ndarray | np.generic | int | float | complex)
-        if isinstance(leaf, Tracer) or not (local_jax or host):
-            raise TypeError(
-                f"`{function}`: leaf {path!r} must be a NumPy array or a local `jax.Array` "
-                f"(outside `jax.jit`), not {type(leaf).__name__}."
-            )
-        array: PyTree = leaf if local_jax else np.asarray(leaf)
-        leaves.append(array)
-        extended = jax.dtypes.issubdtype(array.dtype, jax.dtypes.extended)  # PRNG keys
-        if not extended and (array.dtype.kind in "OUS" or array.dtype.names is not None):
-            raise TypeError(f"`{function}`: leaf {path!r} has dtype {array.dtype}, not a number.")
-        problems.append(None if local_jax else _fits(path, array, function))
-        out_of_range = " (values out of range)" if problems[-1] else ""
-        described[path] = f"shape {array.shape} {array.dtype}{out_of_range}"
-        if same_values and jax.process_count() > 1:
-            values = np.asarray(jax.random.key_data(array) if extended else array)
-            described[path] += f", CRC-32 {zlib.crc32(np.ascontiguousarray(values).tobytes())}"
+    failure: Exception | None = None
+    try:  # a failure here still goes through the exchange, for the other processes to see
+        for path, (_, leaf) in zip(paths, flat):
+            local_jax = isinstance(leaf, jax.Array) and leaf.is_fully_addressable
+            host = isinstance(leaf, np.ndarray | np.generic | int | float | complex)
+            if isinstance(leaf, Tracer) or not (local_jax or host):
+                raise TypeError(
+                    f"`{function}`: leaf {path!r} must be a NumPy array or a local `jax.Array` "
+                    f"(outside `jax.jit`), not {type(leaf).__name__}."
+                )
+            array: PyTree = leaf if local_jax else np.asarray(leaf)
+            leaves.append(array)
+            extended = jax.dtypes.issubdtype(array.dtype, jax.dtypes.extended)  # PRNG keys
+            if not extended and (array.dtype.kind in "OUS" or array.dtype.names is not None):
+                raise TypeError(
+                    f"`{function}`: leaf {path!r} has dtype {array.dtype}, not a number."
+                )
+            if check_leaf is not None:
+                check_leaf(path, array)
+            problems.append(None if local_jax else _fits(path, array, function))
+            out_of_range = " (values out of range)" if problems[-1] else ""
+            described[path] = f"shape {array.shape} {array.dtype}{out_of_range}"
+            if same_values and jax.process_count() > 1:
+                values = np.ascontiguousarray(jax.random.key_data(array) if extended else array)
+                described[path] += f", CRC-32 {zlib.crc32(values.tobytes())}"
+    except Exception as error:  # raised below, after the exchange
+        failure = error
     if jax.process_count() > 1:
-        _check_agreement(mesh, described, function)
+        _check_agreement(mesh, described, function, failure)
+    if failure is not None:
+        raise failure
     if problem := next((p for p in problems if p), None):
         raise ValueError(problem)
     return paths, leaves, treedef
@@ -249,8 +297,12 @@ def host_to_global_device_array(
     Every process calls this with its own local batch, a pytree of NumPy arrays of the same
     structure, shapes and dtypes on every process. That is checked: with several processes
     they first exchange a digest of every leaf's shape and dtype, and a difference is a
-    `ValueError` naming the leaf and the processes (one tiny collective per call). The arrays
-    themselves are built by `jax.make_array_from_process_local_data`.
+    `ValueError` naming the leaf and the processes (one tiny collective per call). A process
+    that refuses its own batch (a leaf that is not array data, a batch that does not divide
+    over its devices) still takes part in that exchange, so the call fails on every process
+    at once, the others with an error of the same type naming that process and its reason,
+    and the next call pairs up as usual. The arrays themselves are built by
+    `jax.make_array_from_process_local_data`.
 
     - With `DataPartitionType.FULL` the leading axis of every leaf is split over all mesh axes
       (the sharding is `PartitionSpec(mesh.axis_names)`, one distinct block of rows per device).
@@ -281,7 +333,8 @@ def host_to_global_device_array(
     **Raises:** `ValueError` when no mesh is available, when a `FULL` leaf is a scalar or its
     local batch does not divide over this process's devices in the mesh, when values do not fit
     their dtype, or when processes disagree (the message names the leaf path); `TypeError` for
-    a leaf that is not array data.
+    a leaf that is not array data. On the other processes, such an error of one process is an
+    error of the same type naming it.
 
     ```python
     import jax
@@ -303,10 +356,10 @@ def host_to_global_device_array(
     function = "host_to_global_device_array"
     mesh, sharding, local = _resolve(mesh, partition, function)
     full = partition is DataPartitionType.FULL
-    paths, leaves, treedef = checked_local_leaves(host_arrays, mesh, function, same_values=not full)
-    for path, leaf in zip(paths, leaves):
-        if full:
-            _check_rows(function, path, leaf, local, "local")
+    rows = functools.partial(_check_rows, function, devices=local, scope="local")
+    _, leaves, treedef = checked_local_leaves(
+        host_arrays, mesh, function, same_values=not full, check_leaf=rows if full else None
+    )
     return jax.make_array_from_process_local_data(sharding, treedef.unflatten(leaves))
 
 

@@ -18,6 +18,7 @@ __all__ = [
 ]
 
 import contextlib
+import errno
 import os
 import socket
 import threading
@@ -198,6 +199,38 @@ def _endpoint(address: str, name: str) -> tuple[str, int]:
     return host.strip("[]"), port
 
 
+def _listen(address: str, port: int | None = None) -> socket.socket:
+    """A listening socket on the coordinator's bind address `address` (on `port` instead of
+    the address's own port when given: 0 checks only that the host is this machine's), or an
+    `OSError` that says why it cannot be and names the fix, instead of the bare one from
+    `bind`. Raised at once: binding does not wait on the network."""
+    host, own_port = _endpoint(address, "coordinator_bind_address")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        return socket.create_server((host, own_port if port is None else port), family=family)
+    except OSError as error:
+        reason = (error.strerror or str(error)).split(" (while attempting")[0]
+        where = f"initialize: process 0 (the coordinator) cannot listen on {address}"
+        if error.errno == errno.EADDRINUSE:
+            message = (
+                f"{where}: port {own_port} is in use ({reason}). Choose another port (in "
+                "`coordinator_address`, the same on every process) or end what holds it."
+            )
+        else:  # EADDRNOTAVAIL: another machine's address, a NAT'd or public IP; or no host
+            what = {
+                errno.EADDRNOTAVAIL: "is not an address of this machine",
+                socket.EAI_NONAME: "does not resolve on this machine",
+            }.get(error.errno or 0, "cannot be listened on here")
+            message = (
+                f"{where}: {host!r} {what} ({reason}). The coordinator listens on "
+                "`coordinator_address` unless `coordinator_bind_address` (or "
+                f"${COORDINATOR_BIND_ADDRESS_ENV}) says where: pass process 0's own address "
+                f"with the same port there, or '0.0.0.0:{own_port}' to listen on every "
+                "interface, and keep `coordinator_address` as the address the others reach."
+            )
+        raise OSError(message) from None
+
+
 def _rendezvous(config: DistributedConfig, timeout: float) -> None:
     """Meet every process on the coordinator's port before JAX's runtime starts.
 
@@ -217,9 +250,7 @@ def _rendezvous(config: DistributedConfig, timeout: float) -> None:
     if me == 0:
         bind = config.coordinator_bind_address or config.coordinator_address
         peers: dict[int, socket.socket] = {}
-        host, port = _endpoint(bind, "coordinator_bind_address")
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        server = socket.create_server((host, port), family=family)
+        server = _listen(bind)
         try:
             while len(peers) < count - 1:
                 server.settimeout(max(deadline - time.monotonic(), 0.001))
@@ -355,7 +386,10 @@ def initialize(
       300 s, when `None`); smaller values make a job whose peer died fail sooner.
 
     **Raises:** `ValueError` for arguments that contradict each other (see
-    `resolve_distributed_config`); `TimeoutError` when a process does not join in time.
+    `resolve_distributed_config`); `OSError` at once, on process 0, when it cannot listen on
+    its bind address (not an address of this machine: pass `coordinator_bind_address`; or a
+    port in use), rather than JAX's crash; `TimeoutError` when a process does not join in
+    time.
 
     **Returns:** the `DistributedConfig` that was used.
 
@@ -380,8 +414,10 @@ def initialize(
         if _runtime_is_initialized():
             _check_matches_running(config)
             return _initialized_by_eqpar or config
+        if config.process_id == 0 and config.coordinator_bind_address is not None:
+            _listen(config.coordinator_bind_address, port=0).close()  # before JAX would crash
         if None not in config[:3] and (config.num_processes or 1) > 1:
-            _rendezvous(config, initialization_timeout)
+            _rendezvous(config, float(initialization_timeout))
         jax.distributed.initialize(
             coordinator_address=config.coordinator_address,
             num_processes=config.num_processes,

@@ -235,6 +235,41 @@ def test_a_process_that_never_starts_is_a_python_error_in_bounded_time(started):
     assert result.seconds < 30
 
 
+@pytest.mark.parametrize("num_processes", [1, 2])
+def test_a_coordinator_address_of_another_machine_is_a_clear_error_at_once(
+    num_processes, monkeypatch
+):
+    # 192.0.2.1 (TEST-NET-1) is no address of this machine. Before: with 2 processes, a bare
+    # `OSError: [Errno 99] Cannot assign requested address`; with 1, JAX's own bind crashed
+    # the process (a segfault). Binding fails at once: no network wait to bound.
+    import time
+
+    import jax
+
+    import eqpar
+    from eqpar import runtime
+
+    started = []
+    monkeypatch.setattr(jax.distributed, "initialize", lambda **kwargs: started.append(kwargs))
+    monkeypatch.setattr(jax.distributed, "is_initialized", lambda: False)
+    monkeypatch.setattr(runtime, "_initialized_by_eqpar", None)
+    monkeypatch.delenv("EQPAR_COORDINATOR_BIND_ADDRESS", raising=False)
+    begin = time.monotonic()
+    with pytest.raises(OSError) as info:
+        eqpar.initialize("192.0.2.1:1234", num_processes, 0, initialization_timeout=2)
+    assert time.monotonic() - begin < 5
+    message = str(info.value)
+    assert "process 0 (the coordinator) cannot listen on 192.0.2.1:1234" in message
+    assert "'192.0.2.1' is not an address of this machine" in message
+    assert "`coordinator_bind_address`" in message and "'0.0.0.0:1234'" in message
+    assert not started  # refused before JAX's runtime starts
+    if num_processes == 1:  # the fix it names: listen on a local address, keep the address
+        eqpar.initialize("192.0.2.1:1234", 1, 0, coordinator_bind_address="127.0.0.1:1234")
+        (call,) = started
+        assert call["coordinator_address"] == "192.0.2.1:1234"
+        assert call["coordinator_bind_address"] == "127.0.0.1:1234"
+
+
 def test_multihost_flags_refuse_counts_below_one(examples, capsys):
     _, _, multihost, _ = examples
     for flag in ("--microbatches", "--batch-size", "--steps"):

@@ -205,6 +205,60 @@ def test_two_processes_place_reduce_and_round_trip():
         assert f"process {result.process_id}: agreement checks passed" in result.stdout
 
 
+def _child_failure_reaches_every_process():
+    """Data that one process refuses by itself (before any exchange) fails the call on every
+    process at once, the others naming that process; the next call then pairs up as usual."""
+    process_id, _ = initialize_cpu_distributed(num_cpu_devices=2)
+    import jax
+    from jax.experimental import multihost_utils
+    from jax.sharding import Mesh
+
+    placement = _import_placement()
+    place = placement.host_to_global_device_array
+    devices = np.array(jax.devices())
+    mesh = Mesh(devices, ("data",))
+
+    def expect(error_type, call, *fragments):
+        try:
+            call()
+        except error_type as error:
+            assert all(fragment in str(error) for fragment in fragments), (fragments, error)
+        else:
+            raise AssertionError(f"no {error_type.__name__} with {fragments}")
+
+    # process 1 passes a string leaf: its own TypeError names the leaf; process 0's names it
+    tag = "a" if process_id == 1 else np.zeros(2, np.int32)
+    ok = np.zeros((2, 3), np.float32)
+    own = ("leaf 'pair/1' must be a NumPy array", "not str")
+    peer = ("process 1 refused its own data", "[process 1] TypeError:", *own)
+    expect(TypeError, lambda: place({"pair": (ok, tag)}, mesh=mesh), *(own if process_id else peer))
+    # a mesh with 2 devices of process 0 and 1 of process 1: 3 local rows split on process 1 only
+    uneven = Mesh(devices[[0, 1, 2]], ("data",))
+    own = ("leaf 'x' has a local batch of 3 rows", "the 2 local devices")
+    peer = ("process 0 refused its own data", "[process 0] ValueError:", *own)
+    expect(
+        ValueError,
+        lambda: place({"x": np.zeros((3, 1))}, mesh=uneven),
+        *(peer if process_id else own),
+    )
+    # the next call on every process pairs up with the same call of the other
+    local = np.arange(6, dtype=np.float32).reshape(2, 3) + 10 * process_id
+    placed = place({"x": local}, mesh=mesh)["x"]
+    together = np.concatenate(
+        [np.arange(6, dtype=np.float32).reshape(2, 3) + 10 * p for p in (0, 1)]
+    )
+    np.testing.assert_array_equal(multihost_utils.process_allgather(placed, tiled=True), together)
+    print(f"process {process_id}: failures reached every process")
+
+
+def test_a_process_that_refuses_its_data_fails_the_call_everywhere_at_once():
+    # Before, process 0 waited for process 1 in the exchange until gloo's 30 s deadline (or
+    # paired with process 1's next call); the harness timeout turns a regression into a failure.
+    results = run_processes(_child_failure_reaches_every_process, 2, timeout=60, cwd=REPO_ROOT)
+    for result in results:
+        assert f"process {result.process_id}: failures reached every process" in result.stdout
+
+
 def _child_without_its_peer():
     initialize_cpu_distributed(num_cpu_devices=4, initialization_timeout=1)
     print("initialized without its peer")
