@@ -16,6 +16,7 @@ backward half that autodiff of a forward `lax.scan` runs is the forward table re
 import dataclasses
 import pathlib
 import typing
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import numpy as np
@@ -546,6 +547,73 @@ class ZeroBubbleH1Schedule(PipelineSchedule):
         self._table = _zero_bubble_h1(self.num_stages, self.num_microbatches)
 
 
+class CustomSchedule(PipelineSchedule):
+    """A schedule from a table of one's own: `actions[step][device]`, checked when made.
+
+    The executors run any table (`eqpar.pipeline.execute_schedule` a training one,
+    `execute_pipeline` the forward ones eqpar builds), so a new order of work is a new table.
+    This class takes one written by hand or by a program and refuses it unless it is
+    complete and in order: every row has one `Action` per device; every microbatch in
+    `[0, num_microbatches)` has exactly one forward on every stage, after the previous
+    stage's; and, where the table trains, exactly one `"backward"` or one `"backward_input"`
+    followed by one `"backward_weight"`, each backward after the next stage's. Stage `s` runs
+    on device `s % num_devices`; a table that uses stages `0 .. V S - 1` is circular with `V`
+    stages per device. The error names the step, device, microbatch and stage at fault.
+
+    **Arguments:**
+
+    - `actions`: the table, a sequence of rows (steps), each a sequence of `Action`s (one per
+      device of the pipeline axis).
+    - `num_microbatches`: how many microbatches the table runs; the batch is cut into as many.
+    - `name`: the label of its text rendering and pictures.
+
+    ```python
+    from eqpar.schedule import Action, CustomSchedule, OneFOneBSchedule
+
+    F = lambda m, s: Action("forward", microbatch=m, stage=s)
+    B = lambda m, s: Action("backward", microbatch=m, stage=s)
+    idle = Action("idle")
+    # Two stages, two microbatches: the last stage runs each backward right after its forward.
+    table = [
+        [F(0, 0), idle],
+        [F(1, 0), F(0, 1)],
+        [idle, B(0, 1)],
+        [B(0, 0), F(1, 1)],
+        [idle, B(1, 1)],
+        [B(1, 0), idle],
+    ]
+    schedule = CustomSchedule(table, num_microbatches=2)
+    assert schedule.actions == OneFOneBSchedule(2, 2).actions
+    try:
+        CustomSchedule(table[:-1], num_microbatches=2)  # microbatch 1 never reaches stage 0 back
+    except ValueError as error:
+        print(error)
+    ```
+    """
+
+    def __init__(
+        self,
+        actions: Sequence[Sequence[Action]],
+        *,
+        num_microbatches: int,
+        name: str = "custom",
+    ):
+        from .pipeline._program import check_table  # the executors' own check
+
+        owner = type(self).__name__
+        self.num_microbatches = check_int(num_microbatches, name="num_microbatches", owner=owner)
+        table = tuple(tuple(row) for row in actions)
+        if not table or not table[0]:
+            raise ValueError(
+                f"{owner}: `actions` must have at least one step of at least one device; got "
+                f"{len(table)} steps."
+            )
+        self.num_stages = len(table[0])
+        self._table = table
+        self._name = str(name)
+        check_table(self)
+
+
 def _zero_bubble_h1(s: int, m_count: int) -> tuple[tuple[Action, ...], ...]:
     """The ZB-H1 table by the rules of `ZeroBubbleH1Schedule`, one step at a time. A value
     made at step `t` can be used by a neighbour from step `t + 1` on."""
@@ -588,6 +656,7 @@ def _zero_bubble_h1(s: int, m_count: int) -> tuple[tuple[Action, ...], ...]:
 __all__ = [
     "Action",
     "CircularSchedule",
+    "CustomSchedule",
     "GPipeSchedule",
     "OneFOneBSchedule",
     "PipelineSchedule",

@@ -828,3 +828,31 @@ def test_a_pipeline_under_check_vma_false_is_refused():
         )  # fmt: skip
         with pytest.raises(ValueError, match="needs `shard_map`'s replication types"):
             run(weights, y, n)
+
+
+def test_a_custom_table_trains_like_the_serial_model_and_is_checked_when_made():
+    """A table of one's own (here ZB-H1's with every weight gradient moved to the end, one
+    per step) trains like the serial model; an incomplete one is refused when made."""
+    from eqpar.schedule import Action, CustomSchedule
+
+    def weights_last(schedule):
+        rows = [[a if a.kind != "backward_weight" else Action("idle") for a in row]
+                for row in schedule.actions]  # fmt: skip
+        for _, d, w in _cells(schedule, "backward_weight"):
+            rows.append([w if e == d else Action("idle") for e in range(schedule.num_devices)])
+        return rows
+
+    stages, head = _model(2)
+    x, t, keep = _batch(3)
+    ref = jax.value_and_grad(_serial, argnums=(0, 1))(stages, head, x, t, keep, 2)
+    schedule = CustomSchedule(
+        weights_last(ZeroBubbleH1Schedule(2, 3)), num_microbatches=3, name="late W"
+    )
+    loss, grads, head_grads, _ = _run(schedule, stages, head, x, t, keep, recompute=False)
+    assert_tree_close(
+        (loss, grads, head_grads), (ref[0], eqx.filter(ref[1][0], eqx.is_array), ref[1][1])
+    )
+    with pytest.raises(ValueError, match="microbatch 2, stage 1: a backward_input but no"):
+        CustomSchedule(weights_last(ZeroBubbleH1Schedule(2, 3))[:-1], num_microbatches=3)
+    with pytest.raises(ValueError, match="at least one step"):
+        CustomSchedule([], num_microbatches=1)

@@ -185,6 +185,14 @@ def _check_order(schedule: PipelineSchedule, when: dict[tuple[str, int, int], in
                 )
 
 
+def check_table(schedule: PipelineSchedule) -> dict[tuple[str, int, int], int]:
+    """Raise unless `schedule`'s table is complete and in order (see `_acted_on` and
+    `_check_order`); return the step of every action by `(kind, microbatch, stage)`."""
+    when = _acted_on(schedule)
+    _check_order(schedule, when)
+    return when
+
+
 def compile_schedule(schedule: PipelineSchedule, *, store_residuals: bool) -> Program:
     """The executor's tables for `schedule` (see `Program`).
 
@@ -204,8 +212,7 @@ def compile_schedule(schedule: PipelineSchedule, *, store_residuals: bool) -> Pr
     repeat = np.zeros(shape, np.int32)
 
     # When each (microbatch, stage) is acted on: forward, (input) backward, last use.
-    when = _acted_on(schedule)
-    _check_order(schedule, when)
+    when = check_table(schedule)
     forward_at: dict[tuple[int, int], int] = {}
     backward_at: dict[tuple[int, int], int] = {}
     last_use: dict[tuple[int, int], int] = {}
