@@ -146,6 +146,101 @@ def _mirrored_backward(
     )
 
 
+def _acted_on(schedule: "PipelineSchedule") -> dict[tuple[str, int, int], int]:
+    """The step of every action of the table, by `(kind, microbatch, stage)`, after checking
+    each cell on its own: an `Action`, on its stage's device, for a declared microbatch, and
+    the only one of its kind for that microbatch and stage."""
+    owner = type(schedule).__name__
+    num_devices, num_microbatches = schedule.num_devices, schedule.num_microbatches
+    when: dict[tuple[str, int, int], int] = {}
+    for t, row in enumerate(schedule.actions):
+        if len(row) != num_devices:
+            raise ValueError(
+                f"{owner}: step {t} of the table has {len(row)} actions, but the schedule has "
+                f'{num_devices} devices; give every step one action per device (`Action("idle")` '
+                f"where a device does nothing)."
+            )
+        for d, action in enumerate(row):
+            if not isinstance(action, Action):
+                raise TypeError(
+                    f"{owner}: step {t}, device {d}: a table cell must be an "
+                    f"`eqpar.schedule.Action`; got {type(action).__name__} {action!r}."
+                )
+            if action.kind == "idle":
+                continue
+            assert action.microbatch is not None and action.stage is not None
+            problem = None
+            if action.stage % num_devices != d:
+                problem = "not on its stage's device (stage % num_devices)."
+            elif action.microbatch >= num_microbatches:
+                problem = (
+                    f"for a microbatch the schedule does not have: it declares "
+                    f"num_microbatches={num_microbatches}, so a table built for more "
+                    f"microbatches would run some twice. Build the table for "
+                    f"{num_microbatches} microbatches, or declare as many as it has."
+                )
+            elif (action.kind, action.microbatch, action.stage) in when:
+                problem = "the second of its kind for that microbatch and stage."
+            if problem:
+                raise ValueError(f"{owner}: step {t}, device {d}: {action} is {problem}")
+            when[(action.kind, action.microbatch, action.stage)] = t
+    return when
+
+
+def _check_order(schedule: "PipelineSchedule", when: dict[tuple[str, int, int], int]) -> None:
+    """Every microbatch passes every stage exactly once each way, each action after what it
+    needs: a table that breaks this would run, but on values that are not there yet, or
+    leave a gradient out, or count one twice."""
+    owner = type(schedule).__name__
+    num_stages = schedule.num_devices * schedule._num_trips()
+    training = any(kind in _BACKWARD_KINDS for kind, _, _ in when)
+    for m in range(schedule.num_microbatches):
+        for stage in range(num_stages):
+            forward = when.get(("forward", m, stage))
+            previous = when.get(("forward", m, stage - 1))
+            full = when.get(("backward", m, stage))
+            split = when.get(("backward_input", m, stage))
+            weight = when.get(("backward_weight", m, stage))
+            backward = full if split is None else split
+            later = when.get(("backward", m, stage + 1), when.get(("backward_input", m, stage + 1)))
+            needs = []
+            if forward is None:
+                needs.append("no forward")
+            elif previous is not None and forward <= previous:
+                needs.append("its forward does not come after the previous stage's")
+            if training:
+                if full is not None and split is not None:
+                    needs.append("both a backward and a backward_input")
+                if backward is None:
+                    needs.append("no backward")
+                else:
+                    if forward is not None and backward <= forward:
+                        needs.append("its backward does not come after its forward")
+                    if later is not None and backward <= later:
+                        needs.append("its backward does not come after the next stage's")
+                if split is not None and weight is None:
+                    needs.append(
+                        "a backward_input but no backward_weight, so its weight gradient "
+                        "would be left out"
+                    )
+                if full is not None and weight is not None:
+                    needs.append(
+                        "a backward_weight as well as a full backward (which already computes "
+                        "the weight gradient), so it would be counted twice"
+                    )
+                if weight is not None and split is not None and weight <= split:
+                    needs.append("its backward_weight comes before its backward_input")
+                if weight is not None and backward is None:
+                    needs.append("a backward_weight without a backward_input before it")
+            if needs:
+                raise ValueError(
+                    f"{owner}: microbatch {m}, stage {stage}: {'; '.join(needs)}. A schedule "
+                    f"table must give every microbatch one forward on every stage and, for "
+                    f"training, one backward (or one backward_input followed by one "
+                    f"backward_weight), each after the action whose result it uses."
+                )
+
+
 class PipelineSchedule:
     """What every device of a pipeline does at every step: the common interface of
     `GPipeSchedule`, `CircularSchedule` and `OneFOneBSchedule`.
@@ -231,6 +326,27 @@ class PipelineSchedule:
                 if a.kind != "idle" and last_use[(a.microbatch, a.stage)] is a:
                     held.discard((a.microbatch, a.stage))
         return most
+
+    def check(self) -> None:
+        """Raise unless the table is complete and in order, as every executor requires.
+
+        Every row has one `Action` per device; every action runs on its stage's device
+        (`stage % num_devices`) for a microbatch in `[0, num_microbatches)`; every
+        microbatch has exactly one forward on every stage, after the previous stage's; and
+        where the table trains, exactly one `"backward"`, or one `"backward_input"`
+        followed by one `"backward_weight"`, each backward after the next stage's. A table
+        that broke this would still run, on values not there yet, leaving a gradient out or
+        counting one twice; the executors call this before they compile a table.
+
+        **Raises:** `ValueError` (`TypeError` for a cell that is not an `Action`) naming the
+        step and device, or the microbatch and stage, at fault.
+
+        ```python
+        from eqpar.schedule import ZeroBubbleH1Schedule
+        ZeroBubbleH1Schedule(num_stages=4, num_microbatches=8).check()
+        ```
+        """
+        _check_order(self, _acted_on(self))
 
     @property
     def has_backward(self) -> bool:
@@ -598,8 +714,6 @@ class CustomSchedule(PipelineSchedule):
         num_microbatches: int,
         name: str = "custom",
     ):
-        from .pipeline._program import check_table  # the executors' own check
-
         owner = type(self).__name__
         self.num_microbatches = check_int(num_microbatches, name="num_microbatches", owner=owner)
         table = tuple(tuple(row) for row in actions)
@@ -611,7 +725,7 @@ class CustomSchedule(PipelineSchedule):
         self.num_stages = len(table[0])
         self._table = table
         self._name = str(name)
-        check_table(self)
+        self.check()
 
 
 def _zero_bubble_h1(s: int, m_count: int) -> tuple[tuple[Action, ...], ...]:
