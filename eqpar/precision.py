@@ -85,7 +85,7 @@ def _checked_dtype(argument: str, value: Any) -> np.dtype:
 
 def _check_x64(argument: str, dtype: np.dtype) -> None:
     """float64 only where JAX has 64-bit mode on (else it casts to float32 with a warning)."""
-    if dtype == jnp.float64 and not jax.config.jax_enable_x64:
+    if dtype == jnp.float64 and not jax.config.read("jax_enable_x64"):
         raise ValueError(
             f"Precision: {argument}=float64 needs JAX's 64-bit mode, which is off, so JAX "
             f"would cast to float32 instead. Turn it on at the start of the program "
@@ -119,9 +119,10 @@ class Precision:
     is `None` for `param_dtype` or `compute_dtype` (only `output_dtype` has a default).
     float64 needs JAX's 64-bit mode (`jax.config.update("jax_enable_x64", True)`) when the
     policy is built and when it casts; without it the policy raises rather than cast to
-    float32 behind your back. The casts touch only floating-point array leaves (`jax.Array` or NumPy): integer and boolean
-    arrays (token ids, step counters) and non-array leaves pass through unchanged. A policy
-    is hashable, so it can be a static argument of `jax.jit` / `eqx.filter_jit`.
+    float32 behind your back. The casts touch only floating-point array leaves (`jax.Array`
+    or NumPy): integer and boolean arrays (token ids, step counters) and non-array leaves
+    pass through unchanged. A policy is hashable, so it can be a static argument of
+    `jax.jit` / `eqx.filter_jit`.
 
     ```python
     import jax.numpy as jnp

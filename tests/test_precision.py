@@ -160,7 +160,7 @@ def test_none_and_float64_without_x64_are_refused_naming_the_argument():
             eqpar.Precision(**{argument: None})
     assert eqpar.Precision(output_dtype=None).output_dtype == jnp.float32  # follows params
     # float64 with 64-bit mode off would be cast to float32 behind the user's back.
-    assert not jax.config.jax_enable_x64
+    assert not jax.config.read("jax_enable_x64")
     for argument in ("param_dtype", "compute_dtype", "output_dtype"):
         with pytest.raises(
             ValueError,
