@@ -59,7 +59,8 @@ def check_spec(
     if unknown:
         raise ValueError(
             f"{source} gives {shown} for {where}, naming mesh axes {unknown} that the mesh does "
-            f"not have; its axes are {tuple(axes)}."
+            f"not have; its axes are {tuple(axes)}. Use those names, or build the mesh with "
+            f"the axis."
         )
     repeated = sorted({repr(name) for name in names if names.count(name) > 1})
     if repeated:
@@ -72,10 +73,12 @@ def check_spec(
         for name in entry_names(entry):
             split *= axes[name]
         if shape[dim] % split:
+            sizes = ", ".join(f"{name!r} of size {axes[name]}" for name in entry_names(entry))
             raise ValueError(
                 f"{source} gives {shown} for {where} of shape {shape}: dimension {dim} (size "
-                f"{shape[dim]}) does not divide by {split} (mesh axes {entry_names(entry)}); "
-                f"change the layout or the size."
+                f"{shape[dim]}) does not divide by {split} (mesh axes {entry_names(entry)}: "
+                f"{sizes}); leave that dimension whole (None), split another one, or change "
+                f"the size."
             )
 
 

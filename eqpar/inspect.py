@@ -22,7 +22,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from ._checks import check_int
 from ._matching import compile_key, unused_key_hints
 from ._paths import path_to_str
-from ._specs import show_spec
+from ._specs import check_spec, show_spec
 from ._typing import PyTree, Specs
 from .layout import expand_specs, is_array_like
 from .mesh import DeviceMesh, as_jax_mesh
@@ -233,6 +233,7 @@ def _layout(
     for (path, leaf), spec in zip(arrays, specs_list):
         shape = tuple(leaf.shape)
         itemsize = np.dtype(leaf.dtype).itemsize
+        check_spec(path, spec, shape, None, source=f"{caller}: the layout")  # the rank
         for entry in tuple(spec):
             for name in _axis_names(entry):
                 if name not in sizes:

@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec
 
 from ._checks import check_column_options, check_context_options
 from ._matching import compile_key, single_match, unused_key_hints
-from ._paths import map_children, path_to_str
+from ._paths import children, map_children, path_to_str
 from ._specs import check_spec
 from ._typing import PyTree
 from .mesh import DeviceMesh, as_jax_mesh
@@ -624,6 +624,8 @@ def parallelize(
     if array_patterns:
         model = _attach_array_specs(model, plan, array_patterns, used, axis_sizes)
 
+    chosen: dict[str, str] = {}  # layer path -> the plan key that converts it
+
     def convert(path: tuple, node: PyTree) -> PyTree:
         if not _is_plannable(node):
             return node
@@ -633,6 +635,7 @@ def parallelize(
         if key is None:
             return _split_aware(node, split_axes, sequence_axes)
         used.add(key)
+        chosen[where] = key
         style = plan[key]
         options = block_options(node)
         if options is not None and options.specs and not isinstance(style, Replicated):
@@ -677,7 +680,65 @@ def parallelize(
         if strict:
             raise ValueError(message + " Pass strict=False to only warn.")
         warnings.warn(message, stacklevel=2)
+    _check_columns_in_a_row(converted, plan, chosen)
     return converted
+
+
+# Layers a split activation passes through unchanged on its way to the next linear.
+_ELEMENTWISE = (eqx.nn.Lambda, eqx.nn.Dropout, eqx.nn.Identity)
+
+
+def _check_columns_in_a_row(model: PyTree, plan: Mapping, chosen: dict[str, str]) -> None:
+    """Refuse a column-parallel linear right after another in an `eqx.nn.MLP` or
+    `eqx.nn.Sequential` (whose layers run in order): the second would get the first's block
+    of features, not the whole input it needs."""
+
+    def visit(node: PyTree, path: tuple) -> None:
+        if isinstance(node, eqx.nn.MLP | eqx.nn.Sequential):
+            check_in_order(node, path)
+        if _is_plannable(node):
+            return
+        flat, treedef = children(node)
+        if not jax.tree_util.treedef_is_leaf(treedef):
+            for key, child in flat:
+                visit(child, (*path, *key))
+
+    def named(where: str) -> str:
+        key = chosen.get(where)
+        style = "a ColumnParallel style" if key is None else f"plan[{key!r}] = {plan[key]!r}"
+        return f"{where!r} ({style})"
+
+    def check_in_order(container: PyTree, path: tuple) -> None:
+        # The column layer whose block of features reaches the next layer, and its path.
+        split_by: tuple[str, ColumnParallelLinear] | None = None
+        for i, layer in enumerate(container.layers):
+            where = path_to_str((*path, jax.tree_util.GetAttrKey("layers"), i))
+            if isinstance(layer, ColumnParallelLinear):
+                if split_by is not None:
+                    first, column = split_by
+                    at = repr(path_to_str(path)) if path else "the root"
+                    runs = f"the {type(container).__name__} at {at} runs"
+                    key = chosen.get(first)
+                    if key is not None and key == chosen.get(where):
+                        what = (
+                            f"plan[{key!r}] = {plan[key]!r} matches both {first!r} and "
+                            f"{where!r}, and {runs} them in a row"
+                        )
+                    else:
+                        what = f"{runs} {named(first)} and then {named(where)} on its output"
+                    raise ValueError(
+                        f"parallelize: {what}. The first leaves its output split over "
+                        f"{column.axis_name!r} (this device's block of features), but a "
+                        f"ColumnParallel layer needs the whole input. Give {where!r} "
+                        f"RowParallel() (it takes the block and returns the whole output), "
+                        f"narrow the key so it names only {first!r}, or "
+                        f"set gather_output=True on the first."
+                    )
+                split_by = None if layer.gather_output else (where, layer)
+            elif not isinstance(layer, _ELEMENTWISE):
+                split_by = None
+
+    visit(model, ())
 
 
 def _attach_array_specs(

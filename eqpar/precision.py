@@ -56,6 +56,12 @@ _NAMES = ("float32", "bfloat16")
 
 
 def _checked_dtype(argument: str, value: Any) -> np.dtype:
+    if value is None:  # jnp.dtype(None) is float64: never what None was meant to say
+        raise TypeError(
+            f"Precision: {argument}=None is not a dtype (NumPy would read it as float64); "
+            f"give it one, e.g. jnp.float32 or jnp.bfloat16. Only output_dtype may be None "
+            f"(it then follows param_dtype)."
+        )
     try:
         dtype = jnp.dtype(value)
     except TypeError as error:
@@ -73,10 +79,24 @@ def _checked_dtype(argument: str, value: Any) -> np.dtype:
         raise ValueError(
             f"Precision: {argument} must be float32, bfloat16 or float64; got {dtype.name}."
         )
+    _check_x64(argument, dtype)
     return dtype
 
 
-def _cast_floating(tree: PyTree, dtype: np.dtype) -> PyTree:
+def _check_x64(argument: str, dtype: np.dtype) -> None:
+    """float64 only where JAX has 64-bit mode on (else it casts to float32 with a warning)."""
+    if dtype == jnp.float64 and not jax.config.read("jax_enable_x64"):
+        raise ValueError(
+            f"Precision: {argument}=float64 needs JAX's 64-bit mode, which is off, so JAX "
+            f"would cast to float32 instead. Turn it on at the start of the program "
+            f'(`jax.config.update("jax_enable_x64", True)` or JAX_ENABLE_X64=1), or use '
+            f"jnp.float32."
+        )
+
+
+def _cast_floating(tree: PyTree, dtype: np.dtype, argument: str) -> PyTree:
+    _check_x64(argument, dtype)
+
     def cast(leaf: Any) -> Any:
         if isinstance(leaf, jax.Array | np.ndarray) and jnp.issubdtype(leaf.dtype, jnp.floating):
             return leaf if leaf.dtype == dtype else leaf.astype(dtype)
@@ -95,10 +115,14 @@ class Precision:
     - `compute_dtype`: the dtype of the forward and backward passes and their collectives.
     - `output_dtype`: the dtype of what a loss function hands back (default: `param_dtype`).
 
-    Each is float32, bfloat16 or float64; float16 is refused (it needs loss scaling). The
-    casts touch only floating-point array leaves (`jax.Array` or NumPy): integer and boolean
-    arrays (token ids, step counters) and non-array leaves pass through unchanged. A policy
-    is hashable, so it can be a static argument of `jax.jit` / `eqx.filter_jit`.
+    Each is float32, bfloat16 or float64; float16 is refused (it needs loss scaling), and so
+    is `None` for `param_dtype` or `compute_dtype` (only `output_dtype` has a default).
+    float64 needs JAX's 64-bit mode (`jax.config.update("jax_enable_x64", True)`) when the
+    policy is built and when it casts; without it the policy raises rather than cast to
+    float32 behind your back. The casts touch only floating-point array leaves (`jax.Array`
+    or NumPy): integer and boolean arrays (token ids, step counters) and non-array leaves
+    pass through unchanged. A policy is hashable, so it can be a static argument of
+    `jax.jit` / `eqx.filter_jit`.
 
     ```python
     import jax.numpy as jnp
@@ -196,7 +220,7 @@ class Precision:
         assert ids.dtype == jnp.int32 and x.dtype == jnp.bfloat16
         ```
         """
-        return _cast_floating(tree, self.compute_dtype)
+        return _cast_floating(tree, self.compute_dtype, "compute_dtype")
 
     def cast_to_param(self, tree: PyTree) -> PyTree:
         """`tree` with its floating-point array leaves cast to `param_dtype` (for gradients
@@ -210,7 +234,7 @@ class Precision:
         assert eqpar.Precision.bfloat16().cast_to_param(grads)["w"].dtype == jnp.float32
         ```
         """
-        return _cast_floating(tree, self.param_dtype)
+        return _cast_floating(tree, self.param_dtype, "param_dtype")
 
     def cast_to_output(self, tree: PyTree) -> PyTree:
         """`tree` with its floating-point array leaves cast to `output_dtype`.
@@ -223,4 +247,4 @@ class Precision:
         assert eqpar.Precision.bfloat16().cast_to_output(loss).dtype == jnp.float32
         ```
         """
-        return _cast_floating(tree, self.output_dtype)
+        return _cast_floating(tree, self.output_dtype, "output_dtype")

@@ -176,16 +176,25 @@ def _check_result_replication(out: PyTree, out_specs: PyTree, name: str) -> None
             )
 
 
-def _check_argument_specs(arg: PyTree, specs: PyTree, axes: dict | None, source: str) -> None:
+def _check_argument_specs(
+    arg: PyTree,
+    specs: PyTree,
+    axes: dict | None,
+    source: str,
+    *,
+    is_array: Callable[[object], bool] = eqx.is_array,
+) -> None:
     """Every array of `arg` against its spec, through the one spec checker."""
-    for path, leaf, spec in _arrays_with_specs(arg, specs):
+    for path, leaf, spec in _arrays_with_specs(arg, specs, is_array=is_array):
         check_spec(path_to_str(path), spec, tuple(leaf.shape), axes, source=source)
 
 
-def _arrays_with_specs(tree: PyTree, specs: PyTree) -> list[tuple[tuple, PyTree, PyTree]]:
-    """`(path, array, spec)` for each array leaf of `tree` with a spec in `specs` (the full
-    specs `expand_specs` gives for it); none where the structures differ, which JAX
-    reports itself."""
+def _arrays_with_specs(
+    tree: PyTree, specs: PyTree, *, is_array: Callable[[object], bool] = eqx.is_array
+) -> list[tuple[tuple, PyTree, PyTree]]:
+    """`(path, array, spec)` for each array leaf of `tree` (as `is_array` says) with a spec
+    in `specs` (the full specs `expand_specs` gives for it); none where the structures
+    differ, which JAX reports itself."""
     flat_specs = jax.tree.leaves(specs, is_leaf=is_spec_leaf)
     flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: x is None)[0]
     if len(flat_specs) != len(flat):
@@ -193,7 +202,7 @@ def _arrays_with_specs(tree: PyTree, specs: PyTree) -> list[tuple[tuple, PyTree,
     return [
         (path, leaf, spec)
         for (path, leaf), spec in zip(flat, flat_specs)
-        if eqx.is_array(leaf) and spec is not None
+        if is_array(leaf) and spec is not None
     ]
 
 
@@ -267,6 +276,15 @@ def build_sharded(
     else:
         spec_tree = specs
     spec_tree = expand_specs(spec_tree, abstract, where="model", caller="build_sharded")
+    # Every spec against the mesh before anything compiles, naming the leaf (JAX's own error
+    # names neither the leaf nor the spec that came with it).
+    _check_argument_specs(
+        abstract,
+        spec_tree,
+        dict(as_jax_mesh(mesh).shape),
+        "build_sharded: specs",
+        is_array=is_array_like,
+    )
     shardings = named_shardings(spec_tree, mesh)
     _, static_model = eqx.partition(abstract, is_array_like)
     dynamic_args, static_args = eqx.partition(args, eqx.is_array)

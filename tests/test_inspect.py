@@ -219,6 +219,17 @@ def test_layout_table_names_an_unknown_axis():
         layout_table(linear, specs, mesh=DeviceMesh((8,), ("data",)))
 
 
+def test_layout_table_names_a_spec_longer_than_the_leaf_rank():
+    linear = eqx.nn.Linear(16, 8, key=jax.random.key(0))
+    specs = eqx.tree_at(lambda m: (m.weight, m.bias), linear, (P(), P(None, "data")))
+    with pytest.raises(
+        ValueError,
+        match=r"layout_table: the layout gives P\(None, 'data'\) for leaf 'bias' of shape "
+        r"\(8,\): 2 entries but only 1 dimensions\. Drop the extra entries",
+    ):
+        layout_table(linear, specs, mesh=DeviceMesh((8,), ("data",)))
+
+
 # --- plot_layout: the layout as a picture ----------------------------------------------------
 
 

@@ -556,6 +556,59 @@ def test_layer_errors_outside_the_declared_layout():
         run(mesh, lambda m, x: m(x), stack, jnp.ones(8))
 
 
+def test_column_parallel_twice_in_a_row_names_both_layers_and_the_fix():
+    """A key matching two consecutive linears gives both ColumnParallel: the second would
+    get the first's block of features. Not a batch (no jax.vmap advice): name both layers
+    and say to give the second RowParallel or narrow the key."""
+    mlp = eqx.nn.MLP(8, 8, 16, 2, key=jax.random.key(0))
+    with pytest.raises(
+        ValueError,
+        match=r"plan\['layers/\\\\d\+'\] = ColumnParallel\(.*\) matches both 'layers/0' and "
+        r"'layers/1', and the MLP at the root runs them in a row\. The first leaves its output "
+        r"split over 'model'.*Give 'layers/1' RowParallel\(\).*names only 'layers/0'",
+    ):
+        eqpar.parallelize(mlp, {r"layers/\d+": eqpar.ColumnParallel()})
+    sequential = {
+        "net": eqx.nn.Sequential(
+            [
+                eqx.nn.Linear(8, 16, key=jax.random.key(1)),
+                eqx.nn.Lambda(jax.nn.gelu),
+                eqx.nn.Linear(16, 8, key=jax.random.key(2)),
+            ]
+        )
+    }
+    with pytest.raises(
+        ValueError,
+        match=r"the Sequential at 'net' runs 'net/layers/0' \(plan\['net/layers/0'\] = "
+        r"ColumnParallel.*and then 'net/layers/2' \(plan\['net/layers/2'\] = ColumnParallel",
+    ):
+        eqpar.parallelize(
+            sequential,
+            {"net/layers/0": eqpar.ColumnParallel(), "net/layers/2": eqpar.ColumnParallel()},
+        )
+    # A gathered output is whole: two column layers in a row are then right.
+    eqpar.parallelize(mlp, {r"layers/\d+": eqpar.ColumnParallel(gather_output=True)})
+
+    # In the author's own module eqpar cannot see the order; the layer says it at trace time.
+    class TwoUp(eqx.Module):
+        up1: eqx.nn.Linear
+        up2: eqx.nn.Linear
+
+        def __call__(self, x):
+            return self.up2(jax.nn.gelu(self.up1(x)))
+
+    model = TwoUp(
+        eqx.nn.Linear(8, 16, key=jax.random.key(3)), eqx.nn.Linear(16, 8, key=jax.random.key(4))
+    )
+    parallel = eqpar.parallelize(model, {"up.": eqpar.ColumnParallel()})
+    mesh = eqpar.DeviceMesh((4,), ("model",), devices=jax.devices()[:4])
+    with pytest.raises(ValueError, match=r"\[in_features\] = \[16\].*got shape \(4,\)\.") as info:
+        run(mesh, lambda m, x: m(x), parallel, jnp.ones(8))
+    message = str(info.value)
+    assert "split over axis 'model' (4 devices)" in message
+    assert "Give this layer RowParallel()" in message and "vmap" not in message
+
+
 def test_self_attention_sums_its_input_gradient_over_the_axis_once():
     """Query, key and value read one array: its gradient is reduced over `model` once (one
     all-reduce forward for the heads' sum, one backward), not once per projection."""

@@ -153,6 +153,29 @@ def test_bad_dtypes_are_refused():
         eqpar.Precision.from_name("fp8")
 
 
+def test_none_and_float64_without_x64_are_refused_naming_the_argument():
+    # None is not a dtype: NumPy would read it as float64.
+    for argument in ("param_dtype", "compute_dtype"):
+        with pytest.raises(TypeError, match=rf"{argument}=None is not a dtype.*jnp.float32"):
+            eqpar.Precision(**{argument: None})
+    assert eqpar.Precision(output_dtype=None).output_dtype == jnp.float32  # follows params
+    # float64 with 64-bit mode off would be cast to float32 behind the user's back.
+    assert not jax.config.read("jax_enable_x64")
+    for argument in ("param_dtype", "compute_dtype", "output_dtype"):
+        with pytest.raises(
+            ValueError,
+            match=rf"{argument}=float64 needs JAX's 64-bit mode.*"
+            r'jax\.config\.update\("jax_enable_x64", True\)',
+        ):
+            eqpar.Precision(**{argument: jnp.float64})
+    # A policy built with 64-bit mode on refuses to cast once it is off.
+    with jax.enable_x64(True):
+        policy = eqpar.Precision(param_dtype=jnp.float64, compute_dtype=jnp.float64)
+        assert policy.cast_to_compute(jnp.ones(2, jnp.float32)).dtype == jnp.float64
+    with pytest.raises(ValueError, match=r"compute_dtype=float64 needs JAX's 64-bit mode"):
+        policy.cast_to_compute(jnp.ones(2))
+
+
 def test_gradients_come_back_in_the_parameter_dtype(problem, serial_bfloat16):
     model, x, y = problem
     value, grads = serial_bfloat16

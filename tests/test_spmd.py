@@ -192,3 +192,31 @@ def test_build_sharded_refuses_a_missing_spec(mesh):
         match=r"build_sharded: model\.layers\[1\]\.bias is an array but its spec is None",
     ):
         build_sharded(make_mlp, jax.random.key(0), mesh=mesh, specs=specs)
+
+
+def test_build_sharded_checks_each_spec_against_the_mesh_before_compiling(mesh):
+    """An unknown axis or a dimension the axis does not divide is refused naming the leaf,
+    its spec, the axis and its size, before the constructor is traced for compiling."""
+    calls = []
+
+    def make(key):
+        calls.append(None)
+        return eqx.nn.Linear(16, 6, key=key)  # weight [6, 16]: 8 does not divide 6
+
+    def with_weight_spec(spec):
+        return lambda model: eqx.tree_at(lambda m: (m.weight, m.bias), model, (spec, P()))
+
+    with pytest.raises(
+        ValueError,
+        match=r"build_sharded: specs gives P\('model',\) for leaf 'weight', naming mesh axes "
+        r"\['model'\] that the mesh does not have; its axes are \('data',\)\. Use those names",
+    ):
+        build_sharded(make, jax.random.key(0), mesh=mesh, specs=with_weight_spec(P("model")))
+    with pytest.raises(
+        ValueError,
+        match=r"build_sharded: specs gives P\('data',\) for leaf 'weight' of shape \(6, 16\): "
+        r"dimension 0 \(size 6\) does not divide by 8 \(mesh axes \('data',\): 'data' of size "
+        r"8\); leave that dimension whole \(None\), split another one",
+    ):
+        build_sharded(make, jax.random.key(0), mesh=mesh, specs=with_weight_spec(P("data")))
+    assert len(calls) == 2  # one abstract trace each; nothing reached jax.jit

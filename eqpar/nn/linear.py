@@ -704,9 +704,7 @@ class ColumnParallelLinear(eqx.nn.Linear):
         check_block(owner, "weight", self.weight.shape, (self.out_features // n, self.in_features))
         if x.shape != (self.in_features,):
             raise ValueError(
-                f"{owner}: the input must be one example's features [in_features] = "
-                f"[{self.in_features}], as for eqx.nn.Linear; got shape {x.shape}. Apply the "
-                f"layer to a batch with jax.vmap."
+                _column_input_error(owner, x.shape, self.in_features, n, self.axis_name)
             )
         check_sequence_layout(owner, "x", x, self.axis_name, self.sequence_parallel)
         if self.sequence_parallel:
@@ -720,6 +718,31 @@ class ColumnParallelLinear(eqx.nn.Linear):
         kind = "features_of_tokens" if self.sequence_parallel else "features"
         open_split(Split(self.axis_name, kind, -1, self.out_features // n))
         return y
+
+
+def _column_input_error(
+    owner: str, shape: tuple[int, ...], in_features: int, n: int, axis_name: Hashable
+) -> str:
+    """Why a column-parallel layer's input is not `[in_features]`, and the fix: a batch
+    (vmap it), a block of features another column-parallel layer left split (the plan gives
+    this layer the wrong style), or some other shape."""
+    expected = (
+        f"{owner}: the input must be one example's features [in_features] = [{in_features}], "
+        f"as for eqx.nn.Linear; got shape {shape}."
+    )
+    if len(shape) > 1 and shape[-1] == in_features:
+        return f"{expected} Apply the layer to a batch with jax.vmap."
+    if n > 1 and in_features % n == 0 and shape == (in_features // n,):
+        return (
+            f"{expected} That is [in_features / n], this device's block of features split "
+            f"over axis {axis_name!r} ({n} devices), as a ColumnParallel layer before "
+            f"this one leaves its output. A column-parallel layer needs the whole input: "
+            f"this happens when one plan key (a regular expression such as 'layers/\\d+', or "
+            f"several keys) gives ColumnParallel to two linears in a row. Give this layer "
+            f"RowParallel() (it takes the block and returns the whole output), narrow the key "
+            f"so it names only the first layer, or set gather_output=True on the first one."
+        )
+    return expected
 
 
 class RowParallelLinear(eqx.nn.Linear):
