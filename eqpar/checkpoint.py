@@ -19,16 +19,23 @@ half-deleted step listed); async writes; and the shapes and dtypes of what a ste
 **What eqpar adds, because orbax lacks it:**
 
 - *Data checksums computed without gathering.* TensorStore notices missing and truncated
-  files, not bytes altered in place. Each leaf gets a 32-bit position-weighted sum of its
-  bits, computed under `jax.jit` where the data lives and independent of the sharding.
+  files, not bytes altered in place. Each leaf gets a 32-bit checksum: every element's bits
+  mixed with its position by a bijective hash, summed; computed under `jax.jit` where the data
+  lives and independent of the sharding. Changing one element of up to 4 bytes always
+  changes it. Steps of format version 2 (before eqpar's checksum rule 3) keep verifying by
+  their own rule.
 - *Fallback to the newest intact step, and quarantine.* orbax restores the step it is asked
   for or raises. `restore()` without a step tries the newest step, and on damage warns and
   falls back to older ones; the damaged steps it passed over are renamed aside to
   `<step>.damaged-<time>` (not a step name orbax lists), so saving goes on past them.
 - *A mismatch report naming every differing leaf*, built from orbax's `item_metadata`
   (shapes, dtypes) and a small entry in the step's `custom_metadata` (`eqpar`: each leaf's
-  `/`-joined path, kind, PRNG implementation and checksum, and the step number, which
-  `restore` checks so that a step directory renamed or copied over another is refused).
+  `/`-joined path, kind, PRNG implementation, checksum and stacking depth, and the step
+  number, which `restore` checks so that a step directory renamed or copied over another is
+  refused). A leaf's recorded kind that contradicts its stored array is reported as such.
+- *Failed saves cleaned up and reported once.* A save that fails (a full disk) removes the
+  unfinished directory it created; an async save's error is raised once, by the next call
+  that waits, and a retry starts afresh.
 - *Never overwrite, and one writer.* A step that exists is never written again. The first
   `save` of a `Checkpointer` takes an exclusive `flock` on `<directory>/eqpar-writer.lock`
   (which records the writer's pid and host); a second writer is refused with a message naming
@@ -193,10 +200,11 @@ def _orbax() -> PyTree:
 # linear index by a bijective 32-bit mixer (murmur3's finalizer), and the mixed values are
 # summed modulo 2**32. A sum is exact in any order, so the sharding does not matter; the mixer
 # makes every element contribute a pseudo-random value, so constant arrays no longer cancel
-# out, and a change of one element always changes the checksum (the mixer is a bijection of
-# the element's last word). Rule 2 (checkpoints of format version 2, kept so that they still
-# verify): the sum of each element's words, xor-ed together, times an odd weight of its index;
-# it is 0 for any constant array whose length is a multiple of 512.
+# out, and a change of one element of up to 4 bytes (one word) always changes the checksum
+# (the mixer is a bijection of each word, the others fixed). Rule 2 (checkpoints of format
+# version 2, kept so that they still verify): the sum of each element's words, xor-ed
+# together, times an odd weight of its index; it cancels out for many constant arrays (0 for
+# any constant float32 array whose length is a multiple of 512).
 
 _MULTIPLIER, _OFFSET = 0x9E3779B1, 0x7F4A7C15
 _CHECKSUM_RULE = _FORMAT_VERSION  # the rule of the checkpoints this version writes
@@ -716,7 +724,8 @@ class Checkpointer:
     - `keep`: how many of the newest steps to keep; older ones are removed after each
       successful save. `None` keeps every step.
     - `async_save`: write in a background thread after the device-to-host copy, so `save`
-      returns sooner. `wait_until_finished`, `restore` and `close` wait for it.
+      returns sooner. `wait_until_finished`, `restore`, `close` and the next `save` wait for
+      it (and raise its error, once).
     - `checksums`: store a checksum of every leaf and verify it on restore (see the module
       docstring). Sub-byte dtypes (int4, ...) are not checksummed.
     - `timeout`: seconds `save` and `restore` wait at their barrier for the other processes
@@ -997,9 +1006,16 @@ class Checkpointer:
 
         Raises `ValueError` if two leaves of `state` would be stored under the same name, or
         for a zero-size or deleted (donated) array leaf, naming its path; `TypeError` for
-        leaves that cannot be saved without pickle (object arrays) or abstract ones
-        (`jax.ShapeDtypeStruct`); `RuntimeError` if another writer holds the directory's lock
-        or, with several processes, not every process calls `save` within `timeout`.
+        leaves that cannot be saved without pickle (object arrays), abstract ones
+        (`jax.ShapeDtypeStruct`) or of a dtype orbax's storage cannot write (`uint4`,
+        strings, ...; the message says what to save instead), all before anything is written;
+        `RuntimeError` if another writer holds the directory's lock or, with several
+        processes, not every process calls `save` within `timeout`. If writing fails (a full
+        disk), the error is raised as it came, with a note saying which step was not
+        committed; the unfinished directory this save created is removed, and the steps
+        before it are intact. With `async_save`, the error of a background write is raised
+        once, by the next `save`, `wait_until_finished`, `restore` or `close` (that `save`
+        then writes nothing: call it again).
 
         ```python
         import tempfile
@@ -1056,7 +1072,8 @@ class Checkpointer:
     def wait_until_finished(self) -> None:
         """Block until a background (`async_save=True`) write has finished and is committed.
 
-        **Arguments:** none. **Returns:** `None`. Re-raises an error of the background write.
+        **Arguments:** none. **Returns:** `None`. Raises the error of a failed background
+        write, once (see `save`); a later save starts afresh.
 
         ```python
         import tempfile
@@ -1106,13 +1123,16 @@ class Checkpointer:
           `target` holding a `Sharding` (or `None`) per array leaf. An array leaf without any
           sharding goes to `jax.devices()[0]` in a single process, and is an error with
           several processes.
-        - `reshape`: restore an array leaf whose saved shape differs from the target's but
-          holds as many elements of the same dtype: it is read in its saved shape and
-          reshaped row-major into the target's shape and sharding. This is what lets a stack
-          of layers saved as `[S, L / S, ...]` by one pipeline layout load as
-          `[V, S', L / (S' V), ...]` or `[L, ...]` (eqpar stores stacked layers in model order
-          whatever the layout, so a reshape is the whole conversion). Without it such a leaf is
-          a shape mismatch.
+        - `reshape`: restore the same layers stacked another way: an array leaf inside a
+          `ScannedLayers` or `PipelineModule` of the target whose saved shape differs from the
+          target's only in the leading stacking dimensions (one layer's shape, the dimensions
+          after them, and the dtype are the same) is read in its saved shape and reshaped
+          row-major into the target's shape and sharding. This is what lets a stack of layers
+          saved as `[S, L / S, ...]` by one pipeline layout load as `[V, S', L / (S' V), ...]`
+          or `[L, ...]` (eqpar stores stacked layers in model order whatever the layout, so a
+          reshape is the whole conversion). Layers of another shape (two `Linear(4, 8)` into
+          four `Linear(4, 4)`, as many numbers) and leaves outside a stack stay a shape
+          mismatch, whose message says why; so does every such leaf without `reshape`.
 
         **Returns:** a pytree with the structure of `target`. `restored_step` says which step
         it came from.
@@ -1122,7 +1142,9 @@ class Checkpointer:
         holds another structure (missing or extra leaves, kinds, shapes, dtypes, PRNG
         implementations; shapes and dtypes as orbax's `item_metadata` reports them),
         `CorruptCheckpointError` naming the step and its path if the step is damaged (for
-        `step=None`: if every step is), and `RuntimeError` if another thread is inside this
+        `step=None`: if every step is; a leaf whose recorded kind contradicts its stored array
+        is damage unless the stored array fits the target there exactly, which is restored
+        with a warning), and `RuntimeError` if another thread is inside this
         `Checkpointer` or, with several processes, not every process calls `restore` within
         `timeout`.
 
