@@ -370,7 +370,7 @@ def test_failed_async_save_is_reported_once_and_cleaned_up(tmp_path, monkeypatch
 def test_failed_save_removes_only_the_directory_it_created(tmp_path, monkeypatch):
     with Checkpointer(tmp_path) as checkpointer:
         assert checkpointer.save(1, {"w": jnp.ones(4)})  # now the writer
-        (tmp_path / f"5{'.orbax-checkpoint-tmp'}").mkdir()  # not this save's
+        (tmp_path / "5.orbax-checkpoint-tmp").mkdir()  # not this save's
         _fail_next_write(monkeypatch)
         with pytest.raises(OSError, match="No space left on device") as caught:
             checkpointer.save(2, {"w": jnp.ones(4)})
