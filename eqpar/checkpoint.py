@@ -19,16 +19,23 @@ half-deleted step listed); async writes; and the shapes and dtypes of what a ste
 **What eqpar adds, because orbax lacks it:**
 
 - *Data checksums computed without gathering.* TensorStore notices missing and truncated
-  files, not bytes altered in place. Each leaf gets a 32-bit position-weighted sum of its
-  bits, computed under `jax.jit` where the data lives and independent of the sharding.
+  files, not bytes altered in place. Each leaf gets a 32-bit checksum: every element's bits
+  mixed with its position by a bijective hash, summed; computed under `jax.jit` where the data
+  lives and independent of the sharding. Changing one element of up to 4 bytes always
+  changes it. Steps of format version 2 (before eqpar's checksum rule 3) keep verifying by
+  their own rule.
 - *Fallback to the newest intact step, and quarantine.* orbax restores the step it is asked
   for or raises. `restore()` without a step tries the newest step, and on damage warns and
   falls back to older ones; the damaged steps it passed over are renamed aside to
   `<step>.damaged-<time>` (not a step name orbax lists), so saving goes on past them.
 - *A mismatch report naming every differing leaf*, built from orbax's `item_metadata`
   (shapes, dtypes) and a small entry in the step's `custom_metadata` (`eqpar`: each leaf's
-  `/`-joined path, kind, PRNG implementation and checksum, and the step number, which
-  `restore` checks so that a step directory renamed or copied over another is refused).
+  `/`-joined path, kind, PRNG implementation, checksum and stacking depth, and the step
+  number, which `restore` checks so that a step directory renamed or copied over another is
+  refused). A leaf's recorded kind that contradicts its stored array is reported as such.
+- *Failed saves cleaned up and reported once.* A save that fails (a full disk) removes the
+  unfinished directory it created; an async save's error is raised once, by the next call
+  that waits, and a retry starts afresh.
 - *Never overwrite, and one writer.* A step that exists is never written again. The first
   `save` of a `Checkpointer` takes an exclusive `flock` on `<directory>/eqpar-writer.lock`
   (which records the writer's pid and host); a second writer is refused with a message naming
@@ -49,6 +56,7 @@ quiet it, use absl's documented setting in your program:
 Tested with orbax-checkpoint 0.12.8.
 """
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -69,6 +77,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, Sharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
+from jax.tree_util import GetAttrKey
 
 from ._paths import key_to_str, path_to_str
 from ._specs import show_spec
@@ -81,7 +90,9 @@ __all__ = [
 ]
 
 _FORMAT_KEY = "eqpar"  # our entry in the step's `custom_metadata`
-_FORMAT_VERSION = 2  # 2: shapes and dtypes come from orbax's metadata; the step is recorded
+# 2: shapes and dtypes come from orbax's metadata; the step is recorded. 3: checksum rule 3
+# (see "Checksums"; version 2 steps still verify by rule 2) and each leaf's stacking depth.
+_FORMAT_VERSION = 3
 _ITEM_ROOT = "state"  # the saved nested dict is `{"state": {...}}`, so a root leaf has a name
 _STEP_METADATA_FILE = "_CHECKPOINT_METADATA"  # orbax's per-step file, named in messages only
 _TMP_SUFFIX = ".orbax-checkpoint-tmp"  # orbax's name for a step directory being written
@@ -181,11 +192,22 @@ def _orbax() -> PyTree:
 
 
 # ---------------------------------------------------------------------------------------------
-# Checksums: a position-weighted 32-bit sum of each leaf's bits, computed where the data lives
-# (one reduction per array under `jax.jit`, no gather) and independent of the sharding, so a
-# checkpoint saved under one layout verifies under any other.
+# Checksums, computed where the data lives (one reduction per array under `jax.jit`, no gather)
+# and independent of the sharding, so a checkpoint saved under one layout verifies under any
+# other (and, read in its saved shape, under another stacking: see `restore(reshape=True)`).
+#
+# Rule 3 (format version 3): each element's bits, as uint32 words, are mixed with its C-order
+# linear index by a bijective 32-bit mixer (murmur3's finalizer), and the mixed values are
+# summed modulo 2**32. A sum is exact in any order, so the sharding does not matter; the mixer
+# makes every element contribute a pseudo-random value, so constant arrays no longer cancel
+# out, and a change of one element of up to 4 bytes (one word) always changes the checksum
+# (the mixer is a bijection of each word, the others fixed). Rule 2 (checkpoints of format
+# version 2, kept so that they still verify): the sum of each element's words, xor-ed
+# together, times an odd weight of its index; it cancels out for many constant arrays (0 for
+# any constant float32 array whose length is a multiple of 512).
 
 _MULTIPLIER, _OFFSET = 0x9E3779B1, 0x7F4A7C15
+_CHECKSUM_RULE = _FORMAT_VERSION  # the rule of the checkpoints this version writes
 
 
 def _digestible(dtype: Any) -> bool:
@@ -195,38 +217,63 @@ def _digestible(dtype: Any) -> bool:
     return bits == 8 * dtype.itemsize and (bits <= 64 or dtype.kind == "c")
 
 
-def _words(x: PyTree, xp: PyTree, bitcast: Callable) -> PyTree:
-    """The bits of `x` as uint32 words, one per element, same shape (8-byte elements: the xor
-    of their two halves, which does not depend on the word order)."""
+def _words(x: PyTree, xp: PyTree, bitcast: Callable) -> list:
+    """The bits of `x` as uint32 words of `x`'s shape: one array for elements of up to 4 bytes,
+    two (low and high half) for 8-byte ones, the real part's then the imaginary part's for
+    complex numbers."""
     if x.dtype.kind == "c":
-        return _words(xp.real(x), xp, bitcast) ^ _words(xp.imag(x), xp, bitcast)
+        return _words(xp.real(x), xp, bitcast) + _words(xp.imag(x), xp, bitcast)
     if x.dtype == np.bool_:
-        return x.astype(xp.uint32)
+        return [x.astype(xp.uint32)]
     bits = bitcast(x, np.dtype(f"uint{8 * x.dtype.itemsize}"))
-    return (bits ^ (bits >> 32) if x.dtype.itemsize == 8 else bits).astype(xp.uint32)
+    if x.dtype.itemsize == 8:
+        return [(bits & 0xFFFFFFFF).astype(xp.uint32), (bits >> 32).astype(xp.uint32)]
+    return [bits.astype(xp.uint32)]
 
 
-@jax.jit
-def _device_digest(x: jax.Array) -> jax.Array:
-    """The position-weighted sum of `x`'s words. The C-order linear index comes from
-    broadcast iotas, not a reshape, so the sharding is kept as is (nothing is gathered)."""
+def _mix(h: jax.Array) -> jax.Array:
+    """murmur3's 32-bit finalizer: a bijection of uint32 that spreads every input bit."""
+    h = (h ^ (h >> 16)) * jnp.uint32(0x85EBCA6B)
+    h = (h ^ (h >> 13)) * jnp.uint32(0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+@functools.partial(jax.jit, static_argnames="rule")
+def _combine(words: tuple[jax.Array, ...], rule: int) -> jax.Array:
+    """The checksum of an array given as its uint32 words. The C-order linear index comes
+    from broadcast iotas, not a reshape, so the sharding is kept as is (nothing is gathered)."""
+    shape = words[0].shape
     index, stride = jnp.zeros((), jnp.uint32), 1
-    for axis in reversed(range(x.ndim)):
-        iota = jax.lax.broadcasted_iota(jnp.uint32, x.shape, axis)
-        index, stride = index + iota * jnp.uint32(stride % 2**32), stride * x.shape[axis]
-    weights = (index * jnp.uint32(_MULTIPLIER) + jnp.uint32(_OFFSET)) | jnp.uint32(1)
-    return jnp.sum(_words(x, jnp, jax.lax.bitcast_convert_type) * weights, dtype=jnp.uint32)
+    for axis in reversed(range(len(shape))):
+        iota = jax.lax.broadcasted_iota(jnp.uint32, shape, axis)
+        index, stride = index + iota * jnp.uint32(stride % 2**32), stride * shape[axis]
+    if rule == 2:
+        weights = (index * jnp.uint32(_MULTIPLIER) + jnp.uint32(_OFFSET)) | jnp.uint32(1)
+        return jnp.sum(functools.reduce(operator.xor, words) * weights, dtype=jnp.uint32)
+    mixed = _mix(index * jnp.uint32(_MULTIPLIER) + jnp.uint32(_OFFSET))
+    for word in words:
+        mixed = _mix(mixed ^ word)
+    return jnp.sum(mixed, dtype=jnp.uint32)
 
 
-def _digest(value: PyTree) -> int | None:
-    """The checksum of `value` (a jax or NumPy array); `None` where the dtype has none. Host
-    values are turned into their uint32 words by NumPy first, so 64-bit values need no x64."""
+@functools.partial(jax.jit, static_argnames="rule")
+def _device_digest(x: jax.Array, rule: int) -> jax.Array:
+    return _combine(tuple(_words(x, jnp, jax.lax.bitcast_convert_type)), rule)
+
+
+def _digest(value: PyTree, rule: int = _CHECKSUM_RULE) -> int | None:
+    """The checksum of `value` (a jax or NumPy array) by checksum `rule` (the format version
+    of the checkpoint; 2 or 3); `None` where the dtype has none. Host values are turned into
+    their uint32 words by NumPy first, so 64-bit values need no x64."""
     if not _digestible(value.dtype):
         return None
-    if not isinstance(value, jax.Array):
+    if isinstance(value, jax.Array):
+        digest = _device_digest(value, rule=2 if rule <= 2 else 3)
+    else:
         view = lambda x, dtype: np.ascontiguousarray(x).view(dtype)
-        value = jnp.asarray(_words(np.asarray(value), np, view))
-    return int(np.asarray(_device_digest(value).addressable_data(0)))  # replicated scalar
+        words = _words(np.asarray(value), np, view)
+        digest = _combine(tuple(jnp.asarray(w) for w in words), rule=2 if rule <= 2 else 3)
+    return int(np.asarray(digest.addressable_data(0)))  # replicated scalar
 
 
 # ---------------------------------------------------------------------------------------------
@@ -245,6 +292,7 @@ class _Leaf:
     dtype: str  # as stored, `np.dtype(...).name`
     impl: str | None  # PRNG implementation (in a target: its key dtype as text)
     value: PyTree  # the state's or target's own leaf
+    stacked: int = 0  # leading stacking dimensions (`_stacking_depths`); the rest is one layer
 
 
 def _display(path: str) -> str:
@@ -257,12 +305,42 @@ def _describe(kind: str, impl: str | None = None) -> str:
     return {"array": "a jax array", "numpy": "a NumPy array"}.get(kind, f"a Python {kind}")
 
 
+def _stacking_depths(tree: PyTree) -> dict[str, int]:
+    """For each leaf inside eqpar's layer stacks, how many of its leading dimensions stack
+    layers: one for the `layers` of a `ScannedLayers`, one (`[S, ...]`) or two
+    (`[V, S, ...]`) for the `stages` of a `PipelineModule`, added up where they nest. The
+    dimensions after them are one layer's; `restore(reshape=True)` may change only the
+    stacking ones. Leaves outside any stack are left out (depth 0)."""
+    from .nn.pipeline import PipelineModule
+    from .nn.stacks import ScannedLayers
+
+    stacks = (ScannedLayers, PipelineModule)
+    depths: dict[str, int] = {}
+
+    def walk(node: PyTree, prefix: tuple, depth: int) -> None:
+        if isinstance(node, ScannedLayers):
+            walk(node.layers, (*prefix, GetAttrKey("layers")), depth + 1)
+        elif isinstance(node, PipelineModule):
+            inner = 1 if node.num_repeats == 1 else 2
+            walk(node.stages, (*prefix, GetAttrKey("stages")), depth + inner)
+        else:
+            is_stack = lambda x: x is not node and isinstance(x, stacks)
+            for path, child in jax.tree_util.tree_flatten_with_path(node, is_leaf=is_stack)[0]:
+                if isinstance(child, stacks):
+                    walk(child, (*prefix, *path), depth)
+                elif depth:
+                    depths[path_to_str((*prefix, *path))] = depth
+
+    walk(tree, (), 0)
+    return depths
+
+
 def _leaves(tree: PyTree, argument: str) -> tuple[list[_Leaf], list, Any]:
     """The data leaves of `tree` (arrays, PRNG keys, Python scalars), all its leaves and its
     structure. Two leaves must not land on the same name, neither as `/`-joined paths (keys
     `"a/b"` and `"a"` -> `"b"`) nor as orbax's `.`-joined parameter names (`"a.b"`)."""
     flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
-    leaves, seen = [], {}
+    leaves, seen, depths = [], {}, _stacking_depths(tree)
     for index, (path, value) in enumerate(flat):
         where, names = path_to_str(path), (_ITEM_ROOT, *(key_to_str(k) for k in path))
         impl, host = None, isinstance(value, np.ndarray | np.generic)
@@ -275,7 +353,9 @@ def _leaves(tree: PyTree, argument: str) -> tuple[list[_Leaf], list, Any]:
             (kind, dtype), shape = _PYTHON_KINDS[type(value)], ()
         else:
             continue  # structure (functions, strings, ...): comes back from the target
-        leaves.append(_Leaf(index, where, names, kind, shape, np.dtype(dtype).name, impl, value))
+        stacked = depths.get(where, 0) if kind in _ARRAY_KINDS else 0
+        dtype = np.dtype(dtype).name
+        leaves.append(_Leaf(index, where, names, kind, shape, dtype, impl, value, stacked))
         for key in ("/" + where, "." + ".".join(names)):
             if key in seen:
                 raise ValueError(
@@ -300,6 +380,12 @@ def _saved_value(leaf: _Leaf) -> PyTree:
     )
     if wrong_type:
         raise TypeError(f"`state` leaf {where} is {wrong_type}.")
+    if leaf.kind in _ARRAY_KINDS and (fix := _unstorable(np.dtype(value.dtype))):
+        raise TypeError(
+            f"`state` leaf {where} has dtype {leaf.dtype}, which orbax's array storage "
+            f"(TensorStore) cannot write. Save it as {fix}, and convert it back after "
+            "restoring. Nothing was written."
+        )
     wrong_value = (
         "is a deleted jax.Array (donated to a jitted function, or `.delete()`d). Save the arrays "
         "the step returned instead"
@@ -318,10 +404,31 @@ def _saved_value(leaf: _Leaf) -> PyTree:
         raise ValueError(f"`state` leaf {where}: the int {value} does not fit in int64.") from None
 
 
+def _unstorable(dtype: np.dtype) -> str | None:
+    """`None` if TensorStore, which writes orbax's arrays, has `dtype`; else what to save
+    instead. (Asked up front: orbax's own error comes from the write and names no leaf.)"""
+    import tensorstore  # orbax's storage library, installed with it
+
+    try:
+        tensorstore.dtype(dtype.name)
+        return None
+    except ValueError:
+        pass
+    for family, instead in ((jnp.unsignedinteger, "uint8"), (jnp.integer, "int8")):
+        if jnp.issubdtype(dtype, family):
+            return f"{instead} (`x.astype(jnp.{instead})`: every {dtype.name} value fits)"
+    if jnp.issubdtype(dtype, jnp.floating):
+        return f"float32 (`x.astype(jnp.float32)`: every {dtype.name} value is exact in it)"
+    if dtype.kind in "mM":
+        return "int64 (`x.view(np.int64)`; keep the unit yourself)"
+    return "a numeric array, e.g. its bytes as uint8 (`np.frombuffer(x.tobytes(), np.uint8)`)"
+
+
 def _record(leaf: _Leaf, checksum: int | None) -> dict:
     record: dict[str, Any] = {"path": leaf.path, "kind": leaf.kind, "checksum": checksum}
     if leaf.kind == "prng_key":
         record["impl"] = jax.random.key_impl(leaf.value)
+    record["stacked"] = leaf.stacked or None
     return {key: value for key, value in record.items() if value is not None}
 
 
@@ -389,23 +496,52 @@ def _valid_record(record: object) -> bool:
         and isinstance(record.get("path"), str)
         and record.get("kind") in _KNOWN_KINDS
         and isinstance(record.get("checksum", 0), int)
+        and isinstance(record.get("stacked", 0), int)
+        and not isinstance(record.get("stacked", 0), bool)
+        and record.get("stacked", 0) >= 0
         and (record.get("kind") != "prng_key" or isinstance(record.get("impl"), str))
     )
 
 
 def _reshapable(record: dict, leaf: _Leaf) -> bool:
     """A saved array that `restore(..., reshape=True)` reads and reshapes into `leaf`: same
-    dtype, number of elements and last dimension, another shape. Stacks cut into pipeline
-    stages differ only in their leading dimensions; requiring the same last dimension keeps a
-    transposed or otherwise different layer (say `Linear(4, 8)` into `Linear(8, 4)`) a
-    mismatch."""
+    dtype and number of elements, another shape, and the same shape of one layer
+    (`_reshape_conflict`)."""
+    return _same_size(record, leaf) and _reshape_conflict(record, leaf) is None
+
+
+def _same_size(record: dict, leaf: _Leaf) -> bool:
+    """Arrays of the same dtype and number of elements but another shape."""
     saved = record["shape"]
     return (
         {record["kind"], leaf.kind} <= set(_ARRAY_KINDS)
         and record["dtype"] == leaf.dtype
         and saved != leaf.shape
         and math.prod(saved) == math.prod(leaf.shape)
-        and saved[-1:] == leaf.shape[-1:]
+    )
+
+
+def _reshape_conflict(record: dict, leaf: _Leaf) -> str | None:
+    """Why `reshape=True` does not apply to a saved array of the target's size, or `None`.
+    It is for a stack of the same layers under another stacking (pipeline stages and
+    repeats): only the leading stacking dimensions may differ, and one layer's shape (the
+    dimensions after them) must be the same. The target says where its layers start (its
+    `ScannedLayers` / `PipelineModule`), and so does the checkpoint where it recorded it."""
+    if not leaf.stacked:
+        return (
+            "`reshape=True` changes only the stacking dimensions of layers in a ScannedLayers "
+            "or PipelineModule, and this target leaf is not in one"
+        )
+    saved, layer = record["shape"], leaf.shape[leaf.stacked :]
+    if "stacked" in record:
+        saved_layer = saved[record["stacked"] :]
+    else:  # saved outside eqpar's stacks, or by a version that did not record it
+        saved_layer = saved[len(saved) - len(layer) :] if len(saved) >= len(layer) else saved
+    if saved_layer == layer:
+        return None
+    return (
+        f"one layer is {saved_layer} in the checkpoint but {layer} in the target, and "
+        "`reshape=True` changes only the stacking dimensions: these are other layers"
     )
 
 
@@ -429,7 +565,7 @@ def _reshaped(abstract: PyTree, stored: PyTree) -> PyTree:
 
 def _mismatches(saved: dict[str, dict], plan: Sequence[_Leaf], reshape: bool) -> list[str]:
     """Every difference between the saved leaves and the target's, target order first (with
-    `reshape`, an array of another shape but the same size and dtype is no difference)."""
+    `reshape`, the same layers stacked another way are no difference: `_reshapable`)."""
     problems = []
     for leaf in plan:
         record = saved.get(leaf.path)
@@ -445,6 +581,8 @@ def _mismatches(saved: dict[str, dict], plan: Sequence[_Leaf], reshape: bool) ->
         elif record["shape"] != leaf.shape and not (reshape and _reshapable(record, leaf)):
             what = "key data shape" if leaf.kind == "prng_key" else "shape"
             problem = f"({what}): {record['shape']} in the checkpoint, {leaf.shape} in the target"
+            if reshape and _same_size(record, leaf):
+                problem += f"; {_reshape_conflict(record, leaf)}"
         elif record["dtype"] != leaf.dtype:
             problem = f"(dtype): {record['dtype']} in the checkpoint, {leaf.dtype} in the target"
         else:
@@ -457,6 +595,31 @@ def _mismatches(saved: dict[str, dict], plan: Sequence[_Leaf], reshape: bool) ->
         for path, r in saved.items()
         if path not in in_target
     ]
+
+
+def _kind_contradiction(record: dict) -> str | None:
+    """How a saved leaf's recorded kind contradicts the array orbax stored for it, or `None`.
+    A Python scalar is stored as a 0-d array of its NumPy dtype, a PRNG key as its key data;
+    an array can be anything."""
+    kind, shape, dtype = record["kind"], record["shape"], record["dtype"]
+    stored = f"but its stored array is {dtype} of shape {shape}"
+    scalars = {name: np.dtype(storage).name for name, storage in _PYTHON_KINDS.values()}
+    if kind in scalars and (shape, dtype) != ((), scalars[kind]):
+        return f"is {_describe(kind)} (stored as a 0-d {scalars[kind]} array), {stored}"
+    if kind == "prng_key":
+        try:
+            data = jax.eval_shape(
+                lambda: jax.random.key_data(jax.random.key(0, impl=record["impl"]))
+            )
+        except Exception:
+            return None  # an implementation unknown here: the target comparison reports it
+        rank, key = len(data.shape), np.dtype(data.dtype).name
+        if dtype != key or len(shape) < rank or shape[len(shape) - rank :] != data.shape:
+            return (
+                f"is {_describe(kind, record['impl'])}, whose key data is {key} ending in "
+                f"{data.shape}, {stored}"
+            )
+    return None
 
 
 def _key_dtype(impl: str) -> PyTree:
@@ -561,7 +724,8 @@ class Checkpointer:
     - `keep`: how many of the newest steps to keep; older ones are removed after each
       successful save. `None` keeps every step.
     - `async_save`: write in a background thread after the device-to-host copy, so `save`
-      returns sooner. `wait_until_finished`, `restore` and `close` wait for it.
+      returns sooner. `wait_until_finished`, `restore`, `close` and the next `save` wait for
+      it (and raise its error, once).
     - `checksums`: store a checksum of every leaf and verify it on restore (see the module
       docstring). Sub-byte dtypes (int4, ...) are not checksummed.
     - `timeout`: seconds `save` and `restore` wait at their barrier for the other processes
@@ -620,6 +784,9 @@ class Checkpointer:
         self._restored_step: int | None = None
         self._unlock: PyTree = None  # set once this Checkpointer holds the writer lock
         self._busy, self._barriers, self._closed = threading.Lock(), 0, False
+        # The step a background save is writing, and the unfinished directories of that step
+        # that were there before it began (which are not its own).
+        self._pending: tuple[int, frozenset[str]] | None = None
         self._manager = self._open_manager()
 
     def _open_manager(self) -> PyTree:
@@ -673,6 +840,44 @@ class Checkpointer:
         file = _take_lock(lock) if "://" not in lock else None
         self._unlock = weakref.finalize(self, file.close if file else lambda: None)
         self._purge(unfinished=True)
+
+    def _unfinished(self, step: int) -> frozenset[str]:
+        """The names of the unfinished (`*.orbax-checkpoint-tmp`) directories of `step`."""
+        prefix = f"{step}{_TMP_SUFFIX}"
+        return frozenset(c.name for c in self._directory.iterdir() if c.name.startswith(prefix))
+
+    def _save_failed(
+        self, step: int, before: frozenset[str], error: BaseException, background: bool
+    ) -> None:
+        """After a failed save of `step`: remove the unfinished directories that save created
+        (the writer only; not those that were there before it began) and say so in a note
+        on `error`, which the caller raises."""
+        removed = sorted(self._unfinished(step) - before) if self._unlock is not None else []
+        for name in removed:
+            (self._directory / name).rmtree(missing_ok=True)
+        what = "The background save" if background else "Saving"
+        cleaned = f"; its unfinished directory {', '.join(removed)} was removed" if removed else ""
+        error.add_note(
+            f"eqpar.checkpoint: {what} of step {step} to {self._directory} failed with this "
+            f"error, so step {step} was not committed{cleaned}. The steps saved before it are "
+            "intact. This error is reported once: fix its cause (e.g. free disk space) and "
+            "save again."
+        )
+
+    def _settle(self) -> None:
+        """Wait for a background save. If it failed, clean up after it and raise its error,
+        once: orbax's manager keeps a failed background save and raises its error again in
+        every other thread that waits, so a fresh manager replaces it."""
+        pending, self._pending = self._pending, None
+        try:
+            self._manager.wait_until_finished()
+        except Exception as error:
+            if pending is not None:
+                self._save_failed(*pending, error, background=True)
+            with contextlib.suppress(Exception):
+                self._manager.close()  # the thread that saw the error: it is not raised again
+            self._manager = self._open_manager()
+            raise
 
     def _purge(self, unfinished: bool = False) -> None:
         """Delete the steps orbax moved to the trash (and unfinished saves): they are no
@@ -801,9 +1006,16 @@ class Checkpointer:
 
         Raises `ValueError` if two leaves of `state` would be stored under the same name, or
         for a zero-size or deleted (donated) array leaf, naming its path; `TypeError` for
-        leaves that cannot be saved without pickle (object arrays) or abstract ones
-        (`jax.ShapeDtypeStruct`); `RuntimeError` if another writer holds the directory's lock
-        or, with several processes, not every process calls `save` within `timeout`.
+        leaves that cannot be saved without pickle (object arrays), abstract ones
+        (`jax.ShapeDtypeStruct`) or of a dtype orbax's storage cannot write (`uint4`,
+        strings, ...; the message says what to save instead), all before anything is written;
+        `RuntimeError` if another writer holds the directory's lock or, with several
+        processes, not every process calls `save` within `timeout`. If writing fails (a full
+        disk), the error is raised as it came, with a note saying which step was not
+        committed; the unfinished directory this save created is removed, and the steps
+        before it are intact. With `async_save`, the error of a background write is raised
+        once, by the next `save`, `wait_until_finished`, `restore` or `close` (that `save`
+        then writes nothing: call it again).
 
         ```python
         import tempfile
@@ -836,13 +1048,23 @@ class Checkpointer:
                 raise ValueError("`state` has no leaves to save: no arrays, no Python scalars.")
             self._become_writer()
             self._barrier("save")
-            self._manager.wait_until_finished()
+            try:
+                self._settle()
+            except Exception as error:
+                error.add_note(f"eqpar.checkpoint: so this call did not save step {step}.")
+                raise
             self._purge()
             checksums = [_digest(v) if self._checksums else None for v in values]
             records = [_record(leaf, checksum) for leaf, checksum in zip(leaves, checksums)]
             args = self._ocp.args.StandardSave(self._nested(leaves, values))
             metadata = {_FORMAT_KEY: {"version": _FORMAT_VERSION, "step": step, "leaves": records}}
-            saved = self._manager.save(step, args=args, custom_metadata=metadata, force=True)
+            before = self._unfinished(step)
+            try:
+                saved = self._manager.save(step, args=args, custom_metadata=metadata, force=True)
+            except Exception as error:
+                self._save_failed(step, before, error, background=False)
+                raise
+            self._pending = (step, before) if self._async_save else None
             if not self._async_save:
                 self._purge()
             return bool(saved)
@@ -850,7 +1072,8 @@ class Checkpointer:
     def wait_until_finished(self) -> None:
         """Block until a background (`async_save=True`) write has finished and is committed.
 
-        **Arguments:** none. **Returns:** `None`. Re-raises an error of the background write.
+        **Arguments:** none. **Returns:** `None`. Raises the error of a failed background
+        write, once (see `save`); a later save starts afresh.
 
         ```python
         import tempfile
@@ -867,7 +1090,7 @@ class Checkpointer:
         ```
         """
         with self._exclusive():
-            self._manager.wait_until_finished()
+            self._settle()
 
     # -- restoring ------------------------------------------------------------------------
 
@@ -900,13 +1123,16 @@ class Checkpointer:
           `target` holding a `Sharding` (or `None`) per array leaf. An array leaf without any
           sharding goes to `jax.devices()[0]` in a single process, and is an error with
           several processes.
-        - `reshape`: restore an array leaf whose saved shape differs from the target's but
-          holds as many elements of the same dtype: it is read in its saved shape and
-          reshaped row-major into the target's shape and sharding. This is what lets a stack
-          of layers saved as `[S, L / S, ...]` by one pipeline layout load as
-          `[V, S', L / (S' V), ...]` or `[L, ...]` (eqpar stores stacked layers in model order
-          whatever the layout, so a reshape is the whole conversion). Without it such a leaf is
-          a shape mismatch.
+        - `reshape`: restore the same layers stacked another way: an array leaf inside a
+          `ScannedLayers` or `PipelineModule` of the target whose saved shape differs from the
+          target's only in the leading stacking dimensions (one layer's shape, the dimensions
+          after them, and the dtype are the same) is read in its saved shape and reshaped
+          row-major into the target's shape and sharding. This is what lets a stack of layers
+          saved as `[S, L / S, ...]` by one pipeline layout load as `[V, S', L / (S' V), ...]`
+          or `[L, ...]` (eqpar stores stacked layers in model order whatever the layout, so a
+          reshape is the whole conversion). Layers of another shape (two `Linear(4, 8)` into
+          four `Linear(4, 4)`, as many numbers) and leaves outside a stack stay a shape
+          mismatch, whose message says why; so does every such leaf without `reshape`.
 
         **Returns:** a pytree with the structure of `target`. `restored_step` says which step
         it came from.
@@ -916,7 +1142,9 @@ class Checkpointer:
         holds another structure (missing or extra leaves, kinds, shapes, dtypes, PRNG
         implementations; shapes and dtypes as orbax's `item_metadata` reports them),
         `CorruptCheckpointError` naming the step and its path if the step is damaged (for
-        `step=None`: if every step is), and `RuntimeError` if another thread is inside this
+        `step=None`: if every step is; a leaf whose recorded kind contradicts its stored array
+        is damage unless the stored array fits the target there exactly, which is restored
+        with a warning), and `RuntimeError` if another thread is inside this
         `Checkpointer` or, with several processes, not every process calls `restore` within
         `timeout`.
 
@@ -949,7 +1177,7 @@ class Checkpointer:
         ```
         """
         with self._exclusive():
-            self._manager.wait_until_finished()
+            self._settle()
             plan, target_leaves, treedef = _leaves(target, "target")
             given = _shardings(shardings, plan)
             abstracts = [_placement(leaf, given) for leaf in plan]
@@ -1016,7 +1244,7 @@ class Checkpointer:
         """The data leaves of `plan` as read from step `step`, checked and finished."""
         step_dir = self._directory / str(step)
         damaged = functools.partial(_damaged, step, step_dir)
-        saved = self._read_metadata(step, step_dir)
+        saved = self._reconcile(step, step_dir, self._read_metadata(step, step_dir), plan, reshape)
         problems = _mismatches(saved, plan, reshape)
         if problems:
             listed = "\n".join(f"- {problem}" for problem in problems[:_MAX_LISTED])
@@ -1044,7 +1272,8 @@ class Checkpointer:
         for leaf, abstract, value, again in zip(plan, abstracts, stored, reshaped):
             record = saved[leaf.path]
             expected = record.get("checksum")
-            if expected is not None and (digest := _digest(value)) not in (None, expected):
+            digest = None if expected is None else _digest(value, record["version"])
+            if expected is not None and digest not in (None, expected):
                 raise damaged(
                     f"leaf {_display(leaf.path)} does not match its checksum (saved {expected}, "
                     f"read {digest}), so its array files were altered after the save"
@@ -1053,10 +1282,48 @@ class Checkpointer:
             leaves.append(_finish(leaf, value, record))
         return leaves
 
+    def _reconcile(
+        self, step: int, step_dir: PyTree, saved: dict[str, dict], plan: list[_Leaf], reshape: bool
+    ) -> dict[str, dict]:
+        """`saved`, where a leaf's recorded kind contradicts its stored array, going by the
+        stored array when that fits the target leaf there exactly (with a warning); otherwise
+        the step's metadata is inconsistent, which is damage. (Not a mismatch with `target`:
+        the checkpoint disagrees with itself.) A PRNG key is never guessed: its record is
+        what names its implementation."""
+        by_path = {leaf.path: leaf for leaf in plan}
+        for path, record in saved.items():
+            why = _kind_contradiction(record)
+            if why is None:
+                continue
+            leaf, fixed = by_path.get(path), None
+            said = (
+                f"its leaf record ({step_dir / _STEP_METADATA_FILE}, `custom_metadata."
+                f"{_FORMAT_KEY}`) says {_display(path)} {why}: the checkpoint's metadata is "
+                "inconsistent with its stored array"
+            )
+            if leaf is not None and leaf.kind != "prng_key":
+                fixed = {k: v for k, v in record.items() if k != "impl"} | {"kind": leaf.kind}
+                fixed = None if _mismatches({path: fixed}, [leaf], reshape) else fixed
+            if leaf is None or fixed is None:
+                wanted = "no data leaf" if leaf is None else _describe(leaf.kind, leaf.impl)
+                raise _damaged(
+                    step,
+                    step_dir,
+                    f"{said}, and the stored array alone cannot be restored safely into the "
+                    f"target, which has {wanted} there",
+                )
+            _warn_caller(
+                f"Checkpoint step {step} at {step_dir}: {said}. Restored the stored array, "
+                f"which fits the target there ({_describe(leaf.kind)}); check how this step "
+                "was written."
+            )
+            saved = {**saved, path: fixed}
+        return saved
+
     def _read_metadata(self, step: int, step_dir: PyTree) -> dict[str, dict]:
-        """Each saved leaf by path: eqpar's record (kind, impl, checksum) with the shape and
-        dtype from orbax's `item_metadata`, both read through the manager's public
-        `metadata(step)`. Anything malformed is damage."""
+        """Each saved leaf by path: eqpar's record (kind, impl, checksum, stacking depth) with
+        the format version and the shape and dtype from orbax's `item_metadata`, both read
+        through the manager's public `metadata(step)`. Anything malformed is damage."""
         damaged = functools.partial(_damaged, step, step_dir)
         file = step_dir / _STEP_METADATA_FILE
         try:
@@ -1109,7 +1376,12 @@ class Checkpointer:
             raise damaged(f"its leaf list and orbax's array metadata disagree on {differ}")
         try:
             return {
-                r["path"]: {**r, "shape": tuple(m.shape), "dtype": np.dtype(m.dtype).name}
+                r["path"]: {
+                    **r,
+                    "shape": tuple(m.shape),
+                    "dtype": np.dtype(m.dtype).name,
+                    "version": version,  # which checksum rule verifies it
+                }
                 for r, m in ((r, shapes[r["path"]]) for r in records)
             }
         except (AttributeError, TypeError) as error:
@@ -1141,7 +1413,7 @@ class Checkpointer:
             return
         with self._exclusive():
             try:
-                self._manager.wait_until_finished()
+                self._settle()
                 self._purge()
             finally:
                 self._manager.close()

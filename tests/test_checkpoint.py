@@ -10,6 +10,7 @@ JAX and eqpar.checkpoint, which configures nothing, so the children use eqpar wi
 jaxtyping/beartype instrumentation of the pytest process.)
 """
 
+import errno
 import json
 import logging
 import os
@@ -304,6 +305,83 @@ def test_async_save_round_trip_and_close_waits(tmp_path):
     with Checkpointer(tmp_path) as reader:
         assert reader.all_steps() == [1]
         assert_bitwise_equal(reader.restore(target=abstract_model()), model)
+
+
+class _DiskFull:
+    """A commit future of orbax's that fails as a full disk does."""
+
+    def result(self, timeout=None):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def _fail_next_write(monkeypatch) -> None:
+    """The next save's write fails with ENOSPC after writing its files (in the background
+    thread for an async save); later writes succeed."""
+    import orbax.checkpoint as ocp
+
+    write, failures = ocp.StandardCheckpointHandler.async_save, [_DiskFull()]
+
+    async def async_save(self, *args, **kwargs):
+        futures = list(await write(self, *args, **kwargs) or [])
+        return [*futures, failures.pop()] if failures else futures
+
+    monkeypatch.setattr(ocp.StandardCheckpointHandler, "async_save", async_save)
+
+
+def _in_new_thread(call):
+    """`call()` in a thread of its own: its result, or the exception it raised."""
+    outcome: list = []
+    thread = threading.Thread(target=lambda: outcome.append(_outcome(call)))
+    thread.start()
+    thread.join(TIMEOUT)
+    return outcome[0]
+
+
+def _outcome(call):
+    try:
+        return call()
+    except Exception as error:
+        return error
+
+
+def test_failed_async_save_is_reported_once_and_cleaned_up(tmp_path, monkeypatch):
+    state = {"w": jnp.ones(4)}
+    with Checkpointer(tmp_path, async_save=True) as checkpointer:
+        assert checkpointer.save(1, state)
+        _fail_next_write(monkeypatch)
+        assert checkpointer.save(2, state)  # fails in the background
+        # The next call that waits reports it, with what happened; each call runs in a thread
+        # of its own, as in a trainer that saves from a worker thread.
+        error = _in_new_thread(lambda: checkpointer.save(3, state))
+        assert isinstance(error, OSError) and error.errno == errno.ENOSPC
+        notes = "\n".join(error.__notes__)
+        assert "The background save of step 2" in notes and "not committed" in notes
+        assert "2.orbax-checkpoint-tmp was removed" in notes
+        assert "this call did not save step 3" in notes
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["1", "eqpar-writer.lock"]
+        # Reported once: the retry and everything after it succeed, in any thread.
+        assert _in_new_thread(lambda: checkpointer.save(3, state)) is True
+        assert _in_new_thread(checkpointer.wait_until_finished) is None
+        assert checkpointer.all_steps() == [1, 3]
+    with Checkpointer(tmp_path) as reader:
+        np.testing.assert_array_equal(reader.restore(target=state)["w"], np.ones(4))
+
+
+def test_failed_save_removes_only_the_directory_it_created(tmp_path, monkeypatch):
+    with Checkpointer(tmp_path) as checkpointer:
+        assert checkpointer.save(1, {"w": jnp.ones(4)})  # now the writer
+        (tmp_path / "5.orbax-checkpoint-tmp").mkdir()  # not this save's
+        _fail_next_write(monkeypatch)
+        with pytest.raises(OSError, match="No space left on device") as caught:
+            checkpointer.save(2, {"w": jnp.ones(4)})
+        assert "Saving of step 2" in "\n".join(caught.value.__notes__)
+        assert sorted(p.name for p in tmp_path.iterdir()) == [
+            "1",
+            "5.orbax-checkpoint-tmp",
+            "eqpar-writer.lock",
+        ]
+        assert checkpointer.save(2, {"w": jnp.ones(4)})
+        assert checkpointer.all_steps() == [1, 2]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -713,6 +791,44 @@ def test_checksums_can_be_turned_off(tmp_path):
         assert_bitwise_equal(checkpointer.restore(target=corruption_target()), corruption_state(1))
 
 
+def test_checksum_tells_constant_arrays_apart():
+    # The old position-weighted sum was 0 for every constant float32 array whose length is a
+    # multiple of 512, so ones(1024) and zeros(1024) had the same checksum.
+    for n in (512, 1024, 4096):
+        digests = {_digest(jnp.full(n, value, jnp.float32)) for value in (0.0, 1.0, 2.0, -1.0)}
+        assert len(digests) == 4, n
+    assert _digest(jnp.ones(1024)) != _digest(jnp.ones(2048)[:1024] * 0)
+    # Known answers: the rule is part of the on-disk format (a changed rule would make every
+    # saved checkpoint look damaged), so it is pinned.
+    assert _digest(jnp.arange(8.0)) == 4271693182
+    assert _digest(np.arange(8, dtype=np.int64)) == 1331129208
+
+
+def test_checkpoint_of_the_previous_format_verifies_with_its_own_checksum(tmp_path):
+    # A version-2 step, as eqpar wrote it before checksum rule 3: the same files, with the old
+    # rule's checksum of arange(8.0) (96468992) and no stacking depths.
+    with Checkpointer(tmp_path) as checkpointer:
+        checkpointer.save(1, {"w": jnp.arange(8.0)})
+        checkpointer.save(2, {"w": jnp.arange(8.0)})
+
+    def as_version_2(checksum: int):
+        def edit(metadata: dict) -> dict:
+            entry = metadata["custom_metadata"]["eqpar"]
+            assert entry["version"] == 3 and entry["leaves"][0]["checksum"] != checksum
+            entry["version"], entry["leaves"][0]["checksum"] = 2, checksum
+            return metadata
+
+        return edit
+
+    _replace_json(tmp_path / "1" / "_CHECKPOINT_METADATA", as_version_2(96468992))
+    _replace_json(tmp_path / "2" / "_CHECKPOINT_METADATA", as_version_2(96468993))
+    target = {"w": jax.ShapeDtypeStruct((8,), jnp.float32)}
+    with Checkpointer(tmp_path) as checkpointer:
+        np.testing.assert_array_equal(checkpointer.restore(1, target=target)["w"], np.arange(8.0))
+        with pytest.raises(CorruptCheckpointError, match="does not match its checksum"):
+            checkpointer.restore(2, target=target)
+
+
 # ---------------------------------------------------------------------------------------------
 # Argument errors
 
@@ -760,6 +876,16 @@ def test_save_argument_errors(tmp_path):
             checkpointer.save(0, {"name": "x", "fn": jax.nn.relu})
         with pytest.raises(TypeError, match="NumPy array of Python objects"):
             checkpointer.save(0, {"o": np.array([object()])})
+        assert list(tmp_path.iterdir()) == []  # refused before anything is written
+        unstorable = [
+            (jnp.zeros(3, jnp.uint4), r"uint4, .* Save it as uint8 \(`x.astype\(jnp.uint8\)`"),
+            (np.zeros(2, "datetime64[s]"), r"datetime64\[s\], .* Save it as int64"),
+            (np.array(["text"]), r"str128, .* Save it as a numeric array"),
+        ]
+        for value, message in unstorable:
+            with pytest.raises(TypeError, match=r"`state` leaf `a/q` has dtype " + message):
+                checkpointer.save(0, {"w": jnp.ones(2), "a": {"q": value}})
+            assert list(tmp_path.iterdir()) == []
         with pytest.raises(ValueError, match=r"`state` leaf `a/w` has shape \(0, 3\)"):
             checkpointer.save(0, {"a": {"w": jnp.zeros((0, 3)), "v": jnp.ones(2)}})
         with pytest.raises(ValueError, match=r"`state` leaf `a/n` has shape \(2, 0\)"):
@@ -1014,6 +1140,46 @@ def test_pipeline_checkpoint_restores_under_another_stage_count_by_reshape(tmp_p
             checkpointer.restore(target=wrong, reshape=True)
 
 
+def test_reshape_refuses_other_layers_of_the_same_size(tmp_path):
+    from eqpar.nn.pipeline import ScannedLayers
+
+    def linears(count: int, out: int) -> ScannedLayers:
+        keys = jax.random.split(jax.random.key(0), count)
+        return ScannedLayers(eqx.filter_vmap(lambda k: eqx.nn.Linear(4, out, key=k))(keys))
+
+    with Checkpointer(tmp_path) as checkpointer:
+        checkpointer.save(0, {"stack": linears(2, 8), "raw": jnp.zeros((2, 8, 4))})
+        # Two Linear(4, 8) hold as many numbers as four Linear(4, 4), but they are other layers.
+        target = eqx.filter_eval_shape(
+            lambda: {"stack": linears(4, 4), "raw": jnp.zeros((2, 8, 4))}
+        )
+        with pytest.raises(CheckpointMismatchError) as caught:
+            checkpointer.restore(target=target, reshape=True)
+        message = str(caught.value)
+        assert (
+            "first mismatching leaf: `stack/layers/weight` (shape): (2, 8, 4) in the checkpoint, "
+            "(4, 4, 4) in the target; one layer is (8, 4) in the checkpoint but (4, 4) in the "
+            "target, and `reshape=True` changes only the stacking dimensions" in message
+        )
+        assert "`stack/layers/bias` (shape): (2, 8) in the checkpoint" in message
+        # An array outside a ScannedLayers / PipelineModule has no stacking dimensions.
+        target = {
+            "stack": eqx.filter_eval_shape(lambda: linears(2, 8)),
+            "raw": jnp.zeros((4, 4, 4)),
+        }
+        with pytest.raises(CheckpointMismatchError, match=r"`raw` \(shape\): .* is not in one"):
+            checkpointer.restore(target=target, reshape=True)
+
+        # The checkpoint's own stacking depth counts too: three layers of (2, 4) are not six
+        # layers of (4,), though (3, 2, 4) ends in (4,).
+        checkpointer.save(1, {"stack": ScannedLayers({"w": jnp.zeros((3, 2, 4))})})
+        target = {"stack": ScannedLayers({"w": jax.ShapeDtypeStruct((6, 4), jnp.float32)})}
+        with pytest.raises(
+            CheckpointMismatchError, match=r"one layer is \(2, 4\) in the checkpoint"
+        ):
+            checkpointer.restore(1, target=target, reshape=True)
+
+
 # ---------------------------------------------------------------------------------------------
 # Guarantees under faults: quarantine, damaged metadata, step identity, one writer, atomic
 # removal of old steps, a save on only some processes
@@ -1098,6 +1264,61 @@ def test_restore_of_a_step_checks_the_step_it_holds(tmp_path):
             restored = checkpointer.restore(target=target)
         assert checkpointer.restored_step == 1
         np.testing.assert_array_equal(restored["w"], np.full(4, 1.0))
+
+
+def _edit_leaf_record(step_dir: Path, path: str, **changes) -> None:
+    """Change (or, with None, drop) fields of one leaf's record in eqpar's step metadata."""
+
+    def edit(metadata: dict) -> dict:
+        (record,) = (r for r in metadata["custom_metadata"]["eqpar"]["leaves"] if r["path"] == path)
+        record.update(changes)
+        for field in [field for field, value in changes.items() if value is None]:
+            del record[field]
+        return metadata
+
+    _replace_json(step_dir / "_CHECKPOINT_METADATA", edit)
+
+
+def test_a_leaf_record_contradicting_its_stored_array(tmp_path):
+    def state(step: int) -> dict:
+        return {"w": jnp.arange(4.0) * step, "n": step, "key": jax.random.key(step)}
+
+    def assert_is_state(restored: dict, step: int) -> None:
+        expected = state(step)
+        assert restored["n"] == step and type(restored["n"]) is int
+        np.testing.assert_array_equal(restored["w"], expected["w"])
+        key_data = jax.random.key_data
+        np.testing.assert_array_equal(key_data(restored["key"]), key_data(expected["key"]))
+
+    with Checkpointer(tmp_path) as checkpointer:
+        checkpointer.save(1, state(1))
+        checkpointer.save(2, state(2))
+    # The records say `w` is a Python int and `n` a PRNG key; the stored arrays say otherwise.
+    _edit_leaf_record(tmp_path / "2", "w", kind="int")
+    _edit_leaf_record(tmp_path / "2", "n", kind="prng_key", impl="threefry2x32")
+    target = {"w": jax.ShapeDtypeStruct((4,), jnp.float32), "n": 0, "key": jax.random.key(0)}
+    with Checkpointer(tmp_path) as checkpointer:
+        with pytest.warns(UserWarning) as record:
+            restored = checkpointer.restore(2, target=target)
+        assert_is_state(restored, 2)  # what the stored arrays hold, which fits the target
+        messages = sorted(str(warning.message) for warning in record)
+        assert "says `n` is a PRNG key array (impl threefry2x32)" in messages[0]
+        assert (
+            "says `w` is a Python int (stored as a 0-d int64 array), but its stored array is "
+            "float32 of shape (4,): the checkpoint's metadata is inconsistent with its stored "
+            "array. Restored the stored array" in messages[1]
+        )
+    # A PRNG key whose record lost its kind is not guessed: the step is damaged, and
+    # `restore()` falls back to step 1.
+    _edit_leaf_record(tmp_path / "2", "key", kind="int", impl=None)
+    with Checkpointer(tmp_path) as checkpointer:
+        with pytest.raises(
+            CorruptCheckpointError, match=r"is damaged: .* says `key` is a Python int"
+        ):
+            checkpointer.restore(2, target=target)
+        with pytest.warns(UserWarning):
+            assert_is_state(checkpointer.restore(target=target), 1)
+        assert checkpointer.restored_step == 1
 
 
 def test_one_writer_per_directory_and_readers_never_disturb_a_save(tmp_path):
