@@ -6,6 +6,7 @@ Python, and a flag passed where a count belongs is a mistake, not the count 1).
 
 from collections.abc import Hashable
 
+import jax.numpy as jnp
 import numpy as np
 
 
@@ -44,4 +45,31 @@ def check_context_options(
         raise ValueError(
             f"{owner}: head_axis_name={head_axis_name!r} is the context axis itself; heads and "
             f"the sequence must be split over different mesh axes (e.g. 'model' and 'context')."
+        )
+
+
+def check_bool_mask(owner: str, name: str, mask: object) -> None:
+    """Refuse a mask that is not boolean (`None` passes), as `jax.nn.dot_product_attention`
+    does. Every attention in eqpar reads a mask with `where(mask, scores, -inf)`, so an additive
+    float mask (0 to attend, -inf to hide) would be read inverted: -inf is truthy, 0 falsy."""
+    if mask is None:
+        return
+    dtype = jnp.result_type(mask)  # type: ignore[arg-type]
+    if dtype != jnp.bool_:
+        raise TypeError(
+            f"{owner}: `{name}` must be a bool mask (True = attend to / keep this key); got "
+            f"dtype {dtype.name}. Convert an additive mask (0 = attend, -inf = hide) with "
+            f"`{name} == 0`, a 0/1 mask with `{name}.astype(bool)`."
+        )
+
+
+def check_nonempty_sequence(owner: str, lengths: str, *sizes: int) -> None:
+    """Refuse attention over a zero-length sequence, which has no softmax to take, before it
+    fails deep inside (a division by zero, a reshape of nothing). `lengths` says which
+    arguments' lengths `sizes` are, for the message."""
+    if 0 in sizes:
+        raise ValueError(
+            f"{owner}: zero-length sequence ({lengths}); attention needs at least one token on "
+            f"each side. Drop empty examples, or pad them to one token and keep the padding out "
+            f"of the loss (and out of the keys, with a mask where the layer takes one)."
         )

@@ -54,6 +54,7 @@ from jax import lax
 from jaxtyping import Array, ArrayLike, Bool, Float, Int, Shaped
 
 from ._axes import axis_size
+from ._checks import check_bool_mask, check_nonempty_sequence
 from ._typing import AxisName
 from ._vma import cast_varying, varying_axes
 from .collectives import ring_shift
@@ -246,8 +247,13 @@ def _check_inputs(
             f"{owner}: value must have key's sequence block and heads {key.shape[-3:-1]}; got "
             f"{value.shape[-3:-1]}."
         )
-    if 0 in (query.shape[-3], key.shape[-3]):
-        raise ValueError(f"{owner}: zero-length sequence blocks ({query.shape}, {key.shape}).")
+    check_nonempty_sequence(
+        owner,
+        f"query block length {query.shape[-3]}, key/value block length {key.shape[-3]}",
+        query.shape[-3],
+        key.shape[-3],
+    )
+    check_bool_mask(owner, "key_mask", key_mask)
     if key_mask is not None and key_mask.shape != key.shape[:-2]:
         raise ValueError(
             f"{owner}: key_mask must be one boolean per key, [*batch, kv_block] = "
@@ -565,8 +571,9 @@ def ring_attention(
     - `axis_name`: the mesh axis the sequence is split over.
     - `causal`: each token attends only to tokens at or before its position in the whole
       sequence (positions from `layout`; needs `q_block == kv_block`).
-    - `key_mask`: optional `[*batch, kv_block]`, `False` for padding keys; it travels with
-      its keys.
+    - `key_mask`: optional bool `[*batch, kv_block]`, `False` for padding keys; it travels
+      with its keys. A mask of another dtype is refused (an additive mask, 0 / -inf,
+      converts with `key_mask == 0`).
     - `layout`: `"contiguous"` (device `i` holds block `i`) or `"balanced"` (device `i` holds
       chunks `i` and `2 n - 1 - i`; see `balance_sequence`).
     - `scale`: the factor on the scores (default `1 / sqrt(qk_size)`).

@@ -109,3 +109,22 @@ def test_layer_norm_matches_equinox(n):
         (want[0].weight, want[0].bias, want[1]),
         what="(weight, bias, input) gradients",
     )
+
+
+def test_layer_norm_refuses_parameters_that_are_not_split():
+    """`weight` / `bias` passed whole (in_specs P()) against a feature block: the parameter,
+    its local shape against the expected one, and the fix, not a broadcasting error."""
+    norm = TPLayerNorm(D)
+    x = jnp.ones((2, SEQ, D))
+    with pytest.raises(
+        ValueError, match=r"TPLayerNorm: the local block of weight has shape \(16,\) but \(8,\)"
+    ):
+        jax.shard_map(lambda m, x: m(x), mesh=mesh_of(2), in_specs=(P(), X_SPEC), out_specs=X_SPEC)(
+            norm, x
+        )
+
+
+def test_attention_block_refuses_a_zero_length_sequence():
+    block = TPAttentionBlock(D, num_heads=HEADS, key=jax.random.key(0))
+    with pytest.raises(ValueError, match=r"TPAttentionBlock: zero-length sequence \(`x` has shape"):
+        sharded_apply(block, jnp.ones((2, 0, D)), mesh_of(2), X_SPEC, X_SPEC)

@@ -3,6 +3,7 @@
 buffers and collective bytes."""
 
 import functools
+import inspect
 import math
 
 import equinox as eqx
@@ -313,3 +314,47 @@ def test_ring_program_holds_no_whole_sequence(n):
     summary = collective_summary(ring)
     assert set(summary.counts) == {"collective-permute"}
     assert summary.bytes["collective-permute"] == (n - 1) * 2 * block * 2 + n * 2 * block
+
+
+def test_every_attention_refuses_a_non_bool_mask():
+    """An additive float mask (0 = attend, -inf = hide) read by `where(mask, ...)` is
+    inverted: ring, all-gather, context- and head-parallel attention all refuse it, naming
+    the argument, the dtype and the conversion (the runtime type check the tests add is
+    bypassed with `inspect.unwrap`, as a user without one calls them)."""
+    mesh = context_mesh(2)
+    q = jax.random.normal(jax.random.key(0), (1, 8, 2, 4))
+    additive = jnp.zeros((1, 8)).at[:, 5:].set(-jnp.inf)
+    for name, attend in STRATEGIES.items():
+        f = jax.shard_map(
+            functools.partial(
+                lambda attend, q, m: attend(q, q, q, axis_name="context", key_mask=m),
+                inspect.unwrap(attend),
+            ),
+            mesh=mesh,
+            in_specs=P(None, "context"),
+            out_specs=P(None, "context"),
+        )
+        with pytest.raises(TypeError, match=r"`key_mask` must be a bool mask.*float32.*== 0"):
+            f(q, additive)
+        assert f(q, additive == 0).shape == q.shape, name
+
+    attention = eqx.nn.MultiheadAttention(2, 8, key=jax.random.key(1))
+    x = jax.random.normal(jax.random.key(2), (8, 8))
+    context = ContextParallelAttention(attention)
+    call = inspect.unwrap(type(context).__call__)
+    with pytest.raises(TypeError, match=r"ContextParallelAttention: `mask` must be a bool.*int32"):
+        jax.shard_map(
+            lambda m, x, mask: call(m, x, x, x, mask),
+            mesh=mesh,
+            in_specs=(P(), P("context"), P("context")),
+            out_specs=P("context"),
+        )(context, x, jnp.ones(8, jnp.int32))
+    heads = eqpar.parallelize(attention, {"": eqpar.HeadParallel("context")})
+    call = inspect.unwrap(type(heads).__call__)
+    with pytest.raises(TypeError, match=r"HeadParallelAttention: `mask` must be a bool.*float32"):
+        eqpar.shard_map(
+            lambda m, x, mask: call(m, x, x, x, mask),
+            mesh=mesh,
+            in_specs=(eqpar.partition_specs(heads), P(), P()),
+            out_specs=P(),
+        )(heads, x, jnp.zeros((8, 8)))

@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Bool, Float, PRNGKeyArray, PyTree
 
 from .._axes import axis_size
-from .._checks import check_context_options
+from .._checks import check_bool_mask, check_context_options, check_nonempty_sequence
 from .._vma import cast_varying, varies_over
 from ..context import all_gather_attention, ring_attention
 from ._twins import adopt, check_block, check_divides, check_sequence_layout, rebuilt
@@ -97,7 +97,8 @@ class HeadParallelAttention(eqx.nn.MultiheadAttention):
     projections are split on their output rows (head-major, as `MultiheadAttention` lays
     them out), the output projection on its input columns, and one `psum` joins the heads'
     contributions; the output bias is added once. The call is `MultiheadAttention`'s: padding
-    or causal masks (`[q_seq, kv_seq]`, or per head `[num_heads, q_seq, kv_seq]`), cross
+    or causal masks (bool, `True` = attend; `[q_seq, kv_seq]`, or per head
+    `[num_heads, q_seq, kv_seq]`; a mask of another dtype is refused), cross
     attention (key and value of another length), `inference`, `process_heads`, and dropout
     on the attention weights. `process_heads` sees this device's heads only
     (`[seq, num_heads / n, size]`), so it must treat every head alike (rotary embeddings do);
@@ -191,6 +192,7 @@ class HeadParallelAttention(eqx.nn.MultiheadAttention):
         owner = type(self).__name__
         if deterministic is not None:
             inference = deterministic
+        check_bool_mask(owner, "mask", mask)
         heads, first_head = self._local_heads(owner)
         check_sequence_layout(owner, "query", query, self.axis_name, self.sequence_parallel)
         if self.sequence_parallel:
@@ -211,7 +213,12 @@ class HeadParallelAttention(eqx.nn.MultiheadAttention):
                 f"{owner}: key_ and value must have the same sequence length; got "
                 f"{key_.shape[0]} and {value.shape[0]}."
             )
-        _check_sequences(owner, query.shape[0], key_.shape[0])
+        check_nonempty_sequence(
+            owner,
+            f"query length {query.shape[0]}, key/value length {key_.shape[0]}",
+            query.shape[0],
+            key_.shape[0],
+        )
 
         query_heads, key_heads, value_heads = _project_heads(
             self, query, key_, value, heads, process_heads, owner
@@ -260,16 +267,6 @@ class HeadParallelAttention(eqx.nn.MultiheadAttention):
         return out if self.output_proj.bias is None else out + self.output_proj.bias
 
 
-def _check_sequences(owner: str, query_length: int, key_length: int) -> None:
-    """Attention over an empty sequence has no softmax to take: refuse it by name."""
-    if query_length == 0 or key_length == 0:
-        raise ValueError(
-            f"{owner}: zero-length sequence (query length {query_length}, key/value length "
-            f"{key_length}); attention needs at least one token on each side. Drop empty "
-            f"examples, or pad them to one token and mask it out."
-        )
-
-
 def _gather_sequences(arrays: tuple[Array, ...], axis_name: Hashable) -> tuple[Array, ...]:
     """All-gather each array's blocks along its first (sequence) axis. An array passed more
     than once (self-attention) is gathered once; one that every device already holds whole
@@ -298,8 +295,8 @@ class ContextParallelAttention(eqx.nn.MultiheadAttention):
 
     The mask: a `[seq, seq]` mask cannot be cut into per-device blocks (each device's queries
     meet every device's keys), so causality is the layer's option (`causal=True`), and
-    `mask` is a per-key padding mask for this device's keys, `[kv_block]` (`False` = padding),
-    which travels with the keys. A 2-D or per-head mask is refused with that advice. With
+    `mask` is a bool per-key padding mask for this device's keys, `[kv_block]` (`False` =
+    padding), which travels with the keys. A 2-D or per-head mask is refused with that advice. With
     `layout="balanced"` the sequence is stored in the balanced order of
     `eqpar.context.balance_sequence` (causal work equal on every device). `process_heads` sees
     this device's tokens: a position-dependent one (rotary embeddings) must use their global
@@ -394,6 +391,7 @@ class ContextParallelAttention(eqx.nn.MultiheadAttention):
         if deterministic is not None:
             inference = deterministic
         axis_size(self.axis_name, owner)
+        check_bool_mask(owner, "mask", mask)
         heads = self._heads(owner)
         if inference is None:
             inference = self.dropout.inference

@@ -15,6 +15,8 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from .._axes import axis_size
+from .._checks import check_nonempty_sequence
+from ._twins import check_block
 from .linear import TPAsyncDense, TPDense
 
 __all__ = ["TPAttentionBlock", "TPLayerNorm", "TPMLPBlock"]
@@ -170,6 +172,12 @@ class TPAttentionBlock(eqx.Module):
         """Attend over this device's heads; `x` is `[..., seq, d_model / n]`."""
         del key
         n = axis_size(self.model_axis_name, "TPAttentionBlock", argument="model_axis_name")
+        if x.ndim >= 2:
+            check_nonempty_sequence(
+                "TPAttentionBlock",
+                f"`x` has shape {x.shape}, sequence length {x.shape[-2]} on axis -2",
+                x.shape[-2],
+            )
         if self.num_heads % n:
             raise ValueError(
                 f"TPAttentionBlock: num_heads={self.num_heads} does not divide by the size of "
@@ -263,6 +271,8 @@ class TPLayerNorm(eqx.Module):
                 f"TPLayerNorm: expected a feature block of d_model / n = {self.d_model} / {n}; "
                 f"got input shape {x.shape}."
             )
+        for name in ("weight", "bias"):
+            check_block("TPLayerNorm", name, getattr(self, name).shape, (self.d_model // n,))
         mean = lax.psum(jnp.sum(x, axis=-1, keepdims=True), axis) / self.d_model
         centered = x - mean
         variance = lax.psum(jnp.sum(centered**2, axis=-1, keepdims=True), axis) / self.d_model

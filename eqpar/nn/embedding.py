@@ -10,6 +10,8 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .._axes import axis_size
+from .._checks import check_int
+from .._vma import varies_over
 from ._twins import adopt, check_block, check_divides, gather_replicated, rebuilt
 
 __all__ = [
@@ -95,6 +97,7 @@ def vocab_parallel_cross_entropy(
     targets: Int[Array, "*tokens"],
     *,
     axis_name: Hashable = "model",
+    ignore_index: int | None = None,
 ) -> Float[Array, "*tokens"]:
     """Cross entropy of logits whose vocabulary is split over a mesh axis, without gathering
     them (inside `shard_map`).
@@ -108,14 +111,32 @@ def vocab_parallel_cross_entropy(
     dtype. `jax.nn.log_softmax` and `optax`'s losses need the whole vocabulary on one device,
     which is what this avoids.
 
+    Its serial twin is `-take_along_axis(log_softmax(logits), targets[..., None], -1)[..., 0]`
+    on the whole logits, which `optax.softmax_cross_entropy_with_integer_labels` also
+    computes, and it reads targets as that indexing does: a target in `[-V, 0)` counts from
+    the end of the vocabulary (`-1` is entry `V - 1`), and one outside `[-V, V)` has no logit,
+    so its loss is nan (its gradient, as in optax's loss, is the softmax alone); under
+    `jax.config.update("jax_debug_nans", True)` it raises where the nan appears. For padding,
+    pass `ignore_index` (`-100` is the usual value): don't rely on an out-of-range id, which
+    is nan, or on a negative one, which is a real entry of a large vocabulary.
+
+    Logits that are the same on every device of `axis_name` (`in_specs=P()` where the
+    vocabulary should be split) are refused at trace time, read from the replication types
+    that `shard_map` keeps with `check_vma=True` (unchecked with `check_vma=False`).
+
     **Arguments:**
 
     - `logits`: this device's vocabulary block, `[..., V/n]`.
-    - `targets`: the target token ids (global, in `[0, V)`), `logits.shape[:-1]`.
+    - `targets`: the target token ids (global, in `[0, V)`; see above for others),
+      `logits.shape[:-1]`.
     - `axis_name`: the mesh axis (or tuple of axes) the vocabulary is split over.
+    - `ignore_index`: optional target id that marks a position to leave out (padding): its
+      loss is 0 and it contributes no gradient, whatever its logits.
 
     **Returns:** `-log softmax(all logits)[target]` per token, `[...]`, the same on every
-    device of the axis.
+    device of the axis (0 where `targets == ignore_index`). Nothing is averaged: the mean
+    over the real tokens, as a serial masked loss takes it, is
+    `jnp.sum(loss) / jnp.sum(targets != ignore_index)`.
 
     ```python
     import jax, jax.numpy as jnp
@@ -132,6 +153,15 @@ def vocab_parallel_cross_entropy(
     )
     expected = -jnp.take_along_axis(jax.nn.log_softmax(logits), targets[:, None], -1)[:, 0]
     assert jnp.allclose(f(logits, targets), expected, rtol=1e-6)
+
+    padded = jnp.array([0, 7, -100])  # the last position is padding
+    g = eqpar.shard_map(
+        lambda z, t: vocab_parallel_cross_entropy(z, t, axis_name="model", ignore_index=-100),
+        mesh=mesh, in_specs=(P(None, "model"), P()), out_specs=P(),
+    )
+    loss = g(logits, padded)
+    assert loss[2] == 0 and jnp.allclose(loss[:2], expected[:2], rtol=1e-6)
+    mean = jnp.sum(loss) / jnp.sum(padded != -100)  # the mean over the real tokens
     ```
     """
     owner = "vocab_parallel_cross_entropy"
@@ -140,21 +170,57 @@ def vocab_parallel_cross_entropy(
             f"{owner}: `targets` must have the shape of `logits` without its last (vocabulary) "
             f"axis; got logits {list(jnp.shape(logits))} and targets {list(jnp.shape(targets))}."
         )
-    if not jnp.issubdtype(jnp.result_type(targets), jnp.integer):
-        raise TypeError(
-            f"{owner}: `targets` must be integer token ids, got {jnp.result_type(targets).name}."
-        )
-    axis_size(axis_name, owner)
+    target_type = jnp.result_type(targets)
+    if not jnp.issubdtype(target_type, jnp.integer):
+        raise TypeError(f"{owner}: `targets` must be integer token ids, got {target_type.name}.")
+    if ignore_index is not None:
+        ignore_index = check_int(ignore_index, name="ignore_index", owner=owner, minimum=None)
+    n = axis_size(axis_name, owner)
+    _check_vocabulary_split(owner, logits, axis_name)
     logits = logits.astype(jnp.float32)
     block = logits.shape[-1]
+    vocab = block * n
+    # The serial twin's indexing: [-V, 0) counts from the end, outside [-V, V) is no entry.
+    if jnp.issubdtype(target_type, jnp.signedinteger):
+        in_range = (targets >= -vocab) & (targets < vocab)
+        ids = jnp.where(targets < 0, targets + vocab, targets)
+    else:
+        in_range = targets < vocab
+        ids = targets
     # The shift only keeps exp() in range; it cancels in the result, so it needs no gradient.
     shift = lax.pmax(lax.stop_gradient(jnp.max(logits, axis=-1)), axis_name)
     total = lax.psum(jnp.sum(jnp.exp(logits - shift[..., None]), axis=-1), axis_name)
-    local = targets - lax.axis_index(axis_name) * block
+    local = ids - lax.axis_index(axis_name) * block
     mine = (local >= 0) & (local < block)
     picked = jnp.take_along_axis(logits, jnp.clip(local, 0, block - 1)[..., None], axis=-1)
     target_logit = lax.psum(jnp.where(mine, picked[..., 0], 0.0), axis_name)
-    return jnp.log(total) + shift - target_logit
+    # No logit for an id out of range: nan, and (as the twin's) a gradient of the softmax
+    # alone. The nan is computed (log(-1)), not a nan constant: under `jax_debug_nans` JAX then
+    # raises FloatingPointError, where a nan constant inside shard_map sends its re-run into a
+    # recursion.
+    no_logit = jnp.log(jnp.where(in_range, 1.0, -1.0))
+    loss = jnp.log(total) + shift - target_logit + no_logit
+    if ignore_index is not None:
+        loss = jnp.where(targets == ignore_index, 0.0, loss)
+    return loss
+
+
+def _check_vocabulary_split(owner: str, logits: Array, axis_name: Hashable) -> None:
+    """Refuse logits typed as the same on every device of an axis the vocabulary is split
+    over: each device would count the whole vocabulary as its block (the serial loss plus
+    `log n`)."""
+    for name in axis_name if isinstance(axis_name, tuple) else (axis_name,):
+        if varies_over(logits, name) is False:
+            raise ValueError(
+                f"{owner}: `logits` are the same on every device of axis {name!r}, but their "
+                f"last dimension must be this device's block of the vocabulary, split over "
+                f"axis_name={axis_name!r}; as they are, the loss would be the serial one plus "
+                f"log({axis_size(name, owner)}). Split the vocabulary dimension over the axis: "
+                f"in_specs with P(..., {axis_name!r}) on the logits' last dimension, or logits "
+                f"from a head converted by `eqpar.ColumnParallel(gather_output=False)`. Logits "
+                f"whole on every device need no vocabulary-parallel loss: use "
+                f"`optax.softmax_cross_entropy_with_integer_labels`."
+            )
 
 
 class FeatureParallelEmbedding(_SplitEmbedding):
