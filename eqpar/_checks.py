@@ -33,6 +33,15 @@ def check_column_options(owner: str, gather_output: bool, sequence_parallel: boo
         )
 
 
+def columns_in_a_row_fix(second: str, first: str) -> str:
+    """The fix for a column-parallel linear given the block of features another one left
+    (shared by `parallelize`'s check and the layer's own)."""
+    return (
+        f"Give {second} RowParallel() (it takes the block and returns the whole output), "
+        f"narrow the key so it names only {first}, or set gather_output=True on the first."
+    )
+
+
 def check_context_options(
     owner: str, layout: str, strategy: str, axis_name: Hashable, head_axis_name: Hashable | None
 ) -> None:

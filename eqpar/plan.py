@@ -19,7 +19,7 @@ import equinox as eqx
 import jax
 from jax.sharding import PartitionSpec
 
-from ._checks import check_column_options, check_context_options
+from ._checks import check_column_options, check_context_options, columns_in_a_row_fix
 from ._matching import compile_key, single_match, unused_key_hints
 from ._paths import children, map_children, path_to_str
 from ._specs import check_spec
@@ -684,8 +684,10 @@ def parallelize(
     return converted
 
 
-# Layers a split activation passes through unchanged on its way to the next linear.
-_ELEMENTWISE = (eqx.nn.Lambda, eqx.nn.Dropout, eqx.nn.Identity)
+# Layers a split activation passes through unchanged on its way to the next linear. Not
+# `eqx.nn.Lambda`: it may gather the features again (the layer then refuses at trace time if
+# it does not).
+_ELEMENTWISE = (eqx.nn.Dropout, eqx.nn.Identity)
 
 
 def _check_columns_in_a_row(model: PyTree, plan: Mapping, chosen: dict[str, str]) -> None:
@@ -729,10 +731,8 @@ def _check_columns_in_a_row(model: PyTree, plan: Mapping, chosen: dict[str, str]
                     raise ValueError(
                         f"parallelize: {what}. The first leaves its output split over "
                         f"{column.axis_name!r} (this device's block of features), but a "
-                        f"ColumnParallel layer needs the whole input. Give {where!r} "
-                        f"RowParallel() (it takes the block and returns the whole output), "
-                        f"narrow the key so it names only {first!r}, or "
-                        f"set gather_output=True on the first."
+                        f"ColumnParallel layer needs the whole input. "
+                        + columns_in_a_row_fix(repr(where), repr(first))
                     )
                 split_by = None if layer.gather_output else (where, layer)
             elif not isinstance(layer, _ELEMENTWISE):

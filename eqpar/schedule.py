@@ -334,7 +334,8 @@ class PipelineSchedule:
         (`stage % num_devices`) for a microbatch in `[0, num_microbatches)`; every
         microbatch has exactly one forward on every stage, after the previous stage's; and
         where the table trains, exactly one `"backward"`, or one `"backward_input"`
-        followed by one `"backward_weight"`, each backward after the next stage's. A table
+        followed by one `"backward_weight"`, each backward after its own forward and after
+        the next stage's backward. A table
         that broke this would still run, on values not there yet, leaving a gradient out or
         counting one twice; the executors call this before they compile a table.
 
@@ -346,7 +347,14 @@ class PipelineSchedule:
         ZeroBubbleH1Schedule(num_stages=4, num_microbatches=8).check()
         ```
         """
-        _check_order(self, _acted_on(self))
+        self._checked_steps()
+
+    def _checked_steps(self) -> dict[tuple[str, int, int], int]:
+        """`check()`, returning the step of every action by `(kind, microbatch, stage)` (for
+        the executors' compiler)."""
+        when = _acted_on(self)
+        _check_order(self, when)
+        return when
 
     @property
     def has_backward(self) -> bool:

@@ -568,24 +568,22 @@ def test_column_parallel_twice_in_a_row_names_both_layers_and_the_fix():
         r"split over 'model'.*Give 'layers/1' RowParallel\(\).*names only 'layers/0'",
     ):
         eqpar.parallelize(mlp, {r"layers/\d+": eqpar.ColumnParallel()})
-    sequential = {
-        "net": eqx.nn.Sequential(
-            [
-                eqx.nn.Linear(8, 16, key=jax.random.key(1)),
-                eqx.nn.Lambda(jax.nn.gelu),
-                eqx.nn.Linear(16, 8, key=jax.random.key(2)),
-            ]
-        )
-    }
+
+    def sequential_with(between):
+        layers = [eqx.nn.Linear(8, 16, key=jax.random.key(1)), between]
+        return {"net": eqx.nn.Sequential([*layers, eqx.nn.Linear(16, 8, key=jax.random.key(2))])}
+
+    columns = {"net/layers/0": eqpar.ColumnParallel(), "net/layers/2": eqpar.ColumnParallel()}
+    # A Lambda may gather the features again, so it is not taken for elementwise: converted
+    # (the second layer refuses a block of features when traced, as below).
+    eqpar.parallelize(sequential_with(eqx.nn.Lambda(jax.nn.gelu)), columns)
+    sequential = sequential_with(eqx.nn.Dropout(0.1))
     with pytest.raises(
         ValueError,
         match=r"the Sequential at 'net' runs 'net/layers/0' \(plan\['net/layers/0'\] = "
         r"ColumnParallel.*and then 'net/layers/2' \(plan\['net/layers/2'\] = ColumnParallel",
     ):
-        eqpar.parallelize(
-            sequential,
-            {"net/layers/0": eqpar.ColumnParallel(), "net/layers/2": eqpar.ColumnParallel()},
-        )
+        eqpar.parallelize(sequential, columns)
     # A gathered output is whole: two column layers in a row are then right.
     eqpar.parallelize(mlp, {r"layers/\d+": eqpar.ColumnParallel(gather_output=True)})
 

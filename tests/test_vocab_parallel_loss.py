@@ -140,6 +140,20 @@ def test_targets_outside_the_vocabulary_read_as_the_serial_twin_reads_them():
         jax.jit(loss)(logits[4:5], targets[4:5])
 
 
+def test_narrow_integer_targets_are_read_as_their_values():
+    """Byte-level ids in uint8 with V = 256 (and int16 / uint16 ids): compared in the ids' own
+    dtype, V wrapped to 0 and every loss was nan, and -100 matched the id 156."""
+    mesh = Mesh(np.array(jax.devices()[:4]), ("model",))
+    logits = jax.random.normal(jax.random.key(0), (5, 256))
+    ids = np.array([0, 4, 156, 200, 255])
+    expected = serial_cross_entropy(logits, jnp.asarray(ids))
+    for dtype in (jnp.uint8, jnp.int16, jnp.uint16):
+        targets = jnp.asarray(ids, dtype)
+        assert_tree_close(vocab_loss(mesh)(logits, targets), expected, rtol=1e-6, what=str(dtype))
+        ignoring = vocab_loss(mesh, ignore_index=-100)(logits, targets)
+        assert_tree_close(ignoring, expected, rtol=1e-6, what=f"{dtype}, ignore_index=-100")
+
+
 def test_ignore_index_leaves_positions_out_of_the_loss_and_gradient():
     """Ignored positions give loss 0 and no gradient (no nan from an id outside the
     vocabulary), and `sum(loss) / count` is the serial masked mean, value and gradient."""

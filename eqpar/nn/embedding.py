@@ -7,7 +7,7 @@ import equinox as eqx
 import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
-from jaxtyping import Array, Float, Int, PRNGKeyArray
+from jaxtyping import Array, Float, Int, Integer, PRNGKeyArray
 
 from .._axes import axis_size
 from .._checks import check_int
@@ -94,7 +94,7 @@ class VocabParallelEmbedding(_SplitEmbedding):
 
 def vocab_parallel_cross_entropy(
     logits: Float[Array, "*tokens vocab_block"],
-    targets: Int[Array, "*tokens"],
+    targets: Integer[Array, "*tokens"],
     *,
     axis_name: Hashable = "model",
     ignore_index: int | None = None,
@@ -180,8 +180,13 @@ def vocab_parallel_cross_entropy(
     logits = logits.astype(jnp.float32)
     block = logits.shape[-1]
     vocab = block * n
+    # Compared and shifted in at least 32 bits: in uint8 (byte-level ids) V = 256 would wrap
+    # to 0, and -100 to 156.
+    if jnp.iinfo(target_type).bits < 32:
+        targets = targets.astype(jnp.int32)
     # The serial twin's indexing: [-V, 0) counts from the end, outside [-V, V) is no entry.
-    if jnp.issubdtype(target_type, jnp.signedinteger):
+    signed = jnp.issubdtype(target_type, jnp.signedinteger)
+    if signed:
         in_range = (targets >= -vocab) & (targets < vocab)
         ids = jnp.where(targets < 0, targets + vocab, targets)
     else:
@@ -200,7 +205,7 @@ def vocab_parallel_cross_entropy(
     # recursion.
     no_logit = jnp.log(jnp.where(in_range, 1.0, -1.0))
     loss = jnp.log(total) + shift - target_logit + no_logit
-    if ignore_index is not None:
+    if ignore_index is not None and (ignore_index >= 0 or signed):  # no unsigned id is < 0
         loss = jnp.where(targets == ignore_index, 0.0, loss)
     return loss
 

@@ -33,7 +33,7 @@ from jaxtyping import Array, Float, PRNGKeyArray, PyTree
 from .. import collectives
 from .._axes import axis_size
 from .._axes import axis_size as _bound_axis_size
-from .._checks import check_column_options, check_int
+from .._checks import check_column_options, check_int, columns_in_a_row_fix
 from .._splits import Split, close_split, open_split
 from ._twins import (
     adopt,
@@ -738,9 +738,8 @@ def _column_input_error(
             f"over axis {axis_name!r} ({n} devices), as a ColumnParallel layer before "
             f"this one leaves its output. A column-parallel layer needs the whole input: "
             f"this happens when one plan key (a regular expression such as 'layers/\\d+', or "
-            f"several keys) gives ColumnParallel to two linears in a row. Give this layer "
-            f"RowParallel() (it takes the block and returns the whole output), narrow the key "
-            f"so it names only the first layer, or set gather_output=True on the first one."
+            f"several keys) gives ColumnParallel to two linears in a row. "
+            + columns_in_a_row_fix("this layer", "the first layer")
         )
     return expected
 

@@ -88,7 +88,9 @@ class PipelineModule(eqx.Module):
     layers). Device `d` thus holds stages `d, S + d, 2S + d, ...` without any reordering.
     `serial_stages()`, `stage(i)` and (for `from_layers`) `to_layers()` are reshapes and
     indexing, and a checkpoint written under one `(S, V)` restores under another by a
-    reshape (`eqpar.checkpoint.Checkpointer.restore(..., reshape=True)`).
+    reshape (`eqpar.checkpoint.Checkpointer.restore(..., reshape=True)`): of the stacking
+    dimensions only, so layers a stage stacks on its own (rather than through `from_layers`
+    or `ScannedLayers`) must keep their shape.
 
     **Inside a model.** The module can be a field of your own model, between an embedding
     and a head: `eqpar.partition_specs(model)` collects its layout, and the model's

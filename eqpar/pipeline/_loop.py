@@ -331,7 +331,10 @@ class StepLoop:
                 f"{self.axis_name!r}, so it runs on every device of it, and must give the "
                 f"same loss on each; it returns a value that varies over {self.axis_name!r}. "
                 f"Reduce the parts that each device computes with "
-                f"`lax.psum(..., {self.axis_name!r})` before they enter the loss."
+                f"`lax.psum(..., {self.axis_name!r})` before they enter the loss; a loss that "
+                f"gathers its split parameters with `lax.all_gather` is typed as varying too: "
+                f"compute it by blocks and `psum` the parts instead (as "
+                f"`eqpar.nn.vocab_parallel_cross_entropy` does)."
             )
         d_out, d_loss_params = loss_pullback(_cast_varying(self.scale, _varying_axes(value)))
         return d_out, d_loss_params, value * self.scale
@@ -350,6 +353,22 @@ class StepLoop:
             loss_device, program.microbatch[at], program.cotangent_slot[at], program.repeat[at],
         ], axis=-1))  # fmt: skip
 
+    def from_device(self, owner: Array, tree: Tree) -> Tree:
+        """`tree` as device `owner` of the pipeline axis holds it, on every device of it (one
+        `psum`; booleans and PRNG keys go as integers)."""
+
+        def one(a: Array) -> Array:
+            is_key = jnp.issubdtype(a.dtype, jax.dtypes.prng_key)
+            data = jax.random.key_data(a) if is_key else a
+            wide = data.astype(jnp.int32) if data.dtype == jnp.bool_ else data
+            mine = jnp.where(self.device == owner, wide, jnp.zeros_like(wide))
+            summed = lax.psum(mine, self.axis_name).astype(data.dtype)
+            return (
+                jax.random.wrap_key_data(summed, impl=jax.random.key_impl(a)) if is_key else summed
+            )
+
+        return jax.tree.map(one, tree)
+
     def loss_everywhere(self, cotangents: Tree, kept_rest: Tree, h: Tree, t: Array) -> tuple:
         """At a step where a last stage's backward starts: every device's part of its loss
         (`loss_on_every_device`); zeros at the other steps. `h` is this device's stage input
@@ -363,19 +382,9 @@ class StepLoop:
             else:  # it left its forward to its backward: run it here, on every device alike
                 out = self.run_stage(self.stage_params(self.params, repeat), h, microbatch, repeat)
                 kept, out_rest = eqx.partition(out, eqx.is_inexact_array)
-            out_diff = jax.tree.map(
-                lambda a: lax.psum(
-                    jnp.where(self.device == owner, a, jnp.zeros_like(a)), self.axis_name
-                ),
-                kept,
-            )
-            # Other leaves (integers: positions, counts, masks) as the last stage returned
-            # them; the loss runs on every device, so they come from the stage's own.
-            out_rest = jax.tree.map(
-                lambda a: lax.psum(jnp.where(self.device == owner, a, jnp.zeros_like(a)),
-                                   self.axis_name),
-                out_rest,
-            )  # fmt: skip
+            # The whole output as the last stage returned it (integer leaves too: positions,
+            # counts, masks), from its device to every device, where the loss runs.
+            out_diff, out_rest = self.from_device(owner, (kept, out_rest))
             return self.loss_and_pullback(out_diff, out_rest, microbatch)
 
         def skip(cotangents: Tree, kept_rest: Tree) -> tuple:

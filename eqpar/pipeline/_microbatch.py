@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import PyTree
 
+from .._axes import axis_size
 from .._typing import AxisName
 from .._vma import varies_over as _varies_over
 from .._vma import varying_axes as _varying_axes
@@ -183,8 +184,9 @@ def check_replicated(tree: PyTree, name: str, axis_name: AxisName, caller: str) 
     """The batch must be the same on every device of the pipeline axis (check_vma types).
 
     Under `shard_map(..., check_vma=False)` JAX does not say what differs between devices, so
-    a batch split over the pipeline axis cannot be told from a replicated one: refused."""
-    if _varies_over(jnp.zeros(()), axis_name) is None:
+    a batch split over the pipeline axis cannot be told from a replicated one: refused, unless
+    the axis has one device (nothing to lose)."""
+    if _varies_over(jnp.zeros(()), axis_name) is None and axis_size(axis_name, caller) > 1:
         raise ValueError(
             f"{caller}: the pipeline needs `shard_map`'s replication types (its default "
             f"check_vma=True) to check that `{name}` is the same on every device of the pipeline "

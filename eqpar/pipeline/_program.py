@@ -109,13 +109,7 @@ def compile_schedule(schedule: PipelineSchedule, *, store_residuals: bool) -> Pr
     repeat = np.zeros(shape, np.int32)
 
     # When each (microbatch, stage) is acted on: forward, (input) backward, last use.
-    schedule.check()
-    when: dict[tuple[str, int, int], int] = {
-        (action.kind, action.microbatch, action.stage): t
-        for t, row in enumerate(schedule.actions)
-        for action in row
-        if action.microbatch is not None and action.stage is not None  # not idle
-    }
+    when = schedule._checked_steps()
     forward_at: dict[tuple[int, int], int] = {}
     backward_at: dict[tuple[int, int], int] = {}
     last_use: dict[tuple[int, int], int] = {}
