@@ -666,6 +666,14 @@ def test_remat_and_split_sequence_in_one_plan_and_pickling():
     assert eqx.tree_equal(pickle.loads(pickle.dumps(stacked)), stacked)
 
 
+# The Llama's raw weights split as tensor parallelism splits them: the projections into the
+# heads and the MLP by columns, the projections out by rows.
+LLAMA_TENSOR_PARALLEL = {
+    r"layers/\d+/(wq|wk|wv|w_gate|w_up)": eqpar.Sharded(P(None, "model")),
+    r"layers/\d+/(wo|w_down)": eqpar.Sharded(P("model", None)),
+}
+
+
 def test_llama_raw_arrays_by_plan_on_the_compiled_route(llama_setup):
     """`Sharded` keys lay out the raw weights (columns of the projections in, rows out, the
     tensor-parallel split); the serial step under `jax.jit` on the placed model and a batch
@@ -673,11 +681,7 @@ def test_llama_raw_arrays_by_plan_on_the_compiled_route(llama_setup):
     the author's own reshapes into heads."""
     llama, model, tokens, (serial_loss, serial_model) = llama_setup
     mesh = mesh_of((2, 4), ("data", "model"))
-    plan = {
-        r"layers/\d+/(wq|wk|wv|w_gate|w_up)": eqpar.Sharded(P(None, "model")),
-        r"layers/\d+/(wo|w_down)": eqpar.Sharded(P("model", None)),
-    }
-    parallel = eqpar.parallelize(model, plan, mesh=mesh)
+    parallel = eqpar.parallelize(model, LLAMA_TENSOR_PARALLEL, mesh=mesh)
     assert isinstance(parallel.layers[0], llama.LlamaLayer)
     specs = eqpar.partition_specs(parallel)
     assert specs.layers[1].wo == P("model", None) and specs.embedding == P()
@@ -704,11 +708,7 @@ def test_llama_raw_arrays_fsdp_x_tp_on_the_compiled_route(llama_setup):
     its split over `model` and gains one over `data`; the step is still the serial one."""
     llama, model, tokens, (serial_loss, serial_model) = llama_setup
     mesh = mesh_of((2, 4), ("data", "model"))
-    plan = {
-        r"layers/\d+/(wq|wk|wv|w_gate|w_up)": eqpar.Sharded(P(None, "model")),
-        r"layers/\d+/(wo|w_down)": eqpar.Sharded(P("model", None)),
-    }
-    parallel = eqpar.parallelize(model, plan, mesh=mesh)
+    parallel = eqpar.parallelize(model, LLAMA_TENSOR_PARALLEL, mesh=mesh)
     fsdp = eqpar.FSDP(mesh, axis="data", min_size_bytes=0)
     storage = fsdp.partition_specs(parallel)
     assert storage.layers[0].w_up == P("data", "model")

@@ -132,7 +132,8 @@ def _child_placement():
     )
 
     # a local batch that does not divide over this process's 4 devices is refused
-    _expect_value_error(
+    _expect(
+        ValueError,
         lambda: placement.host_to_global_device_array({"odd": np.zeros((6, 2))}, mesh=mesh),
         "leaf 'odd' has a local batch of 6 rows",
     )
@@ -142,13 +143,13 @@ def _child_placement():
     print(f"process {process_id}: agreement checks passed")
 
 
-def _expect_value_error(call, *fragments: str) -> None:
+def _expect(error_type: type[Exception], call, *fragments: str) -> None:
     try:
         call()
-    except ValueError as error:
+    except error_type as error:
         assert all(fragment in str(error) for fragment in fragments), (fragments, error)
     else:
-        raise AssertionError(f"no ValueError with {fragments}")
+        raise AssertionError(f"no {error_type.__name__} with {fragments}")
 
 
 def _check_processes_must_agree(placement, mesh, process_id: int) -> None:
@@ -159,37 +160,45 @@ def _check_processes_must_agree(placement, mesh, process_id: int) -> None:
     place = placement.host_to_global_device_array
     replicated = placement.DataPartitionType.REPLICATED
     rows = 8 if process_id == 0 else 4
-    _expect_value_error(
+    _expect(
+        ValueError,
         lambda: place({"ok": np.zeros((8, 1)), "x": [np.zeros((rows, 3), np.float32)]}, mesh=mesh),
         "disagree on leaf 'x/0'",
         "process 0: shape (8, 3) float32",
         "process 1: shape (4, 3) float32",
     )
     dtype = np.float32 if process_id == 0 else np.int32
-    _expect_value_error(
+    _expect(
+        ValueError,
         lambda: place({"x": np.zeros((8, 3), dtype)}, mesh=mesh),
         "disagree on leaf 'x'",
         "process 0: shape (8, 3) float32",
         "process 1: shape (8, 3) int32",
     )
-    _expect_value_error(
+    _expect(
+        ValueError,
         lambda: place({"table": np.full(3, process_id, np.float32)}, replicated, mesh=mesh),
         "disagree on leaf 'table'",
         "CRC-32",
     )
     # int64 values beyond int32 (jax_enable_x64 is off): on one process only, or on both
     big = np.arange(8, dtype=np.int64) + (2**40 if process_id == 1 else 0)
-    _expect_value_error(
-        lambda: place({"ids": big}, mesh=mesh), "disagree on leaf 'ids'", "values out of range"
+    _expect(
+        ValueError,
+        lambda: place({"ids": big}, mesh=mesh),
+        "disagree on leaf 'ids'",
+        "values out of range",
     )
-    _expect_value_error(
+    _expect(
+        ValueError,
         lambda: place({"ids": np.arange(8, dtype=np.int64) + 2**40}, mesh=mesh),
         "leaf 'ids' holds int64 values",
         "jax_enable_x64",
     )
     # Distribution input placement shares the implementation, checks included
     data_parallel = eqpar.DataParallel(devices=list(mesh.devices.flat))
-    _expect_value_error(
+    _expect(
+        ValueError,
         lambda: data_parallel.distribute_input({"x": np.zeros((rows, 2), np.float32)}),
         "distribute_input",
         "disagree on leaf 'x'",
@@ -218,25 +227,19 @@ def _child_failure_reaches_every_process():
     devices = np.array(jax.devices())
     mesh = Mesh(devices, ("data",))
 
-    def expect(error_type, call, *fragments):
-        try:
-            call()
-        except error_type as error:
-            assert all(fragment in str(error) for fragment in fragments), (fragments, error)
-        else:
-            raise AssertionError(f"no {error_type.__name__} with {fragments}")
-
     # process 1 passes a string leaf: its own TypeError names the leaf; process 0's names it
     tag = "a" if process_id == 1 else np.zeros(2, np.int32)
     ok = np.zeros((2, 3), np.float32)
     own = ("leaf 'pair/1' must be a NumPy array", "not str")
     peer = ("process 1 refused its own data", "[process 1] TypeError:", *own)
-    expect(TypeError, lambda: place({"pair": (ok, tag)}, mesh=mesh), *(own if process_id else peer))
+    _expect(
+        TypeError, lambda: place({"pair": (ok, tag)}, mesh=mesh), *(own if process_id else peer)
+    )
     # a mesh with 2 devices of process 0 and 1 of process 1: 3 local rows split on process 1 only
     uneven = Mesh(devices[[0, 1, 2]], ("data",))
     own = ("leaf 'x' has a local batch of 3 rows", "the 2 local devices")
     peer = ("process 0 refused its own data", "[process 0] ValueError:", *own)
-    expect(
+    _expect(
         ValueError,
         lambda: place({"x": np.zeros((3, 1))}, mesh=uneven),
         *(peer if process_id else own),
