@@ -40,6 +40,7 @@ from .plan import ColumnParallel as ColumnParallel
 from .plan import ContextParallel as ContextParallel
 from .plan import FeatureParallel as FeatureParallel
 from .plan import HeadParallel as HeadParallel
+from .plan import Pipeline as Pipeline
 from .plan import Remat as Remat
 from .plan import Replicated as Replicated
 from .plan import RowParallel as RowParallel
@@ -70,6 +71,7 @@ __all__ = [
     "HeadParallel",
     "LayoutMap",
     "ModelParallel",
+    "Pipeline",
     "Precision",
     "Remat",
     "Replicated",

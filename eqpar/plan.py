@@ -37,6 +37,7 @@ from .nn.dropout import ParallelDropout
 from .nn.embedding import FeatureParallelEmbedding, VocabParallelEmbedding
 from .nn.linear import ColumnParallelLinear, RowParallelLinear
 from .nn.parallel_layers import PARALLEL_LAYERS, to_serial_layer
+from .nn.pipelined import PipelinedBlocks
 from .nn.rotary import ParallelRotaryEmbedding
 from .nn.sequence import SequenceParallelDropout
 from .nn.stacks import remat_policy
@@ -46,6 +47,7 @@ __all__ = [
     "ContextParallel",
     "FeatureParallel",
     "HeadParallel",
+    "Pipeline",
     "Remat",
     "Replicated",
     "RowParallel",
@@ -476,6 +478,91 @@ class Sharded(Style):
             )
 
 
+@dataclasses.dataclass(frozen=True)
+class Pipeline(Style):
+    """Run the model's list of blocks as a pipeline over `axis_name`, the author's
+    `__call__` kept: the key is the path of the list (`layers`). The list becomes an
+    `eqpar.nn.PipelinedBlocks`: the blocks stacked in model order and cut into `stages *
+    repeats` stages of equal depth, stored split over the axis. The author's loop over the
+    list (per-block dropout keys, a mask every block takes, the per-example `jax.vmap` around
+    the model) runs as written; the last block's call runs every block as one pipeline over
+    the batch cut into `microbatches` (GPipe with `repeats=1`, the circular schedule with
+    `repeats` stages per device), and differentiating the loss trains it: the gradient of the
+    global loss, as on one device. Other plan keys convert layers inside the blocks (tensor
+    parallelism within each stage); blocks that differ only in integer static fields stack.
+
+    **Arguments:**
+
+    - `stages`: the size of the pipeline axis (one stage per device per repeat).
+    - `microbatches`: how many pieces each device's batch is cut into; it must divide it.
+    - `repeats`: stages per device (the circular schedule when > 1); the number of blocks
+      must divide by `stages * repeats`.
+    - `axis_name`: the mesh axis of the pipeline.
+    - `remat`: what each block keeps for the backward pass (`"none"`, `"full"`,
+      `"matmuls"`).
+    - `schedule`: `"gpipe"` or `"circular"` (the default follows `repeats`). The training
+      schedules that run the loss inside the pipeline (`"1f1b"`, `"zb-h1"`) need the head
+      and the loss as a stage, which a model's own `__call__` does not give: use
+      `eqpar.nn.PipelineModule.value_and_grad` for them.
+
+    ```python
+    import equinox as eqx, jax, eqpar
+    blocks = [eqx.nn.Linear(4, 4, key=k) for k in jax.random.split(jax.random.key(0), 4)]
+    model = eqx.nn.Sequential(blocks)
+    parallel = eqpar.parallelize(model, {"layers": eqpar.Pipeline(stages=2, microbatches=2)})
+    assert len(parallel.layers) == 4 and isinstance(parallel.layers, eqpar.nn.PipelinedBlocks)
+    assert eqx.tree_equal(eqpar.unparallelize(parallel), model)
+    ```
+    """
+
+    stages: int
+    microbatches: int
+    repeats: int = 1
+    axis_name: Hashable = "pipe"
+    remat: str = "none"
+    schedule: str | None = None
+    accepts = (list, tuple)
+
+    def __post_init__(self) -> None:
+        for name in ("stages", "microbatches", "repeats"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"Pipeline: `{name}` must be a positive int, got {value!r}.")
+        remat_policy(self.remat, "Pipeline")
+        expected = "gpipe" if self.repeats == 1 else "circular"
+        if self.schedule in ("1f1b", "zb-h1"):
+            raise ValueError(
+                f"Pipeline: schedule={self.schedule!r} runs the loss inside the pipeline, on "
+                f"the last stage, so it needs the head and the loss as a function of the last "
+                f"block's output; a plan keeps the model's own `__call__`, in which they follow "
+                f"the blocks. Use 'gpipe' (or 'circular' with repeats > 1) here, or "
+                f"eqpar.nn.PipelineModule.value_and_grad(loss_fn, ..., schedule="
+                f"{self.schedule!r}) with the head as `loss_fn`."
+            )
+        if self.schedule not in (None, expected):
+            raise ValueError(
+                f"Pipeline: schedule={self.schedule!r} does not fit repeats={self.repeats}: "
+                f"'gpipe' runs one stage per device (repeats=1), 'circular' several "
+                f"(repeats > 1). Pass schedule={expected!r} or leave it out."
+            )
+
+    def convert(self, layer: PyTree) -> PyTree:
+        raise TypeError(
+            "Pipeline applies to the model's list (or tuple) of blocks, e.g. the key "
+            "'layers' for `model.layers`, not to one block."
+        )
+
+    def convert_list(self, layers: list | tuple) -> PyTree:
+        return PipelinedBlocks(
+            layers,
+            num_stages=self.stages,
+            num_microbatches=self.microbatches,
+            num_repeats=self.repeats,
+            axis_name=self.axis_name,
+            remat=remat_policy(self.remat, "Pipeline"),
+        )
+
+
 _BLOCK_STYLES = (Remat, SplitSequence)
 
 
@@ -592,8 +679,11 @@ def parallelize(
     block_patterns = {k: p for k, p in all_patterns.items() if isinstance(plan[k], _BLOCK_STYLES)}
     _check_block_styles(plan)
     array_patterns = {k: p for k, p in all_patterns.items() if isinstance(plan[k], Sharded)}
+    pipeline_patterns = {k: p for k, p in all_patterns.items() if isinstance(plan[k], Pipeline)}
     patterns = {
-        k: p for k, p in all_patterns.items() if k not in block_patterns and k not in array_patterns
+        k: p
+        for k, p in all_patterns.items()
+        if k not in block_patterns and k not in array_patterns and k not in pipeline_patterns
     }
     axis_sizes = None if mesh is None else dict(as_jax_mesh(mesh).shape)
     used: set[str] = set()
@@ -664,6 +754,9 @@ def parallelize(
             ) from error
 
     converted = jax.tree_util.tree_map_with_path(convert, model, is_leaf=_is_plannable)
+    _check_columns_in_a_row(converted, plan, chosen)
+    if pipeline_patterns:
+        converted = _pipeline_lists(converted, plan, pipeline_patterns, used, axis_sizes)
     unused = [key for key in plan if key not in used]
     if unused:
         hints = unused_key_hints(unused, paths)
@@ -671,8 +764,9 @@ def parallelize(
             f"parallelize: plan keys that match no layer: {hints}. Keys are "
             f"matched against the paths of Linear, MultiheadAttention, Embedding, LayerNorm, "
             f"RMSNorm, Dropout and RotaryPositionalEmbedding layers, Remat / SplitSequence "
-            f"keys against the paths of blocks (modules) and lists of them, and Sharded keys "
-            f"against the paths of array leaves "
+            f"keys against the paths of blocks (modules) and lists of them, Pipeline keys "
+            f"against the paths of lists of blocks, and Sharded keys against the paths of "
+            f"array leaves "
             f"(`eqpar.leaf_paths(model)` lists leaf paths; drop the last part such as "
             f"'/weight'). The projections inside a MultiheadAttention are "
             f"not layers of their own here: HeadParallel() on the attention splits them all."
@@ -680,7 +774,6 @@ def parallelize(
         if strict:
             raise ValueError(message + " Pass strict=False to only warn.")
         warnings.warn(message, stacklevel=2)
-    _check_columns_in_a_row(converted, plan, chosen)
     return converted
 
 
@@ -785,6 +878,53 @@ def _attach_array_specs(
     return visit(model, (), None)
 
 
+def _pipeline_lists(
+    model: PyTree,
+    plan: Mapping[str, Style],
+    patterns: dict,
+    used: set[str],
+    axis_sizes: dict | None,
+) -> PyTree:
+    """The lists that `Pipeline` keys name, each made a `PipelinedBlocks` (last, so that the
+    layers inside the blocks are converted by the other keys first)."""
+
+    def visit(node: PyTree, path: tuple) -> PyTree:
+        where = path_to_str(path)
+        key = single_match(patterns, where, "parallelize")
+        if key is None:
+            return map_children(node, path, visit)
+        style = plan[key]
+        assert isinstance(style, Pipeline)
+        if not isinstance(node, list | tuple):
+            raise TypeError(
+                f"parallelize: plan[{key!r}] = {style!r} names {where!r}, a "
+                f"{type(node).__name__}; Pipeline applies to the model's list (or tuple) of "
+                f"blocks. Name the list (e.g. 'layers' rather than 'layers/0')."
+            )
+        used.add(key)
+        if axis_sizes is not None:
+            axis = style.axis_name
+            if axis not in axis_sizes:
+                raise ValueError(
+                    f"parallelize: plan[{key!r}] = {style!r} names axis {axis!r}, which the "
+                    f"mesh {tuple(axis_sizes)} does not have."
+                )
+            if axis_sizes[axis] != style.stages:
+                raise ValueError(
+                    f"parallelize: plan[{key!r}] = {style!r} has stages={style.stages}, but "
+                    f"the mesh axis {axis!r} has {axis_sizes[axis]} devices; pass "
+                    f"stages={axis_sizes[axis]} (more stages per device: repeats)."
+                )
+        try:
+            return style.convert_list(node)
+        except (TypeError, ValueError) as error:
+            raise type(error)(
+                f"parallelize: plan[{key!r}] = {style!r} cannot pipeline {where!r}: {error}"
+            ) from error
+
+    return visit(model, ())
+
+
 def _check_block_styles(plan: Mapping[str, Style]) -> None:
     split = {s.axis_name for s in plan.values() if isinstance(s, SplitSequence)}
     for key, style in plan.items():
@@ -805,6 +945,8 @@ def _plan_axes(plan: Mapping[str, Style]) -> tuple[tuple, tuple]:
     split_axes: dict = {}
     sequence_axes: dict = {}
     for style in plan.values():
+        if isinstance(style, Pipeline):  # each device holds whole activations of its stage
+            continue
         for axis in (style.axis, getattr(style, "head_axis_name", None)):
             if axis is not None:  # a tuple of axes splits over their product: kept whole
                 split_axes[axis] = None
@@ -875,6 +1017,8 @@ def unparallelize(model: PyTree) -> PyTree:
     """
 
     def serial(node: PyTree) -> PyTree:
+        if isinstance(node, PipelinedBlocks):
+            return unparallelize(node.serial())
         if block_options(node) is not None:
             return unparallelize(serial_block(node))
         return to_serial_layer(node)
@@ -882,5 +1026,7 @@ def unparallelize(model: PyTree) -> PyTree:
     return jax.tree.map(
         serial,
         model,
-        is_leaf=lambda node: isinstance(node, PARALLEL_LAYERS) or block_options(node) is not None,
+        is_leaf=lambda node: (
+            isinstance(node, (*PARALLEL_LAYERS, PipelinedBlocks)) or block_options(node) is not None
+        ),
     )

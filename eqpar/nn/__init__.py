@@ -16,6 +16,7 @@ from .linear import TPDense as TPDense
 from .linear import scale_init as scale_init
 from .model_parallel import ModelParallelismWrapper as ModelParallelismWrapper
 from .pipeline import PipelineModule as PipelineModule
+from .pipelined import PipelinedBlocks as PipelinedBlocks
 from .rotary import ParallelRotaryEmbedding as ParallelRotaryEmbedding
 from .sequence import SequenceParallelDropout as SequenceParallelDropout
 from .sequence import gather_sequence as gather_sequence
@@ -33,6 +34,7 @@ __all__ = [
     "ParallelDropout",
     "ParallelRotaryEmbedding",
     "PipelineModule",
+    "PipelinedBlocks",
     "RowParallelLinear",
     "ScannedLayers",
     "SequenceParallelDropout",

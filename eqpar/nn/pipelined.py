@@ -1,0 +1,506 @@
+"""`PipelinedBlocks`: the model's own list of blocks, run as a pipeline while the author's
+`__call__` runs as written.
+
+The plan entry `Pipeline` replaces a list of blocks (say `model.layers`) with this module. It
+holds the blocks stacked and cut into stages (a `PipelineModule` of `ScannedLayers`, sharded
+over the pipeline axis) and still behaves as the list did where the author's code uses it:
+`len`, iteration and indexing give one callable per block. Calling them in order, each on the
+previous one's output, is recorded rather than run; the last call runs all of them at once as
+a GPipe or circular pipeline and returns what the last block would have. Per-layer arguments
+(a dropout key split per block) are stacked and each block gets its own; arguments every
+block gets (an attention mask, positions) are passed once.
+
+Why a record and not a trace of the whole program: the blocks' calls are the only part that
+changes, and the author's code around them (embedding, head, the loss, a per-example
+`jax.vmap`) runs as JAX would run it. Under `jax.vmap` the record sees one example; the run
+is a `jax.custom_batching.custom_vmap` function, whose batching rule receives the whole batch
+(every example's values, batch axis first), which is what the pipeline splits into
+microbatches. Called on a batch directly (no `vmap`), the leading axis of the first block's
+input is the batch. Differentiating the author's loss differentiates the pipeline (the one
+gradient rule: the gradient of the global loss, nothing divided by hand).
+"""
+
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NamedTuple
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jax.custom_batching import custom_vmap
+from jaxtyping import PyTree
+
+from .._axes import bound_axis_size
+from .._paths import path_to_str
+from .._typing import AxisName
+from ..pipeline._microbatch import Microbatched
+from .pipeline import PipelineModule
+from .stacks import RematPolicy, ScannedLayers, map_arrays, stack_layers, unstack_layers
+
+_OWNER = "PipelinedBlocks"
+
+
+class PipelinedBlocks(eqx.Module):
+    """A list of blocks run as a pipeline over a mesh axis, while the model around it keeps
+    its own `__call__` (the plan style `eqpar.Pipeline` builds it).
+
+    The blocks are stacked in model order and cut into `num_stages * num_repeats` stages of
+    equal depth (`pipeline`, a `PipelineModule` of `ScannedLayers`), sharded over
+    `axis_name`. Where the author's code used the list it still works: `len(blocks)`,
+    `for block in blocks`, `blocks[i]`, `zip(blocks, keys)`. Call the blocks in order, each on
+    the previous block's output, with any other arguments: the calls before the last return
+    a placeholder (it is not an array: use it only as the next block's input), and the last
+    runs the pipeline. Inside `shard_map` over `axis_name` that is GPipe (`num_repeats == 1`)
+    or the circular schedule, the batch cut into `num_microbatches`; elsewhere the blocks run
+    one after another on one device (the serial twin).
+
+    Arguments that every block receives as the same object are passed once (split into
+    microbatches where they are per example); arguments that differ by block (a key per
+    block) are stacked, and each block gets its own. Non-array arguments (flags such as
+    `enable_dropout`) must be equal for every block.
+
+    Prefer `eqpar.parallelize(model, {"layers": eqpar.Pipeline(...)})` to building this by
+    hand; `eqpar.unparallelize` gives the list back.
+
+    ```python
+    import equinox as eqx, jax, jax.numpy as jnp, eqpar
+    from jax.sharding import PartitionSpec as P
+
+    class Block(eqx.Module):
+        linear: eqx.nn.Linear
+        dropout: eqx.nn.Dropout
+        def __call__(self, x, key):
+            return self.dropout(jnp.tanh(self.linear(x)), key=key)
+
+    class Model(eqx.Module):
+        layers: list
+        def __call__(self, x, key):  # one example; a key per block
+            for layer, k in zip(self.layers, jax.random.split(key, len(self.layers))):
+                x = layer(x, k)
+            return x.sum()
+
+    keys = jax.random.split(jax.random.key(0), 4)
+    model = Model([Block(eqx.nn.Linear(3, 3, key=k), eqx.nn.Dropout(0.5)) for k in keys])
+    plan = {"layers": eqpar.Pipeline(stages=2, microbatches=2)}
+    parallel = eqpar.parallelize(model, plan)
+    mesh = eqpar.DeviceMesh((2,), ("pipe",), devices=jax.devices()[:2])
+    loss = lambda m, x, k: jax.vmap(m)(x, k).mean()
+    run = eqpar.shard_map(
+        loss, mesh=mesh, in_specs=(eqpar.partition_specs(parallel), P(), P()), out_specs=P()
+    )
+    x, k = jnp.ones((4, 3)), jax.random.split(jax.random.key(1), 4)
+    assert jnp.allclose(run(parallel, x, k), loss(model, x, k), rtol=1e-5)
+    assert eqx.tree_equal(eqpar.unparallelize(parallel), model)
+    ```
+    """
+
+    pipeline: PipelineModule
+    num_layers: int = eqx.field(static=True)
+    container: type = eqx.field(static=True)
+
+    def __init__(
+        self,
+        blocks: Sequence[Any],
+        *,
+        num_stages: int,
+        num_microbatches: int,
+        num_repeats: int = 1,
+        axis_name: AxisName = "pipe",
+        remat: RematPolicy | bool = "none",
+    ):
+        if isinstance(blocks, str | bytes) or not isinstance(blocks, Sequence) or not blocks:
+            raise TypeError(
+                f"{_OWNER}: `blocks` must be a non-empty list (or tuple) of the model's blocks, "
+                f"got {type(blocks).__name__}{'' if blocks else ' (empty)'}."
+            )
+        for index, block in enumerate(blocks):
+            if not callable(block):
+                raise TypeError(
+                    f"{_OWNER}: `blocks[{index}]` is a {type(block).__name__}, which cannot be "
+                    f"called; a pipeline runs the blocks one after another."
+                )
+        self.num_layers = len(blocks)
+        self.container = type(blocks)
+        self.pipeline = PipelineModule.from_layers(
+            stack_layers(list(blocks)),
+            num_stages=num_stages,
+            num_microbatches=num_microbatches,
+            num_repeats=num_repeats,
+            axis_name=axis_name,
+            remat=remat,
+            broadcast_output=True,
+        )
+
+    # ----------------------------------------------------------------------------------
+    # The list the author's code sees.
+
+    def __len__(self) -> int:
+        return self.num_layers
+
+    def __iter__(self) -> Iterator["_BlockCall"]:
+        return (_BlockCall(self, index) for index in range(self.num_layers))
+
+    def __getitem__(self, index: int | slice) -> "_BlockCall":
+        if isinstance(index, bool) or not isinstance(index, int):
+            raise TypeError(
+                f"{_OWNER}: index the pipelined blocks with one int (got "
+                f"{type(index).__name__}): they run together, in order, so a slice or a "
+                f"subset of them cannot be a pipeline. Call every block in order, or leave "
+                f"the list out of the plan."
+            )
+        if not -self.num_layers <= index < self.num_layers:
+            raise IndexError(
+                f"{_OWNER}: index {index} is out of range for {self.num_layers} blocks."
+            )
+        return _BlockCall(self, index % self.num_layers)
+
+    def blocks(self) -> list[Any]:
+        """The blocks as separate modules, in model order (the arrays indexed out of the
+        stack; integer static fields that differ by block are Python values again)."""
+        return unstack_layers(self.pipeline.to_layers())
+
+    def serial(self) -> list | tuple:
+        """The list (or tuple) of blocks this module replaced: the inverse of building it."""
+        return self.container(self.blocks())
+
+    # ----------------------------------------------------------------------------------
+    # Running the recorded calls.
+
+    def _run(self, x: PyTree, calls: list[tuple[tuple, dict]]) -> PyTree:
+        if bound_axis_size(self.pipeline.axis_name) is None:
+            stack = self.pipeline.to_layers()  # one device: the blocks in order
+            for index, (args, kwargs) in enumerate(calls):
+                x = map_arrays(lambda a, i=index: a[i], stack)(x, *args, **kwargs)
+            return x
+        layout, per_layer_values, shared_values = _ArgumentLayout.of(calls)
+        if not _under_vmap((x, per_layer_values, shared_values)):  # x is the batch
+            try:
+                return _run_pipeline(
+                    self.pipeline, layout, x, per_layer_values, shared_values, None
+                )
+            except (TypeError, ValueError) as error:
+                if _HIDDEN_VMAP in str(error):
+                    raise
+                raise type(error)(f"{error}\n\n{_OWNER}: {_HIDDEN_VMAP_FIX}") from error
+        params, pipeline_static = eqx.partition(self.pipeline, eqx.is_array)
+
+        # Under `jax.vmap` the values here are one example's; the batching rule below gets
+        # the whole batch. The function itself is only traced for its output's shape (the
+        # blocks keep the shape of their input), never run.
+        @custom_vmap
+        def pipelined(params: PyTree, x: PyTree, per_layer: list, shared: list) -> PyTree:
+            return x
+
+        @pipelined.def_vmap
+        def per_example(size: int, in_batched: list, params, x, per_layer, shared):
+            params_batched, x_batched, per_layer_batched, shared_batched = in_batched
+            if any(jax.tree.leaves(params_batched)):
+                raise ValueError(
+                    f"{_OWNER}: the blocks' parameters are batched by a `jax.vmap` around the "
+                    f"model (a vmap over models); a pipeline runs one model. vmap over the "
+                    f"examples only."
+                )
+            x = jax.tree.map(
+                lambda leaf, b: leaf if b else jnp.broadcast_to(leaf, (size, *jnp.shape(leaf))),
+                x,
+                x_batched,
+            )
+            pipeline = eqx.combine(params, pipeline_static)
+            batched = (per_layer_batched, shared_batched)
+            out = _run_pipeline(pipeline, layout, x, per_layer, shared, batched)
+            return out, jax.tree.map(lambda _: True, out)
+
+        return pipelined(params, x, per_layer_values, shared_values)
+
+
+def _under_vmap(tree: PyTree) -> bool:
+    """Whether some array leaf of `tree` is batched by a `jax.vmap` around this call (read
+    off a `custom_vmap` probe whose batching rule runs, at trace time, only under one)."""
+    leaves = [leaf for leaf in jax.tree.leaves(tree) if eqx.is_array(leaf)]
+    if not leaves:
+        return False
+    seen: list[bool] = []
+
+    @custom_vmap
+    def probe(leaves: list) -> jax.Array:
+        return jnp.zeros((), jnp.int32)
+
+    @probe.def_vmap
+    def rule(size: int, in_batched: list, leaves: list) -> tuple[jax.Array, bool]:
+        seen.append(any(jax.tree.leaves(in_batched)))
+        return jnp.zeros((), jnp.int32), False
+
+    probe(leaves)
+    return any(seen)
+
+
+class _BlockCall:
+    """Block `index` of a `PipelinedBlocks`: calling it records the call (and the last block's
+    call runs them all)."""
+
+    def __init__(self, owner: PipelinedBlocks, index: int):
+        self._owner = owner
+        self._index = index
+
+    def __call__(self, x: PyTree, *args: Any, **kwargs: Any) -> Any:
+        owner, index = self._owner, self._index
+        if index == 0:
+            if isinstance(x, _Pending):
+                raise ValueError(
+                    f"{_OWNER}: block 0 was called on the output of the blocks' calls so far; "
+                    f"the pipelined blocks run once per forward, in order, each on the "
+                    f"previous block's output."
+                )
+            start, calls = x, []
+        else:
+            if not isinstance(x, _Pending) or x.owner is not owner:
+                raise ValueError(
+                    f"{_OWNER}: block {index} was called on {type(x).__name__}, not on the "
+                    f"output of block {index - 1}. Pipelined blocks run in order, each on the "
+                    f"previous block's output: call block 0 first and pass each output on "
+                    f"unchanged (keep code that reads it for after the last block)."
+                )
+            if len(x.calls) != index:
+                raise ValueError(
+                    f"{_OWNER}: block {index} was called after block {len(x.calls) - 1}; call "
+                    f"every block once, in order."
+                )
+            start, calls = x.start, x.calls
+        calls = [*calls, (args, kwargs)]
+        if index == owner.num_layers - 1:
+            return owner._run(start, calls)
+        return _Pending(owner, start, calls)
+
+
+class _Pending:
+    """The output of a pipelined block before the last: only the next block can take it. Its
+    shape and dtype are known (every block keeps those of its input); its values are not."""
+
+    def __init__(self, owner: PipelinedBlocks, start: PyTree, calls: list):
+        self.owner, self.start, self.calls = owner, start, calls
+
+    @property
+    def shape(self) -> Any:
+        return jax.tree.map(jnp.shape, self.start)
+
+    @property
+    def dtype(self) -> Any:
+        return jax.tree.map(jnp.result_type, self.start)
+
+    @property
+    def ndim(self) -> Any:
+        return jax.tree.map(jnp.ndim, self.start)
+
+    def _message(self) -> str:
+        return (
+            f"{_OWNER}: the output of block {len(self.calls) - 1} of {self.owner.num_layers} "
+            f"was used as a value; a pipeline computes every block's output at once, when the "
+            f"last block is called. Pass each block's output straight to the next block and "
+            f"call every block, then read the last one's output (or leave this list out of "
+            f"the pipeline plan)."
+        )
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise AttributeError(self._message())
+
+    def _refuse(self, *_: Any, **__: Any) -> Any:
+        raise TypeError(self._message())
+
+    def __repr__(self) -> str:
+        return (
+            f"<{_OWNER}: the pending output of block {len(self.calls) - 1} of "
+            f"{self.owner.num_layers}; the blocks' outputs exist once every block is called, "
+            f"in order>"
+        )
+
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = _refuse
+    __matmul__ = __rmatmul__ = __truediv__ = __rtruediv__ = __pow__ = __neg__ = _refuse
+    __getitem__ = __iter__ = __len__ = __bool__ = __float__ = __int__ = __index__ = _refuse
+
+
+class _ArgumentLayout(NamedTuple):
+    """Where each leaf of the blocks' other arguments comes from.
+
+    `treedef` is the arguments' pytree structure; `kinds[j]` says where leaf `j` comes from:
+    `("layer", i)` for row `i` of the stacked per-layer arrays, `("shared", i)` for shared
+    array `i`, `("static", i)` for `statics[i]`, a non-array leaf equal for every block."""
+
+    treedef: Any
+    kinds: tuple
+    statics: tuple
+
+    @classmethod
+    def of(cls, calls: list[tuple[tuple, dict]]) -> tuple["_ArgumentLayout", list, list]:
+        """The layout of the recorded calls, their stacked per-layer arrays and their shared
+        arrays."""
+        flat = [jax.tree_util.tree_flatten_with_path(call) for call in calls]
+        paths, treedef = [path for path, _ in flat[0][0]], flat[0][1]
+        for index, (_, other) in enumerate(flat[1:], start=1):
+            if other != treedef:
+                raise ValueError(
+                    f"{_OWNER}: block {index} was called with arguments of another structure "
+                    f"than block 0 ({other} vs {treedef}); pipelined blocks share one call "
+                    f"signature."
+                )
+        per_layer, shared, kinds, statics = [], [], [], []
+        for j, path in enumerate(paths):
+            values = [leaves[j][1] for leaves, _ in flat]
+            where = _argument_path(path)
+            if not eqx.is_array(values[0]):
+                if any(not _same_static(values[0], v) for v in values[1:]):
+                    index = next(i for i, v in enumerate(values) if not _same_static(values[0], v))
+                    raise ValueError(
+                        f"{_OWNER}: the non-array argument {where} is {values[index]!r} for "
+                        f"block {index} but {values[0]!r} for block 0; a pipeline calls every "
+                        f"block alike. Pass what differs by block as an array (a key, an index)."
+                    )
+                kinds.append(("static", len(statics)))
+                statics.append(values[0])
+            elif all(v is values[0] for v in values[1:]):
+                kinds.append(("shared", len(shared)))
+                shared.append(values[0])
+            else:
+                shapes = {(jnp.shape(v), jnp.result_type(v)) for v in values}
+                if len(shapes) != 1:
+                    raise ValueError(
+                        f"{_OWNER}: the argument {where} differs by block in shape or dtype "
+                        f"({sorted(map(str, shapes))}); arguments that differ by block are "
+                        f"stacked, so they must agree in shape and dtype."
+                    )
+                kinds.append(("layer", len(per_layer)))
+                per_layer.append(jnp.stack(values))
+        return cls(treedef, tuple(kinds), tuple(statics)), per_layer, shared
+
+
+def _same_static(a: object, b: object) -> bool:
+    try:
+        return bool(a is b or a == b)
+    except Exception:  # an object whose == is not a plain bool
+        return False
+
+
+def _argument_path(path: tuple) -> str:
+    head, rest = path[0], path[1:]
+    name = "args" if getattr(head, "idx", None) == 0 else "kwargs"
+    inner = path_to_str(rest)
+    return f"`{name}{'/' + inner if inner else ''}`"
+
+
+class _LayerCall(eqx.Module):
+    """One block as a stage layer: takes `(x, layer)` (the activation and the number of the
+    block in the model, per example), gives the block's output and the next number."""
+
+    block: Any
+    layout: _ArgumentLayout = eqx.field(static=True)
+    per_example: bool = eqx.field(static=True)
+    batched: tuple | None = eqx.field(static=True)
+
+    def __call__(self, carry: tuple, per_layer: list, shared: list) -> tuple:
+        h, number = carry
+        layer = number[0]
+        per_layer_batched, shared_batched = self.batched or (None, None)
+
+        def arguments(per_layer_rows: list, shared_values: list) -> tuple:
+            leaves = []
+            for kind, i in self.layout.kinds:
+                if kind == "static":
+                    leaves.append(self.layout.statics[i])
+                elif kind == "shared":
+                    leaves.append(shared_values[i])
+                else:
+                    leaves.append(per_layer_rows[i])
+            return jax.tree.unflatten(self.layout.treedef, leaves)
+
+        if not self.per_example:
+            rows = [values[layer] for values in per_layer]
+            args, kwargs = arguments(rows, shared)
+            return self.block(h, *args, **kwargs), number + 1
+
+        def one(h: PyTree, rows: list, shared_values: list) -> PyTree:
+            args, kwargs = arguments(rows, shared_values)
+            return self.block(h, *args, **kwargs)
+
+        assert per_layer_batched is not None and shared_batched is not None
+        rows = [v[:, layer] if b else v[layer] for v, b in zip(per_layer, per_layer_batched)]
+        row_axes = [0 if b else None for b in per_layer_batched]
+        shared_axes = [0 if b else None for b in shared_batched]
+        out = jax.vmap(one, in_axes=(0, row_axes, shared_axes))(h, rows, shared)
+        return out, number + 1
+
+
+def _run_pipeline(
+    pipeline: PipelineModule,
+    layout: _ArgumentLayout,
+    x: PyTree,
+    per_layer: list,
+    shared: list,
+    batched: tuple | None,
+) -> PyTree:
+    """The recorded calls as one pipeline run over the whole batch (inside `shard_map`)."""
+    stack = pipeline.stages
+    assert isinstance(stack, ScannedLayers)
+    sizes = {leaf.shape[0] for leaf in jax.tree.leaves(x) if jnp.ndim(leaf)}
+    if len(sizes) != 1:
+        raise ValueError(
+            f"{_OWNER}: the first block's input must be a batch whose array leaves share one "
+            f"leading (batch) size; found {sorted(sizes)}."
+        )
+    size = sizes.pop()
+    flags = batched if batched is not None else ([False] * len(per_layer), [False] * len(shared))
+    per_layer_batched, shared_batched = (tuple(_flag(b) for b in group) for group in flags)
+    layer = _LayerCall(
+        stack.layers,
+        layout=layout,
+        per_example=batched is not None,
+        batched=None if batched is None else (per_layer_batched, shared_batched),
+    )
+    stages = ScannedLayers(layer, remat=stack.remat)
+    pipeline = eqx.tree_at(lambda p: p.stages, pipeline, stages)
+    wrap: Callable = lambda values, flags: [
+        Microbatched(v) if b else v for v, b in zip(values, flags)
+    ]
+    number = jnp.zeros((size,), jnp.int32) if batched is not None else _batch_counter(x)
+    out, _ = pipeline((x, number), wrap(per_layer, per_layer_batched), wrap(shared, shared_batched))
+    return out
+
+
+@custom_vmap
+def _unbatched_counter(leaf: jax.Array) -> jax.Array:
+    return jnp.zeros(jnp.shape(leaf)[:1], jnp.int32)
+
+
+_HIDDEN_VMAP = "a `jax.vmap` that a `jax.jit` or `jax.checkpoint`"
+_HIDDEN_VMAP_FIX = (
+    f"the blocks ran without a `jax.vmap` around them, so the first axis of block 0's input "
+    f"is taken for the batch. If the model is called one example at a time under "
+    f"{_HIDDEN_VMAP} (or their Equinox filters) between the vmap and the blocks hides, put "
+    f"the jit or checkpoint outside the vmap (or remat the blocks with `Pipeline(remat=...)`)."
+)
+
+
+@_unbatched_counter.def_vmap
+def _refuse_hidden_vmap(size: int, in_batched: list, leaf: jax.Array) -> Any:
+    raise ValueError(
+        f"{_OWNER}: the blocks were called under {_HIDDEN_VMAP} inside it hid from them, so the "
+        f"pipeline took one example's first axis for the batch. Put the jit or checkpoint "
+        f"outside the vmap (or remat the blocks with `Pipeline(remat=...)`)."
+    )
+
+
+def _batch_counter(x: PyTree) -> jax.Array:
+    """The block number carried with each example, `[batch]` zeros, made by a function that
+    refuses to be batched: were a `jax.vmap` around the model hidden from the recording (by a
+    `jit` or `checkpoint` inside it), the pipeline would have split one example's first axis
+    as if it were the batch, and this turns that into an error at trace time."""
+    leaf = next(
+        leaf
+        for leaf in jax.tree.leaves(x)
+        if jnp.ndim(leaf) and not jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key)
+    )
+    return _unbatched_counter(jax.lax.stop_gradient(leaf))
+
+
+def _flag(batched: Any) -> bool:
+    leaves = jax.tree.leaves(batched)
+    return bool(leaves and all(leaves))

@@ -1,0 +1,216 @@
+"""Pipelines by plan: one entry on the model's list of blocks, the author's `__call__` kept.
+
+The models are the ones nobody on the team wrote (`equinox_vit.py`, `equinox_bert.py`,
+`llama_style.py`), unchanged: their loops over the blocks pass per-block dropout keys (the
+ViT and BERT) or positions (the Llama), their losses `jax.vmap` the model per example, and
+the Llama's layers differ in a static index. One plain-SGD step of the parallel model equals
+the same step on one device (the gradient of the global loss: nothing divided by hand).
+"""
+
+import equinox as eqx
+import equinox_bert as bert
+import equinox_vit as vit
+import jax
+import jax.numpy as jnp
+import llama_style as llama
+import pytest
+from jax import lax
+from jax.sharding import PartitionSpec as P
+from numerics import assert_arrays_close, assert_tree_close
+from test_any_model import VIT_PLAN, mesh_of, serial_step, sharded_step
+
+import eqpar
+from eqpar.nn import PipelinedBlocks
+
+MESH_DP_PP = ((2, 2), ("data", "pipe"))
+LLAMA_LAYER = lambda index, key: llama.LlamaLayer(index, key=key)
+
+
+def with_blocks(model, name: str, make, count: int):
+    """`model` with its list of blocks `name` replaced by `count` fresh blocks (the models'
+    loops run over the list, so this changes only the depth)."""
+    keys = jax.random.split(jax.random.key(7), count)
+    return eqx.tree_at(lambda m: getattr(m, name), model, [make(i, k) for i, k in enumerate(keys)])
+
+
+def check_step(model, loss_fn, batch, plan, mesh_shape, names=MESH_DP_PP[1]):
+    serial_loss, serial_model = serial_step(loss_fn, model, *batch)
+    mesh = mesh_of(mesh_shape, names)
+    parallel = eqpar.parallelize(model, plan, mesh=mesh)
+    specs = (P("data"),) * len(batch)
+    loss, updated = sharded_step(loss_fn, parallel, mesh, specs, *batch)
+    assert_tree_close(loss, serial_loss, what="loss")
+    assert_arrays_close(updated, serial_model)
+    return parallel
+
+
+def test_vit_under_data_pipe_and_tensor_parallelism_by_plan():
+    """3D: the ViT's blocks pipelined over `pipe`, the attention and the MLP (with its
+    dropout between the two linears) split over `model` inside each stage, the batch over
+    `data`: one plan, no model change."""
+    model = vit.VisionTransformer(key=jax.random.key(0))
+    plan = {**VIT_PLAN, "attention_blocks": eqpar.Pipeline(stages=2, microbatches=2)}
+    parallel = check_step(model, vit.loss, vit.batch(8), plan, (2, 2, 2), ("data", "pipe", "model"))
+    assert isinstance(parallel.attention_blocks, PipelinedBlocks)
+    specs = eqpar.partition_specs(parallel).attention_blocks.pipeline.stages.layers
+    assert specs.linear1.weight == P("pipe", None, "model", None)  # [S, L/S, out, in]
+
+
+def test_bert_by_plan_with_remat():
+    """The BERT encoder's loop splits a fresh key per layer from a chain and passes the
+    padding mask to every layer: the keys are stacked (each block its own), the mask passed
+    once; each block is rematerialized."""
+    model = bert.Encoder(key=jax.random.key(0))
+    style = eqpar.Pipeline(stages=2, microbatches=2, remat="full")
+    check_step(model, bert.loss, bert.batch(8), {"layers": style}, MESH_DP_PP[0])
+
+
+@pytest.mark.parametrize("repeats", [1, 2])
+def test_llama_with_raw_arrays_and_a_static_layer_index_pipelined_by_plan(repeats):
+    model = with_blocks(llama.Llama(key=jax.random.key(0)), "layers", LLAMA_LAYER, 4)
+    style = eqpar.Pipeline(stages=2, microbatches=4, repeats=repeats)
+    parallel = check_step(model, llama.loss, (llama.batch(8),), {"layers": style}, (2, 2))
+    # The list comes back with the author's classes and static fields.
+    serial = eqpar.unparallelize(parallel)
+    assert [layer.layer_index for layer in serial.layers] == [0, 1, 2, 3]
+    assert eqx.tree_equal(serial, model)
+
+
+class BatchBlock(eqx.Module):
+    """A block that takes the whole batch `[batch, dim]`, no vmap, and a per-block scale."""
+
+    linear: eqx.nn.Linear
+
+    def __call__(self, x, scale, *, shift):
+        return jnp.tanh(jax.vmap(self.linear)(x) * scale + shift)
+
+
+class BatchModel(eqx.Module):
+    blocks: tuple
+
+    def __call__(self, x):
+        shift = jnp.linspace(0.0, 0.1, x.shape[-1])  # the same array for every block
+        for index, block in enumerate(self.blocks):
+            x = block(x, 1.0 + 0.1 * jnp.asarray(index, x.dtype), shift=shift)
+        return x
+
+
+def batch_model():
+    keys = jax.random.split(jax.random.key(3), 4)
+    return BatchModel(tuple(BatchBlock(eqx.nn.Linear(6, 6, key=k)) for k in keys))
+
+
+def batch_loss(model, x):
+    return jnp.mean(model(x) ** 2)
+
+
+def test_a_model_that_takes_the_batch_is_pipelined_on_its_leading_axis():
+    model = batch_model()
+    x = jax.random.normal(jax.random.key(4), (8, 6))
+    plan = {"blocks": eqpar.Pipeline(stages=2, microbatches=2)}
+    parallel = check_step(model, batch_loss, (x,), plan, (2, 2))
+    assert type(eqpar.unparallelize(parallel).blocks) is tuple
+    # Outside shard_map the blocks run one after another: the serial twin.
+    assert_tree_close(batch_loss(parallel, x), batch_loss(model, x), what="loss")
+
+
+def _pipe_loss(loss_fn, model, mesh, *batch):
+    run = eqpar.shard_map(
+        lambda m, *b: lax.pmean(loss_fn(m, *b), "data"),
+        mesh=mesh,
+        in_specs=(eqpar.partition_specs(model), *(P("data") for _ in batch)),
+        out_specs=P(),
+    )
+    return run(model, *batch)
+
+
+@pytest.mark.parametrize("which", ["llama", "shapes that fit"])
+def test_a_vmap_hidden_behind_a_checkpoint_is_refused_not_split_wrongly(which):
+    """`jax.vmap(jax.checkpoint(model))`: the recording sees one example without the vmap,
+    so the pipeline would take the example's first axis (the tokens) for the batch. Where
+    the shapes do not fit that (the Llama's positions) the error says why; where they do
+    (blocks that work token by token), the pipeline refuses once the vmap batches it."""
+    if which == "llama":
+        model, tokens = llama.Llama(key=jax.random.key(0)), llama.batch(8)
+        key = "layers"
+        per_example = lambda m, t: jnp.mean(m(t[:-1]))
+    else:
+        model, tokens = batch_model(), jnp.ones((8, 4, 6))  # [batch, tokens, features]
+        key = "blocks"
+        per_example = lambda m, t: jnp.mean(m(t))
+    parallel = eqpar.parallelize(model, {key: eqpar.Pipeline(stages=2, microbatches=2)})
+    mesh = mesh_of((2, 2), MESH_DP_PP[1])
+
+    def hidden(m, batch):
+        return jnp.mean(jax.vmap(jax.checkpoint(lambda t: per_example(m, t)))(batch))
+
+    with pytest.raises((TypeError, ValueError), match=r"jax.vmap` that a `jax.jit` or `jax.che"):
+        _pipe_loss(hidden, parallel, mesh, tokens)
+
+
+class Misuse(eqx.Module):
+    layers: list
+    mode: str = eqx.field(static=True)
+
+    def __call__(self, x):
+        layers = self.layers
+        if self.mode == "read between":
+            x = layers[0](x)
+            return layers[1](x * 2.0)
+        if self.mode == "out of order":
+            return layers[0](layers[1](x))
+        if self.mode == "skip the last":
+            return layers[0](x)
+        if self.mode == "flag per block":
+            for i, layer in enumerate(layers):
+                x = layer(x, flag=i == 0)
+            return x
+        if self.mode == "slice":
+            for layer in layers[:1]:
+                x = layer(x)
+            return x
+        raise AssertionError(self.mode)
+
+
+class Flagged(eqx.Module):
+    linear: eqx.nn.Linear
+
+    def __call__(self, x, flag=False):
+        return self.linear(x)
+
+
+@pytest.mark.parametrize(
+    "mode, error, match",
+    [
+        ("read between", TypeError, "used as a value"),
+        ("out of order", ValueError, "not on the output of block 0"),
+        ("skip the last", TypeError, "pending output of block 0 of 2.*every block is called"),
+        ("flag per block", ValueError, "non-array argument `kwargs/flag`"),
+        ("slice", TypeError, "index the pipelined blocks with one int"),
+    ],
+)
+def test_blocks_called_other_than_in_order_are_refused(mode, error, match):
+    keys = jax.random.split(jax.random.key(0), 2)
+    model = Misuse([Flagged(eqx.nn.Linear(3, 3, key=k)) for k in keys], mode)
+    parallel = eqpar.parallelize(model, {"layers": eqpar.Pipeline(stages=2, microbatches=2)})
+    mesh = mesh_of((1, 2), MESH_DP_PP[1])
+    loss = lambda m, x: jnp.mean(jax.vmap(m)(x))
+    with pytest.raises(error, match=match):
+        _pipe_loss(loss, parallel, mesh, jnp.ones((4, 3)))
+
+
+def test_pipeline_plan_errors_name_the_key_and_the_fix():
+    model = batch_model()
+    with pytest.raises(ValueError, match="'1f1b' runs the loss inside the pipeline"):
+        eqpar.Pipeline(stages=2, microbatches=2, schedule="1f1b")
+    with pytest.raises(ValueError, match="'circular' several"):
+        eqpar.Pipeline(stages=2, microbatches=2, schedule="circular")
+    with pytest.raises(ValueError, match="positive int"):
+        eqpar.Pipeline(stages=0, microbatches=2)
+    with pytest.raises(TypeError, match=r"names 'blocks/0', a BatchBlock.*Name the list"):
+        eqpar.parallelize(model, {"blocks/0": eqpar.Pipeline(stages=2, microbatches=2)})
+    mesh = mesh_of((2, 4), MESH_DP_PP[1])
+    with pytest.raises(ValueError, match=r"stages=2, but the mesh axis 'pipe' has 4 devices"):
+        eqpar.parallelize(model, {"blocks": eqpar.Pipeline(stages=2, microbatches=2)}, mesh=mesh)
+    with pytest.raises(ValueError, match=r"4 layers do not divide into .* 3 stages"):
+        eqpar.parallelize(model, {"blocks": eqpar.Pipeline(stages=3, microbatches=1)})
