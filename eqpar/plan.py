@@ -633,7 +633,9 @@ def parallelize(
     it is.
 
     **Blocks.** `Remat(policy)` on a block of the model (or a list of blocks) runs the
-    block's own `__call__` under `jax.checkpoint`.
+    block's own `__call__` under `jax.checkpoint`. `Pipeline(stages, microbatches)` on a
+    list of blocks runs them as a pipeline while the model's own loop over them runs as
+    written (an `eqpar.nn.PipelinedBlocks`); the other keys convert the layers inside.
 
     **Arguments:**
 
@@ -641,7 +643,8 @@ def parallelize(
     - `plan`: `{path or regex: style}`; the styles are `ColumnParallel`, `RowParallel`,
       `HeadParallel`, `ContextParallel` (attention over a split sequence), `VocabParallel`,
       `FeatureParallel`, `SequenceParallel` (dropout), `Replicated`, for blocks `Remat`
-      and `SplitSequence`, and for raw array leaves `Sharded` (the compiled route).
+      and `SplitSequence`, for a list of blocks `Pipeline`, and for raw array leaves
+      `Sharded` (the compiled route).
     - `mesh`: optional; when given, the styles' axes must be mesh axes and every size the
       plan splits must divide by its axis size (checked here rather than at trace time).
     - `strict`: a plan key that matches no layer raises (`True`) or warns (`False`).
