@@ -500,6 +500,10 @@ class Pipeline(Style):
     - `axis_name`: the mesh axis of the pipeline.
     - `remat`: what each block keeps for the backward pass (`"none"`, `"full"`,
       `"matmuls"`).
+    - `batch_axis`: `None` (the default) when the model runs one example per call under
+      `jax.vmap`, as Equinox's models do; `0` when it takes the whole batch, leading axis
+      first (then per-example arguments of the blocks are wrapped in
+      `eqpar.pipeline.Microbatched`).
     - `schedule`: `"gpipe"` or `"circular"` (the default follows `repeats`). The training
       schedules that run the loss inside the pipeline (`"1f1b"`, `"zb-h1"`) need the head
       and the loss as a stage, which a model's own `__call__` does not give: use
@@ -521,6 +525,7 @@ class Pipeline(Style):
     axis_name: Hashable = "pipe"
     remat: str = "none"
     schedule: str | None = None
+    batch_axis: int | None = None
     accepts = (list, tuple)
 
     def __post_init__(self) -> None:
@@ -560,6 +565,7 @@ class Pipeline(Style):
             num_repeats=self.repeats,
             axis_name=self.axis_name,
             remat=remat_policy(self.remat, "Pipeline"),
+            batch_axis=self.batch_axis,
         )
 
 
@@ -929,6 +935,16 @@ def _pipeline_lists(
 
 
 def _check_block_styles(plan: Mapping[str, Style]) -> None:
+    pipes = {s.axis_name: k for k, s in plan.items() if isinstance(s, Pipeline)}
+    for key, style in plan.items():
+        names = style.axis if isinstance(style.axis, tuple) else (style.axis,)
+        clash = [name for name in names if name in pipes and not isinstance(style, Pipeline)]
+        if clash:
+            raise ValueError(
+                f"parallelize: plan[{key!r}] = {style!r} splits over axis {clash[0]!r}, which "
+                f"plan[{pipes[clash[0]]!r}] pipelines over; a pipeline's devices each hold "
+                f"other blocks, so they cannot also split one layer. Use another mesh axis."
+            )
     split = {s.axis_name for s in plan.values() if isinstance(s, SplitSequence)}
     for key, style in plan.items():
         if isinstance(style, ContextParallel) and style.axis_name in split:

@@ -299,12 +299,9 @@ def loss_and_grads_scheduled(
         eqx.filter(model, eqx.is_inexact_array),
         (*embed_grads, body_grads, head_grads.norm, head_grads.unembed),
     )
-    # This is the one place gradients come from each shard's own loss: those of parameters
-    # replicated over `data` (and `context`) arrive summed over it, so divide by its size for
-    # the mean.
-    axes = (lm.DATA, lm.CONTEXT) if context else lm.DATA
-    shards = lax.axis_size(axes)
-    return lax.pmean(loss, axes), jax.tree.map(lambda g: g / shards, grads)
+    # The loss of the whole batch (the mean over the shards of `data`, and of `context` when
+    # the sequence is split) and its gradients: nothing to divide by hand.
+    return loss, grads
 
 
 def build_step(model: lm.LM, mesh: eqpar.DeviceMesh, run: RunConfig, optimizer: Any) -> Any:

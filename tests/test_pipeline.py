@@ -248,11 +248,9 @@ def test_data_by_pipe_mesh(schedule):
         model = eqx.combine(arrays, static)
         if schedule == "1f1b":
             value, grads = model.value_and_grad_1f1b(mse, x, t, shift, scale=SCALE)
-            # As jax.grad inside shard_map: gradients of parameters replicated over `data`
-            # arrive summed over it, i.e. the gradient of the sum of the shards' losses.
-            data = lax.axis_size("data")
-            grads = jax.tree.map(lambda g: g / data, eqx.filter(grads, eqx.is_array))
-            return lax.pmean(value, "data"), jnp.zeros_like(x), grads
+            # The loss of the whole batch (the mean over the `data` shards) and its
+            # gradients, as `jax.grad` of a `pmean` of the loss gives (the one gradient rule).
+            return value, jnp.zeros_like(x), eqx.filter(grads, eqx.is_array)
 
         def loss(arrays):
             y = eqx.combine(arrays, static)(x, shift, scale=SCALE)
@@ -1100,9 +1098,9 @@ def test_pipeline_inside_a_user_model_trains_like_the_serial_model(schedule):
 
     Gradient rule: the per-shard loss is averaged over `data` with `lax.pmean` before
     differentiating (GPipe, circular), so the gradients of parameters replicated over `data`
-    are the global-mean gradients. 1F1B returns each shard's loss with gradients summed over
-    `data` (the embedding's too, through `eqx.filter_vjp` of the input gradients), so they
-    are divided by the size of `data`.
+    are the global-mean gradients. 1F1B returns that same global loss and its gradients (the
+    embedding's too, through `eqx.filter_vjp` of the input gradients): nothing is divided by
+    hand.
     """
     from eqpar.layout import partition_specs
     from eqpar.pipeline import Microbatched
@@ -1141,9 +1139,8 @@ def test_pipeline_inside_a_user_model_trains_like_the_serial_model(schedule):
                 (embed_grads, body_grads, head_grads.head),
                 is_leaf=lambda x: x is None,
             )
-            grads = jax.tree.map(lambda g: g / jax.lax.axis_size("data"), grads)
             grads = eqx.filter(grads, eqx.is_inexact_array)
-            return lax.pmean(loss, "data"), jnp.zeros(logits_shape(tokens)), grads, sgd(net, grads)
+            return loss, jnp.zeros(logits_shape(tokens)), grads, sgd(net, grads)
 
     else:
 

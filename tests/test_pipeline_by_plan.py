@@ -77,41 +77,64 @@ def test_llama_with_raw_arrays_and_a_static_layer_index_pipelined_by_plan(repeat
 
 
 class BatchBlock(eqx.Module):
-    """A block that takes the whole batch `[batch, dim]`, no vmap, and a per-block scale."""
+    """A block that takes the whole batch `[batch, dim]`, no vmap, a per-block scale and a
+    per-example mask."""
 
     linear: eqx.nn.Linear
+    gated: bool = eqx.field(static=True)
 
-    def __call__(self, x, scale, *, shift):
-        return jnp.tanh(jax.vmap(self.linear)(x) * scale + shift)
+    def __call__(self, hidden, scale, mask, *, shift):
+        out = jnp.tanh(jax.vmap(self.linear)(hidden) * scale + shift)
+        return jnp.where(mask[:, None], out, hidden) if self.gated else out
 
 
 class BatchModel(eqx.Module):
     blocks: tuple
 
-    def __call__(self, x):
+    def __call__(self, x, mask):
         shift = jnp.linspace(0.0, 0.1, x.shape[-1])  # the same array for every block
         for index, block in enumerate(self.blocks):
-            x = block(x, 1.0 + 0.1 * jnp.asarray(index, x.dtype), shift=shift)
+            scale = 1.0 + 0.1 * jnp.asarray(index, x.dtype)  # a per-block array
+            # The input by keyword, a block's setting read in the loop (all the same here).
+            x = block(hidden=x, scale=scale, mask=mask if block.gated else None, shift=shift)
         return x
 
 
 def batch_model():
     keys = jax.random.split(jax.random.key(3), 4)
-    return BatchModel(tuple(BatchBlock(eqx.nn.Linear(6, 6, key=k)) for k in keys))
+    return BatchModel(tuple(BatchBlock(eqx.nn.Linear(6, 6, key=k), True) for k in keys))
 
 
-def batch_loss(model, x):
-    return jnp.mean(model(x) ** 2)
+def batch_loss(model, x, mask):
+    return jnp.mean(model(x, mask) ** 2)
+
+
+def batch_inputs():
+    x = jax.random.normal(jax.random.key(4), (8, 6))
+    return x, jax.random.bernoulli(jax.random.key(5), 0.7, (8,))
+
+
+def microbatched_loss(model, x, mask):
+    return batch_loss(model, x, eqpar.pipeline.Microbatched(mask))
 
 
 def test_a_model_that_takes_the_batch_is_pipelined_on_its_leading_axis():
+    """`batch_axis=0`: the model takes the batch; its per-example mask is wrapped in
+    `Microbatched` (bare, an array as long as the batch is refused as ambiguous)."""
     model = batch_model()
-    x = jax.random.normal(jax.random.key(4), (8, 6))
-    plan = {"blocks": eqpar.Pipeline(stages=2, microbatches=2)}
-    parallel = check_step(model, batch_loss, (x,), plan, (2, 2))
+    x, mask = batch_inputs()
+    plan = {"blocks": eqpar.Pipeline(stages=2, microbatches=2, batch_axis=0)}
+    serial_loss, serial_model = serial_step(batch_loss, model, x, mask)
+    mesh = mesh_of((2, 2), MESH_DP_PP[1])
+    parallel = eqpar.parallelize(model, plan, mesh=mesh)
+    loss, updated = sharded_step(microbatched_loss, parallel, mesh, (P("data"),) * 2, x, mask)
+    assert_tree_close(loss, serial_loss, what="loss")
+    assert_arrays_close(updated, serial_model)
     assert type(eqpar.unparallelize(parallel).blocks) is tuple
     # Outside shard_map the blocks run one after another: the serial twin.
-    assert_tree_close(batch_loss(parallel, x), batch_loss(model, x), what="loss")
+    assert_tree_close(batch_loss(parallel, x, mask), batch_loss(model, x, mask), what="loss")
+    with pytest.raises(ValueError, match=r"`kwargs/mask` has leading size 4.*Microbatched"):
+        _pipe_loss(batch_loss, parallel, mesh, x, mask)
 
 
 def _pipe_loss(loss_fn, model, mesh, *batch):
@@ -124,28 +147,37 @@ def _pipe_loss(loss_fn, model, mesh, *batch):
     return run(model, *batch)
 
 
-@pytest.mark.parametrize("which", ["llama", "shapes that fit"])
-def test_a_vmap_hidden_behind_a_checkpoint_is_refused_not_split_wrongly(which):
-    """`jax.vmap(jax.checkpoint(model))`: the recording sees one example without the vmap,
-    so the pipeline would take the example's first axis (the tokens) for the batch. Where
-    the shapes do not fit that (the Llama's positions) the error says why; where they do
-    (blocks that work token by token), the pipeline refuses once the vmap batches it."""
-    if which == "llama":
-        model, tokens = llama.Llama(key=jax.random.key(0)), llama.batch(8)
-        key = "layers"
-        per_example = lambda m, t: jnp.mean(m(t[:-1]))
-    else:
-        model, tokens = batch_model(), jnp.ones((8, 4, 6))  # [batch, tokens, features]
-        key = "blocks"
-        per_example = lambda m, t: jnp.mean(m(t))
-    parallel = eqpar.parallelize(model, {key: eqpar.Pipeline(stages=2, microbatches=2)})
-    mesh = mesh_of((2, 2), MESH_DP_PP[1])
+@pytest.mark.parametrize("around", ["checkpoint", "lax.map"])
+def test_blocks_called_per_example_without_a_vmap_are_refused(around):
+    """`jax.vmap(jax.checkpoint(model))` or `lax.map(model, ...)`: the blocks see one example
+    and no vmap, so a pipeline would take the example's tokens for the batch."""
+    model = llama.Llama(key=jax.random.key(0))
+    parallel = eqpar.parallelize(model, {"layers": eqpar.Pipeline(stages=2, microbatches=2)})
 
-    def hidden(m, batch):
-        return jnp.mean(jax.vmap(jax.checkpoint(lambda t: per_example(m, t)))(batch))
+    def loss(m, tokens):
+        if around == "checkpoint":
+            return jnp.mean(jax.vmap(jax.checkpoint(lambda t: m(t)))(tokens[:, :-1]))
+        return jnp.mean(lax.map(m, tokens[:, :-1]))
 
-    with pytest.raises((TypeError, ValueError), match=r"jax.vmap` that a `jax.jit` or `jax.che"):
-        _pipe_loss(hidden, parallel, mesh, tokens)
+    with pytest.raises(ValueError, match=r"without a `jax.vmap` around them.*batch_axis=0"):
+        _pipe_loss(loss, parallel, mesh_of((2, 2), MESH_DP_PP[1]), llama.batch(8))
+
+
+def test_a_vmap_hidden_from_a_model_that_says_it_takes_the_batch_is_refused():
+    """With `batch_axis=0` the blocks trust the first axis; were a vmap around the model
+    hidden by a checkpoint, the pipeline would split each example's rows: refused when the
+    vmap batches it."""
+    model = batch_model()
+    plan = {"blocks": eqpar.Pipeline(stages=2, microbatches=2, batch_axis=0)}
+    parallel = eqpar.parallelize(model, plan)
+    x, mask = jnp.ones((8, 4, 6)), jnp.ones((8, 4), bool)  # [batch, tokens, features]
+
+    def hidden(m, x, mask):
+        per_example = jax.checkpoint(lambda x, k: microbatched_loss(m, x, k))
+        return jnp.mean(jax.vmap(per_example)(x, mask))
+
+    with pytest.raises(ValueError, match=r"a `jax.vmap` that a `jax.jit` or `jax.checkpoint`"):
+        _pipe_loss(hidden, parallel, mesh_of((2, 2), MESH_DP_PP[1]), x, mask)
 
 
 class Misuse(eqx.Module):
@@ -201,6 +233,16 @@ def test_blocks_called_other_than_in_order_are_refused(mode, error, match):
 
 def test_pipeline_plan_errors_name_the_key_and_the_fix():
     model = batch_model()
+    with pytest.raises(ValueError, match=r"splits over axis 'pipe', which plan\['blocks'\]"):
+        eqpar.parallelize(
+            model,
+            {
+                "blocks": eqpar.Pipeline(stages=2, microbatches=2),
+                r"blocks/\d+/linear": eqpar.ColumnParallel("pipe"),
+            },
+        )
+    with pytest.raises(ValueError, match="batch_axis"):
+        eqpar.parallelize(model, {"blocks": eqpar.Pipeline(stages=2, microbatches=2, batch_axis=1)})
     with pytest.raises(ValueError, match="'1f1b' runs the loss inside the pipeline"):
         eqpar.Pipeline(stages=2, microbatches=2, schedule="1f1b")
     with pytest.raises(ValueError, match="'circular' several"):

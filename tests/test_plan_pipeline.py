@@ -147,9 +147,8 @@ def one_f_one_b_step(model, mesh, batch):
             (embed_grads, body_grads, head_grads),
             is_leaf=lambda x: x is None,
         )
-        # A per-shard loss: its gradients arrive summed over `data` (the 1F1B exception).
-        data = lax.axis_size("data")
-        return lax.pmean(loss, "data"), jax.tree.map(lambda g: g / data, grads)
+        # The loss of the whole batch and its gradients (the one gradient rule).
+        return loss, grads
 
     step = eqpar.shard_map(
         local,

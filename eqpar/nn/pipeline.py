@@ -512,13 +512,12 @@ class PipelineModule(eqx.Module):
         forward), `"matmuls"` the matmul outputs of each layer. The loss is the same on every
         device of the pipeline axis.
 
-        Over a data-parallel axis the loss is each shard's own, while the gradients of
-        parameters replicated over that axis arrive summed over it (as `jax.grad` inside
-        `shard_map` gives them): `lax.pmean` the loss and divide the gradients by the axis
-        size for the global mean. To continue the backward pass into an embedding before
-        the pipeline, take `return_all_grads=True` and feed the returned input gradients to
-        the embedding's pullback (`eqx.filter_vjp`); they are this shard's, so the embedding
-        gradients come out summed over the data axis too.
+        Over a data-parallel axis (any axis the batch `x` is split over) the loss is that of
+        the whole batch, the mean of the shards' losses, and the gradients are its gradients,
+        as `jax.grad` of a `lax.pmean` of the loss gives: nothing to divide by hand. To
+        continue the backward pass into an embedding before the pipeline, take
+        `return_all_grads=True` and feed the returned input gradients (this shard's part of
+        the global loss's) to the embedding's pullback (`eqx.filter_vjp`).
 
         **Arguments:**
 

@@ -15,11 +15,13 @@ changes, and the author's code around them (embedding, head, the loss, a per-exa
 `jax.vmap`) runs as JAX would run it. Under `jax.vmap` the record sees one example; the run
 is a `jax.custom_batching.custom_vmap` function, whose batching rule receives the whole batch
 (every example's values, batch axis first), which is what the pipeline splits into
-microbatches. Called on a batch directly (no `vmap`), the leading axis of the first block's
-input is the batch. Differentiating the author's loss differentiates the pipeline (the one
-gradient rule: the gradient of the global loss, nothing divided by hand).
+microbatches. A model that takes the whole batch (no `vmap`) says so with `batch_axis=0`: the
+leading axis of the first block's input is then the batch. Differentiating the author's loss
+differentiates the pipeline (the one gradient rule: the gradient of the global loss, nothing
+divided by hand).
 """
 
+import inspect
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
@@ -46,15 +48,25 @@ class PipelinedBlocks(eqx.Module):
     The blocks are stacked in model order and cut into `num_stages * num_repeats` stages of
     equal depth (`pipeline`, a `PipelineModule` of `ScannedLayers`), sharded over
     `axis_name`. Where the author's code used the list it still works: `len(blocks)`,
-    `for block in blocks`, `blocks[i]`, `zip(blocks, keys)`. Call the blocks in order, each on
-    the previous block's output, with any other arguments: the calls before the last return
-    a placeholder (it is not an array: use it only as the next block's input), and the last
-    runs the pipeline. Inside `shard_map` over `axis_name` that is GPipe (`num_repeats == 1`)
-    or the circular schedule, the batch cut into `num_microbatches`; elsewhere the blocks run
-    one after another on one device (the serial twin).
+    `for block in blocks`, `blocks[i]`, `zip(blocks, keys)`, and a block's settings
+    (`blocks[i].some_static_field`; its arrays are held stacked). Call the blocks in order,
+    each on the previous block's output (by position or by keyword), with any other
+    arguments: the calls before the last return a placeholder (its `shape` and `dtype` are
+    known, its values are not: use it only as the next block's input), and the last runs the
+    pipeline. Inside `shard_map` over `axis_name` that is GPipe (`num_repeats == 1`) or the
+    circular schedule, the batch cut into `num_microbatches`; elsewhere the blocks run one
+    after another on one device (the serial twin).
+
+    The model runs one example per call under `jax.vmap` (`batch_axis=None`, Equinox's
+    way), and the pipeline gets the whole batch from the vmap; a model that takes the whole
+    batch says `batch_axis=0`. Blocks called without a vmap under `batch_axis=None` (under
+    `lax.map`, or a vmap a `jit` / `checkpoint` hides) are refused: the pipeline would take
+    one example's first axis for the batch.
 
     Arguments that every block receives as the same object are passed once (split into
-    microbatches where they are per example); arguments that differ by block (a key per
+    microbatches where they are per example: under the vmap, those it batches; with
+    `batch_axis=0`, those wrapped in `eqpar.pipeline.Microbatched`, and a plain array as
+    long as the batch is refused as ambiguous); arguments that differ by block (a key per
     block) are stacked, and each block gets its own. Non-array arguments (flags such as
     `enable_dropout`) must be equal for every block.
 
@@ -96,6 +108,8 @@ class PipelinedBlocks(eqx.Module):
     pipeline: PipelineModule
     num_layers: int = eqx.field(static=True)
     container: type = eqx.field(static=True)
+    batch_axis: int | None = eqx.field(static=True)
+    skeletons: tuple = eqx.field(static=True)  # each block with its arrays left out
 
     def __init__(
         self,
@@ -106,6 +120,7 @@ class PipelinedBlocks(eqx.Module):
         num_repeats: int = 1,
         axis_name: AxisName = "pipe",
         remat: RematPolicy | bool = "none",
+        batch_axis: int | None = None,
     ):
         if isinstance(blocks, str | bytes) or not isinstance(blocks, Sequence) or not blocks:
             raise TypeError(
@@ -118,8 +133,19 @@ class PipelinedBlocks(eqx.Module):
                     f"{_OWNER}: `blocks[{index}]` is a {type(block).__name__}, which cannot be "
                     f"called; a pipeline runs the blocks one after another."
                 )
+        if batch_axis not in (None, 0) or isinstance(batch_axis, bool):
+            raise ValueError(
+                f"{_OWNER}: `batch_axis` is None (the model runs one example per call under "
+                f"`jax.vmap`, Equinox's way) or 0 (the model takes the whole batch, its leading "
+                f"axis); got {batch_axis!r}."
+            )
         self.num_layers = len(blocks)
         self.container = type(blocks)
+        self.batch_axis = batch_axis
+        self.skeletons = tuple(
+            jax.tree.map(lambda leaf: _HELD if eqx.is_array(leaf) else leaf, block)
+            for block in blocks
+        )
         self.pipeline = PipelineModule.from_layers(
             stack_layers(list(blocks)),
             num_stages=num_stages,
@@ -160,27 +186,42 @@ class PipelinedBlocks(eqx.Module):
 
     def serial(self) -> list | tuple:
         """The list (or tuple) of blocks this module replaced: the inverse of building it."""
-        return self.container(self.blocks())
+        blocks = self.blocks()
+        if hasattr(self.container, "_fields"):  # a NamedTuple takes its items one by one
+            return self.container(*blocks)
+        return self.container(blocks)
 
     # ----------------------------------------------------------------------------------
     # Running the recorded calls.
 
-    def _run(self, x: PyTree, calls: list[tuple[tuple, dict]]) -> PyTree:
+    def _run(self, x: PyTree, calls: list[tuple[tuple, dict]], input_name: str | None) -> PyTree:
         if bound_axis_size(self.pipeline.axis_name) is None:
             stack = self.pipeline.to_layers()  # one device: the blocks in order
             for index, (args, kwargs) in enumerate(calls):
-                x = map_arrays(lambda a, i=index: a[i], stack)(x, *args, **kwargs)
+                block = map_arrays(lambda a, i=index: a[i], stack)
+                x = _call_block(block, input_name, x, args, kwargs)
             return x
-        layout, per_layer_values, shared_values = _ArgumentLayout.of(calls)
-        if not _under_vmap((x, per_layer_values, shared_values)):  # x is the batch
+        layout, per_layer_values, shared_values = _ArgumentLayout.of(calls, input_name)
+        if not _under_vmap((x, per_layer_values, shared_values)):
+            if self.batch_axis is None:
+                raise ValueError(
+                    f"{_OWNER}: the blocks were called without a `jax.vmap` around them, but "
+                    f"the pipeline expects the model to run one example per call under "
+                    f"`jax.vmap` (Pipeline(batch_axis=None)), which gives it the whole batch. "
+                    f"If the model takes the whole batch itself (its leading axis), pass "
+                    f"Pipeline(..., batch_axis=0). If it is called per example under "
+                    f"`lax.map` / `lax.scan`, or under {_HIDDEN_VMAP} between the vmap and the "
+                    f"blocks hides, call it under `jax.vmap` directly (remat the blocks with "
+                    f"Pipeline(remat=...))."
+                )
             try:
                 return _run_pipeline(
                     self.pipeline, layout, x, per_layer_values, shared_values, None
                 )
             except (TypeError, ValueError) as error:
-                if _HIDDEN_VMAP in str(error):
-                    raise
-                raise type(error)(f"{error}\n\n{_OWNER}: {_HIDDEN_VMAP_FIX}") from error
+                if _HIDDEN_VMAP not in str(error):
+                    error.add_note(f"{_OWNER}: {_HIDDEN_VMAP_FIX}")
+                raise
         params, pipeline_static = eqx.partition(self.pipeline, eqx.is_array)
 
         # Under `jax.vmap` the values here are one example's; the batching rule below gets
@@ -215,7 +256,9 @@ class PipelinedBlocks(eqx.Module):
 def _under_vmap(tree: PyTree) -> bool:
     """Whether some array leaf of `tree` is batched by a `jax.vmap` around this call (read
     off a `custom_vmap` probe whose batching rule runs, at trace time, only under one)."""
-    leaves = [leaf for leaf in jax.tree.leaves(tree) if eqx.is_array(leaf)]
+    # Without gradients: the probe is only read for its batching, and a `custom_vmap`
+    # function cannot be differentiated in reverse mode.
+    leaves = [jax.lax.stop_gradient(leaf) for leaf in jax.tree.leaves(tree) if eqx.is_array(leaf)]
     if not leaves:
         return False
     seen: list[bool] = []
@@ -235,14 +278,24 @@ def _under_vmap(tree: PyTree) -> bool:
 
 class _BlockCall:
     """Block `index` of a `PipelinedBlocks`: calling it records the call (and the last block's
-    call runs them all)."""
+    call runs them all); its attributes are the block's settings (static fields; its arrays
+    are held stacked over the stages)."""
 
     def __init__(self, owner: PipelinedBlocks, index: int):
         self._owner = owner
         self._index = index
 
-    def __call__(self, x: PyTree, *args: Any, **kwargs: Any) -> Any:
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(self._owner.skeletons[self._index], name)
+
+    def __repr__(self) -> str:
+        return f"<{_OWNER}: block {self._index} of {self._owner.num_layers}>"
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         owner, index = self._owner, self._index
+        args, kwargs, input_name, x = _take_input(owner.skeletons[index], args, kwargs)
         if index == 0:
             if isinstance(x, _Pending):
                 raise ValueError(
@@ -250,7 +303,7 @@ class _BlockCall:
                     f"the pipelined blocks run once per forward, in order, each on the "
                     f"previous block's output."
                 )
-            start, calls = x, []
+            start, calls, name = x, [], input_name
         else:
             if not isinstance(x, _Pending) or x.owner is not owner:
                 raise ValueError(
@@ -264,19 +317,76 @@ class _BlockCall:
                     f"{_OWNER}: block {index} was called after block {len(x.calls) - 1}; call "
                     f"every block once, in order."
                 )
-            start, calls = x.start, x.calls
+            if input_name != x.input_name:
+                raise ValueError(
+                    f"{_OWNER}: block {index} takes its input "
+                    f"{_describe_input(input_name)} but block 0 took it "
+                    f"{_describe_input(x.input_name)}; call every block alike."
+                )
+            start, calls, name = x.start, x.calls, x.input_name
         calls = [*calls, (args, kwargs)]
         if index == owner.num_layers - 1:
-            return owner._run(start, calls)
-        return _Pending(owner, start, calls)
+            return owner._run(start, calls, name)
+        return _Pending(owner, start, calls, name)
+
+
+def _take_input(skeleton: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict, str | None, Any]:
+    """The block's input (its first argument, by position or by name) apart from the rest:
+    `(other args, other kwargs, its name if passed by keyword, the input)`."""
+    if args:
+        return args[1:], kwargs, None, args[0]
+    try:
+        parameters = list(inspect.signature(type(skeleton).__call__).parameters)
+    except (TypeError, ValueError):  # no signature to read
+        parameters = []
+    name = parameters[1] if len(parameters) > 1 else None
+    if name is None or name not in kwargs:
+        raise TypeError(
+            f"{_OWNER}: a block was called without its input; pass the previous block's "
+            f"output first (by position, or by the name of the block's first parameter)."
+        )
+    rest = dict(kwargs)
+    return (), rest, name, rest.pop(name)
+
+
+def _describe_input(name: str | None) -> str:
+    return "by position" if name is None else f"as the keyword {name!r}"
+
+
+class _Held:
+    """Where a block's array sits in `PipelinedBlocks.skeletons`: the arrays are held stacked
+    over the pipeline's stages, so the author's code can read a block's settings but not its
+    arrays (which the block's own `__call__` reads as usual)."""
+
+    def __repr__(self) -> str:
+        return f"<{_OWNER}: an array held stacked over the pipeline's stages>"
+
+    def _refuse(self, *_: Any, **__: Any) -> Any:
+        raise TypeError(
+            f"{_OWNER}: a block's arrays are held stacked over the pipeline's stages, so code "
+            f"outside the blocks can read the blocks' settings (static fields) but not their "
+            f"arrays; read them inside the block's `__call__`, or `eqpar.unparallelize` the "
+            f"model first."
+        )
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return self._refuse()
+
+    __add__ = __radd__ = __mul__ = __rmul__ = __matmul__ = __getitem__ = _refuse
+    __array__ = __bool__ = __float__ = __int__ = __len__ = __iter__ = _refuse
+
+
+_HELD = _Held()
 
 
 class _Pending:
     """The output of a pipelined block before the last: only the next block can take it. Its
     shape and dtype are known (every block keeps those of its input); its values are not."""
 
-    def __init__(self, owner: PipelinedBlocks, start: PyTree, calls: list):
-        self.owner, self.start, self.calls = owner, start, calls
+    def __init__(self, owner: PipelinedBlocks, start: PyTree, calls: list, input_name: Any):
+        self.owner, self.start, self.calls, self.input_name = owner, start, calls, input_name
 
     @property
     def shape(self) -> Any:
@@ -324,17 +434,26 @@ class _ArgumentLayout(NamedTuple):
 
     `treedef` is the arguments' pytree structure; `kinds[j]` says where leaf `j` comes from:
     `("layer", i)` for row `i` of the stacked per-layer arrays, `("shared", i)` for shared
-    array `i`, `("static", i)` for `statics[i]`, a non-array leaf equal for every block."""
+    value `i` (an array, or a `Microbatched` one), `("static", i)` for `statics[i]`, a
+    non-array leaf equal for every block. `paths[j]` names leaf `j` for messages;
+    `input_name` is the keyword the blocks take their input by (`None`: by position)."""
 
     treedef: Any
     kinds: tuple
     statics: tuple
+    paths: tuple
+    input_name: str | None
 
     @classmethod
-    def of(cls, calls: list[tuple[tuple, dict]]) -> tuple["_ArgumentLayout", list, list]:
+    def of(
+        cls, calls: list[tuple[tuple, dict]], input_name: str | None
+    ) -> tuple["_ArgumentLayout", list, list]:
         """The layout of the recorded calls, their stacked per-layer arrays and their shared
-        arrays."""
-        flat = [jax.tree_util.tree_flatten_with_path(call) for call in calls]
+        values."""
+        is_microbatched = lambda node: isinstance(node, Microbatched)
+        flat = [
+            jax.tree_util.tree_flatten_with_path(call, is_leaf=is_microbatched) for call in calls
+        ]
         paths, treedef = [path for path, _ in flat[0][0]], flat[0][1]
         for index, (_, other) in enumerate(flat[1:], start=1):
             if other != treedef:
@@ -347,7 +466,15 @@ class _ArgumentLayout(NamedTuple):
         for j, path in enumerate(paths):
             values = [leaves[j][1] for leaves, _ in flat]
             where = _argument_path(path)
-            if not eqx.is_array(values[0]):
+            if is_microbatched(values[0]):
+                if any(v is not values[0] for v in values[1:]):
+                    raise ValueError(
+                        f"{_OWNER}: the `Microbatched` argument {where} differs by block; pass "
+                        f"one per-example value that every block takes."
+                    )
+                kinds.append(("shared", len(shared)))
+                shared.append(values[0])
+            elif not eqx.is_array(values[0]):
                 if any(not _same_static(values[0], v) for v in values[1:]):
                     index = next(i for i, v in enumerate(values) if not _same_static(values[0], v))
                     raise ValueError(
@@ -370,7 +497,9 @@ class _ArgumentLayout(NamedTuple):
                     )
                 kinds.append(("layer", len(per_layer)))
                 per_layer.append(jnp.stack(values))
-        return cls(treedef, tuple(kinds), tuple(statics)), per_layer, shared
+        where = tuple(_argument_path(path) for path in paths)
+        layout = cls(treedef, tuple(kinds), tuple(statics), where, input_name)
+        return layout, per_layer, shared
 
 
 def _same_static(a: object, b: object) -> bool:
@@ -412,14 +541,15 @@ class _LayerCall(eqx.Module):
                     leaves.append(per_layer_rows[i])
             return jax.tree.unflatten(self.layout.treedef, leaves)
 
+        name = self.layout.input_name
         if not self.per_example:
             rows = [values[layer] for values in per_layer]
             args, kwargs = arguments(rows, shared)
-            return self.block(h, *args, **kwargs), number + 1
+            return _call_block(self.block, name, h, args, kwargs), number + 1
 
         def one(h: PyTree, rows: list, shared_values: list) -> PyTree:
             args, kwargs = arguments(rows, shared_values)
-            return self.block(h, *args, **kwargs)
+            return _call_block(self.block, name, h, args, kwargs)
 
         assert per_layer_batched is not None and shared_batched is not None
         rows = [v[:, layer] if b else v[layer] for v, b in zip(per_layer, per_layer_batched)]
@@ -427,6 +557,13 @@ class _LayerCall(eqx.Module):
         shared_axes = [0 if b else None for b in shared_batched]
         out = jax.vmap(one, in_axes=(0, row_axes, shared_axes))(h, rows, shared)
         return out, number + 1
+
+
+def _call_block(block: Any, input_name: str | None, x: PyTree, args: tuple, kwargs: dict) -> Any:
+    """`block(x, *args, **kwargs)`, the input passed as the author's code passed it."""
+    if input_name is None:
+        return block(x, *args, **kwargs)
+    return block(*args, **{input_name: x}, **kwargs)
 
 
 def _run_pipeline(
@@ -447,6 +584,15 @@ def _run_pipeline(
             f"leading (batch) size; found {sorted(sizes)}."
         )
     size = sizes.pop()
+    microbatched = [i for i, value in enumerate(shared) if isinstance(value, Microbatched)]
+    if batched is not None and microbatched:
+        raise ValueError(
+            f"{_OWNER}: a block argument is wrapped in `Microbatched` while the model runs one "
+            f"example per call under `jax.vmap`, which already gives each example its rows; "
+            f"pass the plain value."
+        )
+    if batched is None and pipeline.num_microbatches > 1:
+        _check_whole_arguments(layout, per_layer, shared, size)
     flags = batched if batched is not None else ([False] * len(per_layer), [False] * len(shared))
     per_layer_batched, shared_batched = (tuple(_flag(b) for b in group) for group in flags)
     layer = _LayerCall(
@@ -458,11 +604,34 @@ def _run_pipeline(
     stages = ScannedLayers(layer, remat=stack.remat)
     pipeline = eqx.tree_at(lambda p: p.stages, pipeline, stages)
     wrap: Callable = lambda values, flags: [
-        Microbatched(v) if b else v for v, b in zip(values, flags)
+        Microbatched(v) if b and not isinstance(v, Microbatched) else v
+        for v, b in zip(values, flags)
     ]
     number = jnp.zeros((size,), jnp.int32) if batched is not None else _batch_counter(x)
     out, _ = pipeline((x, number), wrap(per_layer, per_layer_batched), wrap(shared, shared_batched))
     return out
+
+
+def _check_whole_arguments(
+    layout: _ArgumentLayout, per_layer: list, shared: list, size: int
+) -> None:
+    """On a model that takes the whole batch, refuse a plain array argument whose leading size
+    is the batch's: whether its rows go with the examples (a mask) or it is one value for all
+    of them (positions, when as many as the examples) cannot be told, and each microbatch
+    would get the whole array."""
+    for (kind, i), where in zip(layout.kinds, layout.paths):
+        if kind == "static":
+            continue
+        value = per_layer[i][0] if kind == "layer" else shared[i]
+        if not isinstance(value, Microbatched) and jnp.ndim(value) and value.shape[0] == size:
+            raise ValueError(
+                f"{_OWNER}: the block argument {where} has leading size {size}, the size of "
+                f"the batch the pipeline cuts into microbatches, so each microbatch would get "
+                f"all of it. If its rows go with the examples (a padding mask), wrap it in "
+                f"`eqpar.pipeline.Microbatched`; or run the model one example per call under "
+                f"`jax.vmap` (Pipeline(batch_axis=None)), which splits what is per example "
+                f"by itself."
+            )
 
 
 @custom_vmap

@@ -14,6 +14,7 @@ from jaxtyping import Array, Float, PyTree, Scalar
 from .._axes import axis_size
 from .._checks import check_int
 from .._typing import AxisName
+from .._vma import varying_axes
 from ..schedule import CircularSchedule, OneFOneBSchedule, PipelineSchedule
 from . import _program
 from ._jaxpr import collective_axes, uses_primitive
@@ -30,6 +31,7 @@ from ._microbatch import (
 )
 from ._tools import (
     axes_tree,
+    batch_axes,
     describe_tree,
     first_of_stack,
     index_tree,
@@ -420,7 +422,8 @@ def execute_1f1b(
     """Deprecated (a `DeprecationWarning`): `execute_schedule(OneFOneBSchedule(S, M), ...)`.
 
     A pipelined training step in the one-forward-one-backward (1F1B) order (inside
-    `shard_map`): the mean loss over microbatches and its gradients.
+    `shard_map`): the mean loss over microbatches (and over the shards of a batch split over
+    other axes) and its gradients.
 
     Each device runs its stage's forward for a microbatch, then, as soon as the cotangent of
     the oldest microbatch comes back from the next device, that microbatch's backward; so it
@@ -462,10 +465,11 @@ def execute_1f1b(
     device and `grads` the gradient of `loss` with respect to this device's `module` (same
     structure, `None` for leaves that are not inexact arrays). With `return_all_grads=True`,
     `(loss, (grads, loss_fn_grads, x_grads))`; `loss_fn_grads` and `x_grads` are the same on
-    every device of the pipeline axis. As with `jax.grad` inside `shard_map`, the gradient of a
-    parameter replicated over another mesh axis (say `data`, each shard with its own rows)
-    arrives summed over that axis while `loss` is this shard's: take `lax.pmean` of the loss
-    and divide such gradients by the axis size for the mean. `grads` is this device's stage
+    every device of the pipeline axis. Where the batch is split over other mesh axes (say
+    `data`, each shard with its own rows; the axes `x` varies over), `loss` is the loss of the
+    whole batch, the mean of the shards' losses, and every gradient is its gradient, as
+    `jax.grad` of a `lax.pmean` of the loss gives (the one gradient rule: nothing to divide
+    by hand; `x_grads` are this shard's part of it). `grads` is this device's stage
     only; a parameter shared by several stages needs its gradients summed over the pipeline
     axis.
 
@@ -539,7 +543,8 @@ def execute_schedule(
     **kwargs: Any,
 ) -> tuple[Float[Scalar, ""], Any]:
     """A pipelined training step in the order of any training `schedule` (inside
-    `shard_map`): the mean loss over microbatches and its gradients.
+    `shard_map`): the mean loss over microbatches (and over the shards of a batch split over
+    other axes) and its gradients.
 
     The schedule's table (`eqpar.schedule`) is the program: at every step each device runs
     the action its cell names: a stage's forward, its backward, or (zero-bubble schedules)
@@ -717,8 +722,12 @@ def _execute_schedule(
     check_stage_keeps_shape(stage, first, *arguments_at(0), caller)
 
     target = index_tree(target_microbatches, 0)
-    loss_dtype = _loss_dtype(caller, stage, loss_fn, first, target, arguments_at, model_axis_name,
+    loss_shape = _loss_shape(caller, stage, loss_fn, first, target, arguments_at, model_axis_name,
                              loss_on_every_device)  # fmt: skip
+    loss_dtype = loss_shape.dtype
+    # The axes over which each device's loss is its own shard's (a batch split over `data`):
+    # the loss of the whole batch is the mean over them.
+    shard_axes = varying_axes(loss_shape) & batch_axes(x, model_axis_name)
     _check_collectives(
         caller, stage, loss_fn, first, target, arguments_at, model_axis_name, loss_on_every_device
     )
@@ -738,6 +747,7 @@ def _execute_schedule(
     return _results(
         carry, x, replicated_axes, model_axis_name, num_stages, num_microbatches,
         return_all_grads=return_all_grads, loss_on_every_device=loss_on_every_device,
+        shard_axes=shard_axes,
     )  # fmt: skip
 
 
@@ -751,6 +761,7 @@ def _results(
     *,
     return_all_grads: bool,
     loss_on_every_device: bool,
+    shard_axes: frozenset,
 ) -> tuple[PyTree, PyTree]:
     """The loss and gradients of a training run, reduced to what every device returns."""
     device = lax.axis_index(model_axis_name)
@@ -761,6 +772,16 @@ def _results(
     loss_grads = sum_over_cast_axes(carry.loss_grads, replicated_axes[1], x, model_axis_name)
     assert carry.loss is not None  # a training run keeps its loss
     loss = lax.psum(jnp.where(is_last, carry.loss, jnp.zeros_like(carry.loss)), model_axis_name)
+    # The one gradient rule: the loss of the whole batch, split over `shards` devices of the
+    # batch's axes, is the mean of their losses, and its gradients are the shards' summed
+    # gradients divided by `shards`, as differentiating a `pmean` of the loss would give.
+    axes = tuple(sorted(shard_axes, key=str))
+    shards = lax.axis_size(axes) if axes else 1
+    mean: Callable = lambda tree: jax.tree.map(
+        lambda g: g / shards if eqx.is_inexact_array(g) else g, tree
+    )
+    if axes:
+        loss, grads = lax.pmean(loss, axes), mean(grads)
     if not return_all_grads:
         return loss, grads
     if not loss_on_every_device:  # they are on the last stage's device: copy them to all
@@ -772,10 +793,13 @@ def _results(
         lambda g: lax.psum(jnp.where(is_first, g[:num_microbatches], 0), model_axis_name),
         carry.x_grads,
     )
-    return loss, (grads, loss_grads, merge_microbatches(x_grads))
+    x_grads = merge_microbatches(x_grads)
+    if axes:
+        loss_grads, x_grads = mean(loss_grads), mean(x_grads)
+    return loss, (grads, loss_grads, x_grads)
 
 
-def _loss_dtype(
+def _loss_shape(
     caller: str,
     stage: Callable,
     loss_fn: Callable,
@@ -784,9 +808,9 @@ def _loss_dtype(
     arguments_at: Callable,
     model_axis_name: AxisName,
     loss_on_every_device: bool,
-) -> PyTree:
-    """The dtype of `loss_fn` on the first microbatch's output, after checking that it gives
-    one floating-point scalar."""
+) -> jax.ShapeDtypeStruct:
+    """The shape of `loss_fn` on the first microbatch's output (with the mesh axes it varies
+    over), after checking that it gives one floating-point scalar."""
 
     def first_loss(h: PyTree, t: PyTree) -> PyTree:
         out = stage(h, *arguments_at(0)[0], **arguments_at(0)[1])
@@ -806,7 +830,7 @@ def _loss_dtype(
         raise TypeError(
             f"{caller}: `loss_fn` must return a floating-point scalar, got {loss_shape.dtype.name}."
         )
-    return loss_shape.dtype
+    return loss_shape
 
 
 def _check_collectives(

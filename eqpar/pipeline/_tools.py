@@ -24,6 +24,12 @@ def cast_tree(tree: PyTree, axes: PyTree) -> PyTree:
     return jax.tree.map(_cast_varying, tree, axes)
 
 
+def batch_axes(x: PyTree, axis_name: AxisName | None) -> frozenset:
+    """The mesh axes the batch `x` is split over: those its leaves vary over, but
+    `axis_name` (the pipeline's, over which it is the same on every device)."""
+    return frozenset().union(*(_varying_axes(leaf) for leaf in jax.tree.leaves(x))) - {axis_name}
+
+
 def vary_like_input(tree: PyTree, x: PyTree, axis_name: AxisName | None) -> PyTree:
     """`tree`'s inexact arrays marked varying over the mesh axes the batch `x` varies over
     (but `axis_name`).
@@ -32,8 +38,7 @@ def vary_like_input(tree: PyTree, x: PyTree, axis_name: AxisName | None) -> PyTr
     the pipeline's scan, and autodiff would then sum their gradients over that axis at every
     step of the scan; cast once here, the sum happens once, outside the loop.
     """
-    axes = frozenset().union(*(_varying_axes(leaf) for leaf in jax.tree.leaves(x)))
-    axes = axes - {axis_name}
+    axes = batch_axes(x, axis_name)
     if not axes:
         return tree
     return jax.tree.map(
@@ -45,8 +50,7 @@ def sum_over_cast_axes(
     grads: PyTree, original_axes: PyTree, x: PyTree, axis_name: AxisName
 ) -> PyTree:
     """Undo `vary_like_input` for gradients: `psum` each over the axes it was cast to."""
-    axes = frozenset().union(*(_varying_axes(leaf) for leaf in jax.tree.leaves(x)))
-    axes = axes - {axis_name}
+    axes = batch_axes(x, axis_name)
 
     def total(g: PyTree, original: frozenset) -> PyTree:
         added = tuple(sorted(axes - original, key=str))
