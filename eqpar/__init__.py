@@ -36,6 +36,7 @@ from .layout import named_shardings as named_shardings
 from .layout import partition_specs as partition_specs
 from .mesh import DeviceMesh as DeviceMesh
 from .mesh import list_devices as list_devices
+from .nn.pipelined import value_and_grad as value_and_grad
 from .plan import ColumnParallel as ColumnParallel
 from .plan import ContextParallel as ContextParallel
 from .plan import FeatureParallel as FeatureParallel
@@ -108,4 +109,5 @@ __all__ = [
     "set_distribution",
     "shard_map",
     "unparallelize",
+    "value_and_grad",
 ]

@@ -504,10 +504,11 @@ class Pipeline(Style):
       `jax.vmap`, as Equinox's models do; `0` when it takes the whole batch, leading axis
       first (then per-example arguments of the blocks are wrapped in
       `eqpar.pipeline.Microbatched`).
-    - `schedule`: `"gpipe"` or `"circular"` (the default follows `repeats`). The training
-      schedules that run the loss inside the pipeline (`"1f1b"`, `"zb-h1"`) need the head
-      and the loss as a stage, which a model's own `__call__` does not give: use
-      `eqpar.nn.PipelineModule.value_and_grad` for them.
+    - `schedule`: `"gpipe"` or `"circular"` (the default follows `repeats`): train by
+      differentiating the loss as on one device. `"1f1b"` or `"zb-h1"`: the schedule runs
+      the loss inside the pipeline, on the last stage, so it computes the loss and the
+      gradients itself: take them with `eqpar.value_and_grad(loss_fn)(model, *batch)`
+      (which cuts the loss where the blocks are called).
 
     ```python
     import equinox as eqx, jax, eqpar
@@ -535,20 +536,13 @@ class Pipeline(Style):
                 raise ValueError(f"Pipeline: `{name}` must be a positive int, got {value!r}.")
         remat_policy(self.remat, "Pipeline")
         expected = "gpipe" if self.repeats == 1 else "circular"
-        if self.schedule in ("1f1b", "zb-h1"):
-            raise ValueError(
-                f"Pipeline: schedule={self.schedule!r} runs the loss inside the pipeline, on "
-                f"the last stage, so it needs the head and the loss as a function of the last "
-                f"block's output; a plan keeps the model's own `__call__`, in which they follow "
-                f"the blocks. Use 'gpipe' (or 'circular' with repeats > 1) here, or "
-                f"eqpar.nn.PipelineModule.value_and_grad(loss_fn, ..., schedule="
-                f"{self.schedule!r}) with the head as `loss_fn`."
-            )
-        if self.schedule not in (None, expected):
+        if self.schedule not in (None, expected, "1f1b", "zb-h1") or (
+            self.schedule in ("1f1b", "zb-h1") and self.repeats != 1
+        ):
             raise ValueError(
                 f"Pipeline: schedule={self.schedule!r} does not fit repeats={self.repeats}: "
-                f"'gpipe' runs one stage per device (repeats=1), 'circular' several "
-                f"(repeats > 1). Pass schedule={expected!r} or leave it out."
+                f"'gpipe', '1f1b' and 'zb-h1' run one stage per device (repeats=1), "
+                f"'circular' several (repeats > 1). Pass schedule={expected!r} or leave it out."
             )
 
     def convert(self, layer: PyTree) -> PyTree:
@@ -566,6 +560,7 @@ class Pipeline(Style):
             axis_name=self.axis_name,
             remat=remat_policy(self.remat, "Pipeline"),
             batch_axis=self.batch_axis,
+            schedule=self.schedule,
         )
 
 

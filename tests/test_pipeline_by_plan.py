@@ -243,8 +243,8 @@ def test_pipeline_plan_errors_name_the_key_and_the_fix():
         )
     with pytest.raises(ValueError, match="batch_axis"):
         eqpar.parallelize(model, {"blocks": eqpar.Pipeline(stages=2, microbatches=2, batch_axis=1)})
-    with pytest.raises(ValueError, match="'1f1b' runs the loss inside the pipeline"):
-        eqpar.Pipeline(stages=2, microbatches=2, schedule="1f1b")
+    with pytest.raises(ValueError, match="'1f1b' does not fit repeats=2"):
+        eqpar.Pipeline(stages=2, microbatches=2, repeats=2, schedule="1f1b")
     with pytest.raises(ValueError, match="'circular' several"):
         eqpar.Pipeline(stages=2, microbatches=2, schedule="circular")
     with pytest.raises(ValueError, match="positive int"):
@@ -256,3 +256,110 @@ def test_pipeline_plan_errors_name_the_key_and_the_fix():
         eqpar.parallelize(model, {"blocks": eqpar.Pipeline(stages=2, microbatches=2)}, mesh=mesh)
     with pytest.raises(ValueError, match=r"4 layers do not divide into .* 3 stages"):
         eqpar.parallelize(model, {"blocks": eqpar.Pipeline(stages=3, microbatches=1)})
+
+
+# --- 1F1B and ZB-H1: the loss inside the pipeline, through eqpar.value_and_grad ----------
+
+
+def scheduled_step(loss_fn, model, plan, mesh, *batch):
+    """The documented recipe for a schedule that runs the loss inside the pipeline:
+    `eqpar.value_and_grad(loss_fn)` inside shard_map, an SGD step outside."""
+    parallel = eqpar.parallelize(model, plan, mesh=mesh)
+    grad_specs = eqpar.partition_specs(eqx.filter(parallel, eqx.is_inexact_array))
+    step = eqpar.shard_map(
+        eqpar.value_and_grad(loss_fn),
+        mesh=mesh,
+        in_specs=(eqpar.partition_specs(parallel), *(P("data") for _ in batch)),
+        out_specs=(P(), grad_specs),
+    )
+    loss, grads = eqx.filter_jit(step)(parallel, *batch)
+    updated = eqx.apply_updates(parallel, jax.tree.map(lambda g: -0.5 * g, grads))
+    return loss, eqpar.unparallelize(updated)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_vit_one_forward_one_backward_by_plan_with_tensor_parallel_stages(schedule):
+    """3D under 1F1B and ZB-H1: the ViT's own forward is cut where its blocks are called;
+    the patch embedding runs before the pipeline, the head and the loss as its loss on the
+    last stage, dropout keys per block as the serial loop gives them."""
+    model = vit.VisionTransformer(key=jax.random.key(0))
+    batch = vit.batch(8)
+    serial_loss, serial_model = serial_step(vit.loss, model, *batch)
+    plan = {**VIT_PLAN, "attention_blocks": eqpar.Pipeline(2, 2, schedule=schedule)}
+    mesh = mesh_of((2, 2, 2), ("data", "pipe", "model"))
+    loss, updated = scheduled_step(vit.loss, model, plan, mesh, *batch)
+    assert_tree_close(loss, serial_loss, what="loss")
+    assert_arrays_close(updated, serial_model)
+
+
+def test_llama_one_forward_one_backward_by_plan_with_a_tied_unembedding():
+    """The Llama reads its embedding before the blocks and again as the unembedding after
+    them: the two gradients are added."""
+    model = llama.Llama(key=jax.random.key(0))
+    tokens = llama.batch(8)
+    serial_loss, serial_model = serial_step(llama.loss, model, tokens)
+    plan = {"layers": eqpar.Pipeline(stages=2, microbatches=2, schedule="1f1b")}
+    loss, updated = scheduled_step(llama.loss, model, plan, mesh_of((2, 2), MESH_DP_PP[1]), tokens)
+    assert_tree_close(loss, serial_loss, what="loss")
+    assert_arrays_close(updated, serial_model)
+
+
+def test_value_and_grad_without_a_scheduled_pipeline_is_the_global_loss():
+    """With no blocks pipelined by 1F1B or ZB-H1, `eqpar.value_and_grad` is the global loss
+    (the mean over the shards the loss differs by) and its gradients: the same rule."""
+    model = batch_model()
+    x, mask = batch_inputs()
+    serial_loss, serial_model = serial_step(batch_loss, model, x, mask)
+    mesh = mesh_of((8,), ("data",))
+    step = eqpar.shard_map(
+        eqpar.value_and_grad(batch_loss), mesh=mesh, in_specs=(P(), P("data"), P("data")),
+        out_specs=(P(), P()),
+    )  # fmt: skip
+    loss, grads = step(model, x, mask)
+    assert_tree_close(loss, serial_loss, what="loss")
+    assert_arrays_close(eqx.apply_updates(model, jax.tree.map(lambda g: -0.5 * g, grads)),
+                        serial_model)  # fmt: skip
+
+
+class Scaled(eqx.Module):
+    linear: eqx.nn.Linear
+
+    def __call__(self, x, scale):
+        return jnp.tanh(self.linear(x)) * scale
+
+
+class ScaledModel(eqx.Module):
+    layers: list
+    gain: jax.Array
+    mode: str = eqx.field(static=True)
+
+    def __call__(self, x):
+        if self.mode == "from the parameters":
+            scale = self.gain  # a float argument of the blocks that needs a gradient
+        else:  # from the batch but the same for every example: one value per microbatch
+            scale = jax.lax.stop_gradient(jnp.ones(()))
+        for layer in self.layers:
+            x = layer(x, scale)
+        return x.sum()
+
+
+@pytest.mark.parametrize("mode", ["from the parameters", "plain differentiation"])
+def test_what_a_scheduled_pipeline_cannot_carry_is_refused(mode):
+    keys = jax.random.split(jax.random.key(0), 2)
+    layers = [Scaled(eqx.nn.Linear(3, 3, key=k)) for k in keys]
+    model = ScaledModel(layers, jnp.ones(()), mode)
+    plan = {"layers": eqpar.Pipeline(stages=2, microbatches=2, schedule="1f1b")}
+    parallel = eqpar.parallelize(model, plan)
+    mesh = mesh_of((1, 2), MESH_DP_PP[1])
+    loss = lambda m, x: jnp.mean(jax.vmap(m)(x))
+    x = jnp.ones((4, 3))
+    if mode == "plain differentiation":
+        with pytest.raises(ValueError, match=r"eqpar.value_and_grad\(loss_fn\)"):
+            _pipe_loss(loss, parallel, mesh, x)
+        return
+    run = eqpar.shard_map(
+        eqpar.value_and_grad(loss), mesh=mesh,
+        in_specs=(eqpar.partition_specs(parallel), P("data")), out_specs=(P(), P()),
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="computed from the model's parameters"):
+        run(parallel, x)

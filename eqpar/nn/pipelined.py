@@ -28,17 +28,23 @@ from typing import Any, NamedTuple
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.custom_batching import custom_vmap
+from jax.extend.core import Literal
 from jaxtyping import PyTree
 
 from .._axes import bound_axis_size
 from .._paths import path_to_str
 from .._typing import AxisName
+from .._vma import varying_axes
 from ..pipeline._microbatch import Microbatched
 from .pipeline import PipelineModule
 from .stacks import RematPolicy, ScannedLayers, map_arrays, stack_layers, unstack_layers
 
 _OWNER = "PipelinedBlocks"
+TRAINING_SCHEDULES = ("1f1b", "zb-h1")  # the loss runs inside the pipeline
+# The recorders of `eqpar.value_and_grad` calls being traced (innermost last).
+_RECORDERS: list[Any] = []
 
 
 class PipelinedBlocks(eqx.Module):
@@ -109,6 +115,7 @@ class PipelinedBlocks(eqx.Module):
     num_layers: int = eqx.field(static=True)
     container: type = eqx.field(static=True)
     batch_axis: int | None = eqx.field(static=True)
+    schedule: str = eqx.field(static=True)
     skeletons: tuple = eqx.field(static=True)  # each block with its arrays left out
 
     def __init__(
@@ -121,6 +128,7 @@ class PipelinedBlocks(eqx.Module):
         axis_name: AxisName = "pipe",
         remat: RematPolicy | bool = "none",
         batch_axis: int | None = None,
+        schedule: str | None = None,
     ):
         if isinstance(blocks, str | bytes) or not isinstance(blocks, Sequence) or not blocks:
             raise TypeError(
@@ -142,6 +150,19 @@ class PipelinedBlocks(eqx.Module):
         self.num_layers = len(blocks)
         self.container = type(blocks)
         self.batch_axis = batch_axis
+        expected = "gpipe" if num_repeats == 1 else "circular"
+        if schedule not in (None, expected, *TRAINING_SCHEDULES):
+            raise ValueError(
+                f"{_OWNER}: `schedule` is {expected!r} (the default for num_repeats="
+                f"{num_repeats}) or one of {TRAINING_SCHEDULES} (trained through "
+                f"`eqpar.value_and_grad`); got {schedule!r}."
+            )
+        if schedule in TRAINING_SCHEDULES and num_repeats != 1:
+            raise ValueError(
+                f"{_OWNER}: schedule={schedule!r} runs one stage per device; pass num_repeats=1 "
+                f"(more stages per device: the circular schedule)."
+            )
+        self.schedule = schedule or expected
         self.skeletons = tuple(
             jax.tree.map(lambda leaf: _HELD if eqx.is_array(leaf) else leaf, block)
             for block in blocks
@@ -202,6 +223,16 @@ class PipelinedBlocks(eqx.Module):
                 x = _call_block(block, input_name, x, args, kwargs)
             return x
         layout, per_layer_values, shared_values = _ArgumentLayout.of(calls, input_name)
+        if self.schedule in TRAINING_SCHEDULES:
+            recorder = _RECORDERS[-1] if _RECORDERS else None
+            if recorder is None:
+                raise ValueError(
+                    f"{_OWNER}: schedule={self.schedule!r} runs the loss inside the pipeline, "
+                    f"so it computes the loss and the gradients itself: take them with "
+                    f"`eqpar.value_and_grad(loss_fn)(model, *batch)` inside `shard_map` "
+                    f"instead of differentiating the loss (or calling the model) directly."
+                )
+            return recorder.mark(self, layout, x, per_layer_values, shared_values)
         if not _under_vmap((x, per_layer_values, shared_values)):
             if self.batch_axis is None:
                 raise ValueError(
@@ -673,3 +704,421 @@ def _batch_counter(x: PyTree) -> jax.Array:
 def _flag(batched: Any) -> bool:
     leaves = jax.tree.leaves(batched)
     return bool(leaves and all(leaves))
+
+
+# --------------------------------------------------------------------------------------
+# Schedules that run the loss inside the pipeline (1F1B, ZB-H1), the model's `__call__` kept.
+#
+# The schedule needs the author's loss in two pieces: the code before the blocks (the
+# embedding), which makes the blocks' input and arguments, and the code after them (the
+# head and the loss), a function of the blocks' output. Both are the author's `loss_fn`,
+# run on one microbatch with the pipelined blocks' call changed: to capture what it is given
+# and stop there (before), or to return a given output (after; the code before the blocks
+# then computes nothing that is used, and the compiler drops it).
+
+
+class _Captured(Exception):
+    """Stops `loss_fn` at the blocks' call once their input is captured."""
+
+
+class _Recorder:
+    """The pipelined blocks' call while `value_and_grad` runs `loss_fn`: `mode` is
+    `"capture"` (keep the blocks' input, per-layer and shared arguments, and stop) or
+    `"inject"` (return `output` as the blocks' output). It keeps the blocks, the layout of
+    their arguments and which arguments are per example."""
+
+    def __init__(self, mode: str, output: PyTree = None) -> None:
+        self.mode, self.output = mode, output
+        self.blocks: PipelinedBlocks | None = None
+        self.layout: _ArgumentLayout | None = None
+        self.per_example = False
+        self.batched: tuple = ((), ())  # per entry of the per-layer and shared arguments
+        self.values: tuple = ()  # captured: (x, per_layer, shared) for the whole microbatch
+
+    def mark(
+        self,
+        blocks: PipelinedBlocks,
+        layout: _ArgumentLayout,
+        x: PyTree,
+        per_layer: list,
+        shared: list,
+    ) -> PyTree:
+        if self.blocks is not None:
+            raise ValueError(
+                f"{_OWNER}: a model trained with a schedule that runs the loss inside the "
+                f"pipeline holds one pipelined list, called once per forward; it was called "
+                f"again."
+            )
+        self.blocks, self.layout = blocks, layout
+        if not _under_vmap((x, per_layer, shared)):
+            if blocks.batch_axis is None:
+                raise ValueError(
+                    f"{_OWNER}: the blocks were called without a `jax.vmap` around them; "
+                    f"pass Pipeline(..., batch_axis=0) if the model takes the whole batch, "
+                    f"or call it per example under `jax.vmap`."
+                )
+            flags = (
+                tuple(False for _ in per_layer),
+                tuple(isinstance(v, Microbatched) for v in shared),
+            )
+            return self._at_batch_level(x, per_layer, shared, flags)
+        self.per_example = True
+        # The output to give is passed in (unbatched) so that the function's own output,
+        # traced for its type only, is one example of it.
+        output = x if self.mode == "capture" else self.output
+
+        @custom_vmap
+        def marked(x: PyTree, per_layer: list, shared: list, output: PyTree) -> PyTree:
+            return jax.tree.map(lambda a: a[0], output) if self.mode == "inject" else x
+
+        @marked.def_vmap
+        def batch_level(size: int, in_batched: list, x, per_layer, shared, output):
+            x_batched, per_layer_batched, shared_batched, _ = in_batched
+            x = jax.tree.map(
+                lambda leaf, b: leaf if b else jnp.broadcast_to(leaf, (size, *jnp.shape(leaf))),
+                x,
+                x_batched,
+            )
+            flags = (
+                tuple(_flag(b) for b in per_layer_batched),
+                tuple(_flag(b) for b in shared_batched),
+            )
+            out = self._at_batch_level(x, per_layer, shared, flags)
+            return out, jax.tree.map(lambda _: True, out)
+
+        return marked(x, per_layer, shared, output)
+
+    def _at_batch_level(self, x: PyTree, per_layer: list, shared: list, flags: tuple) -> PyTree:
+        self.batched = flags
+        if self.mode == "capture":
+            self.values = (x, per_layer, shared)
+            raise _Captured
+        shapes = lambda tree: jax.tree.map(jnp.shape, tree)
+        if shapes(self.output) != shapes(x):
+            raise AssertionError(f"{_OWNER}: the output {shapes(self.output)} for {shapes(x)}")
+        return self.output
+
+
+def _with_recorder(recorder: _Recorder, fn: Callable, *args: Any) -> Any:
+    _RECORDERS.append(recorder)
+    try:
+        return fn(*args)
+    finally:
+        _RECORDERS.remove(recorder)
+
+
+def _depends_on(jaxpr: Any, sources: set, targets: list) -> list[bool]:
+    """For each of `targets` (variables of `jaxpr`), whether it is computed from any of
+    `sources` (nested jaxprs are taken whole: any input reaches every output)."""
+    reached = set(sources)
+    for eqn in jaxpr.eqns:
+        if any(not isinstance(v, Literal) and v in reached for v in eqn.invars):
+            reached.update(eqn.outvars)
+    return [not isinstance(v, Literal) and v in reached for v in targets]
+
+
+class _AfterBlocks(eqx.Module):
+    """The author's loss on one microbatch with the blocks' output given: the code after the
+    blocks (the head and the loss), as the schedule's loss `(blocks' output, microbatch) ->
+    loss`. `arrays` (the model's, the pipelined blocks' left out) get gradients."""
+
+    arrays: PyTree
+    blocks: PipelinedBlocks  # without arrays: it records the calls and gives the output
+    static: PyTree = eqx.field(static=True)
+    where: Callable = eqx.field(static=True)
+    loss_fn: Callable = eqx.field(static=True)
+    batch_def: Any = eqx.field(static=True)
+
+    def __call__(self, out: tuple, batch: list) -> jax.Array:
+        h, _ = out
+        model = eqx.combine(self.arrays, self.static)
+        model = eqx.tree_at(self.where, model, self.blocks, is_leaf=_is_none)
+        batch = jax.tree.unflatten(self.batch_def, batch)
+        return _with_recorder(_Recorder("inject", h), self.loss_fn, model, *batch)
+
+
+def value_and_grad(loss_fn: Callable) -> Callable:
+    """`loss_fn`'s value and gradients with respect to the model, for every mode, by the one
+    gradient rule: the loss of the whole batch and its gradients (inside `shard_map`).
+
+    `loss_fn(model, *batch) -> scalar` is the author's loss on the rows it is given (a mean
+    over them), the model called however the author calls it. Where the batch is split over
+    mesh axes (`data`), the result is the mean of the shards' losses and its gradients, as
+    differentiating `lax.pmean(loss_fn(...), axes)` gives. Where the model holds blocks
+    pipelined by a plan with `Pipeline(..., schedule="1f1b")` or `"zb-h1"`, the schedule runs
+    the loss inside the pipeline: `loss_fn` is traced once, on one microbatch, and cut where
+    the blocks are called; the code before them (the embedding) runs on every microbatch,
+    the blocks as the schedule's stages, and the code after them (the head and the loss) as
+    the schedule's loss on the last stage. That needs a loss that is a mean over examples
+    (the mean of the microbatches' losses is the batch's), arguments of the blocks that do
+    not depend on the parameters, and the blocks' arguments that are not per example the
+    same for every microbatch; each is checked.
+
+    **Arguments:**
+
+    - `loss_fn`: `loss_fn(model, *batch) -> scalar`; every leaf of `batch` has the batch
+      as its leading axis.
+
+    **Returns:** a function `(model, *batch) -> (loss, grads)`, `grads` shaped as
+    `eqx.filter(model, eqx.is_inexact_array)`.
+
+    ```python
+    import equinox as eqx, jax, jax.numpy as jnp, eqpar
+    from jax.sharding import PartitionSpec as P
+
+    class Model(eqx.Module):
+        embed: eqx.nn.Linear
+        layers: list
+        head: eqx.nn.Linear
+        def __call__(self, x):  # one example
+            x = self.embed(x)
+            for layer in self.layers:
+                x = layer(x)
+            return self.head(x)
+
+    keys = jax.random.split(jax.random.key(0), 6)
+    model = Model(eqx.nn.Linear(3, 4, key=keys[0]),
+                  [eqx.nn.MLP(4, 4, 8, 1, key=k) for k in keys[1:5]],
+                  eqx.nn.Linear(4, 1, key=keys[5]))
+    loss = lambda m, x, y: jnp.mean((jax.vmap(m)(x)[:, 0] - y) ** 2)
+    plan = {"layers": eqpar.Pipeline(stages=2, microbatches=2, schedule="1f1b")}
+    parallel = eqpar.parallelize(model, plan)
+    mesh = eqpar.DeviceMesh((2,), ("pipe",), devices=jax.devices()[:2])
+    specs = eqpar.partition_specs(parallel)
+    step = eqpar.shard_map(
+        eqpar.value_and_grad(loss), mesh=mesh, in_specs=(specs, P(), P()),
+        out_specs=(P(), eqpar.partition_specs(eqx.filter(parallel, eqx.is_inexact_array))),
+    )
+    x, y = jnp.ones((4, 3)), jnp.zeros(4)
+    value, grads = step(parallel, x, y)
+    serial_value, serial_grads = eqx.filter_value_and_grad(loss)(model, x, y)
+    assert jnp.allclose(value, serial_value, rtol=1e-5)
+    got = eqpar.unparallelize(grads).layers[2].layers[0].weight
+    want = serial_grads.layers[2].layers[0].weight
+    assert jnp.allclose(got, want, rtol=1e-4, atol=1e-7)
+    ```
+    """
+    if not callable(loss_fn):
+        raise TypeError(
+            f"value_and_grad: `loss_fn` must be callable, got {type(loss_fn).__name__}."
+        )
+
+    def run(model: PyTree, *batch: PyTree) -> tuple[jax.Array, PyTree]:
+        is_blocks = lambda node: isinstance(node, PipelinedBlocks)
+        scheduled = [
+            node
+            for node in jax.tree.leaves(model, is_leaf=is_blocks)
+            if is_blocks(node) and node.schedule in TRAINING_SCHEDULES
+        ]
+        if not scheduled:
+            return _global_value_and_grad(loss_fn, model, batch)
+        if len(scheduled) > 1:
+            raise ValueError(
+                "value_and_grad: the model holds several lists pipelined with a schedule that "
+                "runs the loss inside the pipeline; one such list per model."
+            )
+        return _scheduled_value_and_grad(loss_fn, model, batch, scheduled[0])
+
+    return run
+
+
+def _global_value_and_grad(loss_fn: Callable, model: PyTree, batch: tuple) -> tuple:
+    def global_loss(model: PyTree) -> jax.Array:
+        loss = loss_fn(model, *batch)
+        axes = tuple(sorted(varying_axes(loss), key=str))
+        return jax.lax.pmean(loss, axes) if axes else loss
+
+    return eqx.filter_value_and_grad(global_loss)(model)
+
+
+def _scheduled_value_and_grad(
+    loss_fn: Callable, model: PyTree, batch: tuple, blocks: PipelinedBlocks
+) -> tuple:
+    owner = "value_and_grad"
+    num_microbatches = blocks.pipeline.num_microbatches
+    batch_leaves, batch_def = jax.tree.flatten(batch)
+    sizes = {jnp.shape(leaf)[0] if jnp.ndim(leaf) else None for leaf in batch_leaves}
+    if len(sizes) != 1 or None in sizes:
+        raise ValueError(
+            f"{owner}: every leaf of the batch needs the batch as its leading axis, to cut it "
+            f"into {num_microbatches} microbatches; found leading sizes "
+            f"{sorted(map(str, sizes))}."
+        )
+    size = sizes.pop()
+    if size % num_microbatches:
+        raise ValueError(
+            f"{owner}: the batch of {size} rows on this device does not divide into "
+            f"num_microbatches={num_microbatches}; choose a batch size or a microbatch count "
+            f"that divides it."
+        )
+    rows = size // num_microbatches
+    split = [leaf.reshape(num_microbatches, rows, *leaf.shape[1:]) for leaf in batch_leaves]
+    # The model's arrays but the pipelined blocks' (the schedule runs those); the blocks
+    # stay in the model without arrays, to record their calls.
+    where = _where(model, blocks)
+    arrays, static = eqx.partition(eqx.tree_at(where, model, None), eqx.is_array)
+    hollow = eqx.filter(blocks, eqx.is_array, inverse=True)
+
+    def before(arrays: PyTree, microbatch: list) -> tuple[tuple, _Recorder]:
+        """The blocks' input and arguments on one microbatch: `loss_fn` up to their call."""
+        recorder = _Recorder("capture")
+        whole = eqx.tree_at(where, eqx.combine(arrays, static), hollow, is_leaf=_is_none)
+        try:
+            _with_recorder(recorder, loss_fn, whole, *jax.tree.unflatten(batch_def, microbatch))
+        except _Captured:
+            return recorder.values, recorder
+        raise ValueError(f"{owner}: `loss_fn` did not call the pipelined blocks.")
+
+    # What the blocks are given, and which of it is per example (read off one microbatch).
+    first_microbatch = [leaf[0] for leaf in split]
+    _, first = before(arrays, first_microbatch)
+    assert first.layout is not None
+    _check_arguments(lambda a, mb: before(a, mb)[0], arrays, first_microbatch, first)
+    made, before_vjp = jax.vjp(lambda a: jax.lax.map(lambda mb: before(a, mb)[0], split), arrays)
+    x_made, per_layer_made, shared_made = made
+    whole = lambda a: a.reshape(size, *a.shape[2:])
+    per_layer_batched, shared_batched = first.batched
+    x = jax.tree.map(whole, x_made)
+    # Per example, or the same for every microbatch (checked): microbatch 0's.
+    per_layer = [whole(a) if b else a[0] for a, b in zip(per_layer_made, per_layer_batched)]
+    shared = [
+        jax.tree.map(whole if b else (lambda a: a[0]), value)
+        for value, b in zip(shared_made, shared_batched)
+    ]
+
+    stack = blocks.pipeline.stages
+    assert isinstance(stack, ScannedLayers)
+    flags = (per_layer_batched, shared_batched) if first.per_example else None
+    layer = _LayerCall(
+        stack.layers, layout=first.layout, per_example=first.per_example, batched=flags
+    )
+    runnable = eqx.tree_at(
+        lambda p: p.stages, blocks.pipeline, ScannedLayers(layer, remat=stack.remat)
+    )
+    wrap: Callable = lambda values, flags: [
+        Microbatched(v) if b and not isinstance(v, Microbatched) else v
+        for v, b in zip(values, flags)
+    ]
+    head = _AfterBlocks(arrays, hollow, static, where, loss_fn, batch_def)
+    loss, (stage_grads, head_grads, x_grads) = runnable.value_and_grad(
+        head,
+        (x, jnp.zeros((size,), jnp.int32)),
+        list(batch_leaves),
+        wrap(per_layer, per_layer_batched),
+        wrap(shared, shared_batched),
+        schedule=blocks.schedule,
+        return_all_grads=True,
+    )
+    x_leaves, x_def = jax.tree.flatten(x_made)
+    x_cotangents = [
+        g.reshape(a.shape) if eqx.is_inexact_array(a) and g is not None else _no_cotangent(a)
+        for a, g in zip(x_leaves, _leaves_or_none(x_grads[0], len(x_leaves)))
+    ]
+    nothing = lambda tree: jax.tree.map(_no_cotangent, tree)
+    cotangent = (jax.tree.unflatten(x_def, x_cotangents), nothing(per_layer_made),
+                 nothing(shared_made))  # fmt: skip
+    (before_grads,) = before_vjp(cotangent)
+    grads = jax.tree.map(_add, before_grads, head_grads.arrays, is_leaf=_is_none)
+    return loss, _assemble(model, where, blocks, grads, stage_grads)
+
+
+def _add(a: Any, b: Any) -> Any:
+    """Two gradients of one leaf added (`None` or `float0` where there is none)."""
+    if not eqx.is_inexact_array(a):
+        return b
+    return a if not eqx.is_inexact_array(b) else a + b
+
+
+def _is_none(node: object) -> bool:
+    return node is None
+
+
+def _where(model: PyTree, blocks: PipelinedBlocks) -> Callable:
+    """`where` for `eqx.tree_at`: the place of `blocks` in `model`."""
+    is_blocks = lambda node: node is blocks
+    path = next(
+        path
+        for path, node in jax.tree_util.tree_flatten_with_path(model, is_leaf=is_blocks)[0]
+        if is_blocks(node)
+    )
+
+    def where(tree: PyTree) -> Any:
+        for key in path:
+            if isinstance(key, jax.tree_util.GetAttrKey):
+                tree = getattr(tree, key.name)
+            elif isinstance(key, jax.tree_util.SequenceKey):
+                tree = tree[key.idx]
+            elif isinstance(key, jax.tree_util.DictKey):
+                tree = tree[key.key]
+            else:
+                raise TypeError(f"value_and_grad: cannot follow {key!r} to the pipelined blocks.")
+        return tree
+
+    return where
+
+
+def _leaves_or_none(tree: PyTree, count: int) -> list:
+    """The leaves of a gradient tree with `None` kept where a leaf has no gradient."""
+    leaves = jax.tree.leaves(tree, is_leaf=lambda n: n is None)
+    return leaves if len(leaves) == count else [None] * count
+
+
+def _no_cotangent(a: jax.Array) -> Any:
+    """A zero cotangent for `a` (`float0` for integer, boolean and key arrays)."""
+    if eqx.is_inexact_array(a):
+        return jnp.zeros_like(a)
+    return np.zeros(jnp.shape(a), dtype=jax.dtypes.float0)
+
+
+def _check_arguments(
+    before: Callable, arrays: PyTree, microbatch: list, recorder: _Recorder
+) -> None:
+    """Refuse what the schedule cannot carry: a floating-point argument of the blocks computed
+    from the parameters (the schedule gives the blocks' extra arguments no gradients), and an
+    argument that is not per example but computed from the batch (it could differ between
+    microbatches, and the schedule passes one)."""
+    array_leaves = jax.tree.leaves(arrays)
+    closed = jax.make_jaxpr(lambda a, mb: before(a, mb)[1:])(arrays, microbatch)
+    jaxpr = closed.jaxpr
+    array_vars = jaxpr.invars[: len(array_leaves)]
+    batch_vars = jaxpr.invars[len(array_leaves) :]
+    trained = {v for v, a in zip(array_vars, array_leaves) if eqx.is_inexact_array(a)}
+    outputs = list(jaxpr.outvars)
+    from_parameters = _depends_on(jaxpr, trained, outputs)
+    from_batch = _depends_on(jaxpr, set(batch_vars), outputs)
+    per_layer_batched, shared_batched = recorder.batched
+    per_layer, shared = recorder.values[1], recorder.values[2]
+    leaf_batched = [
+        b
+        for entries, flags in ((per_layer, per_layer_batched), (shared, shared_batched))
+        for entry, b in zip(entries, flags)
+        for _ in jax.tree.leaves(entry)
+    ]
+    for k, var in enumerate(outputs):
+        where = f"argument leaf {k} of the pipelined blocks (beside their input)"
+        if jnp.issubdtype(var.aval.dtype, jnp.inexact) and from_parameters[k]:
+            raise ValueError(
+                f"value_and_grad: {where} is computed from the model's parameters; a schedule "
+                f"that runs the loss inside the pipeline gives the blocks' other arguments no "
+                f"gradients. Compute it inside the blocks, or use schedule='gpipe'."
+            )
+        if from_batch[k] and not leaf_batched[k]:
+            raise ValueError(
+                f"value_and_grad: {where} is computed from the batch but is not per example, so "
+                f"it could differ between microbatches while the schedule passes one. Make it "
+                f"per example, or use schedule='gpipe'."
+            )
+
+
+def _assemble(
+    model: PyTree, where: Callable, blocks: PipelinedBlocks, grads: PyTree, stage_grads: Any
+) -> PyTree:
+    """The gradients shaped as `eqx.filter(model, eqx.is_inexact_array)`: those of the code
+    around the blocks, and the schedule's for the blocks' stacked layers."""
+    layers = stage_grads.stages.layers.block  # through `_LayerCall`, back to the blocks
+    pipeline = eqx.tree_at(lambda p: p.stages.layers, blocks.pipeline, layers, is_leaf=_is_none)
+    pipeline = eqx.filter(pipeline, eqx.is_inexact_array)
+    block_grads = eqx.tree_at(lambda b: b.pipeline, eqx.filter(blocks, eqx.is_inexact_array),
+                              pipeline, is_leaf=_is_none)  # fmt: skip
+    around = eqx.filter(grads, eqx.is_inexact_array)
+    return eqx.tree_at(where, around, block_grads, is_leaf=_is_none)
