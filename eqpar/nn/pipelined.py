@@ -944,7 +944,7 @@ def _scheduled_value_and_grad(
             f"into {num_microbatches} microbatches; found leading sizes "
             f"{sorted(map(str, sizes))}."
         )
-    size = sizes.pop()
+    size = int(sizes.pop() or 0)
     if size % num_microbatches:
         raise ValueError(
             f"{owner}: the batch of {size} rows on this device does not divide into "
