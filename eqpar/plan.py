@@ -636,7 +636,8 @@ def parallelize(
     **Blocks.** `Remat(policy)` on a block of the model (or a list of blocks) runs the
     block's own `__call__` under `jax.checkpoint`. `Pipeline(stages, microbatches)` on a
     list of blocks runs them as a pipeline while the model's own loop over them runs as
-    written (an `eqpar.nn.PipelinedBlocks`); the other keys convert the layers inside.
+    written (an `eqpar.nn.PipelinedBlocks`); the other keys convert the layers inside. With
+    `schedule="1f1b"` or `"zb-h1"`, train through `eqpar.value_and_grad(loss_fn)`.
 
     **Arguments:**
 
