@@ -8,7 +8,7 @@ from collections.abc import Callable, Hashable, Set
 
 import equinox as eqx
 import jax
-from jax.sharding import Mesh
+from jax.sharding import Mesh, PartitionSpec
 
 from . import _current
 from ._paths import path_to_str
@@ -52,7 +52,11 @@ def shard_map(
       `None` elsewhere (what `eqpar.partition_specs` returns).
     - `out_specs`: the same for the result (a prefix of the result's array leaves).
     - `check_vma`: passed to `jax.shard_map`.
-    - `axis_names`: the mesh axes that are manual inside `fn` (default: all).
+    - `axis_names`: the mesh axes that are manual inside `fn` (default: all). The others
+      are left to the compiler: `fn` sees whole arrays along them and the specs may still
+      name them (they are dropped from what `jax.shard_map` is given; the arrays' own
+      shardings carry them), so `eqpar.partition_specs(model)` serves as in_specs when, say,
+      `Sharded` keys split the weights over `model` and a pipeline runs over `pipe`.
 
     **Returns:** the mapped function (or a decorator when `fn` is omitted).
 
@@ -120,6 +124,8 @@ def shard_map(
         axes = None if jax_mesh is None else dict(jax_mesh.shape)
         for i, (arg, arg_specs) in enumerate(zip(args, specs)):
             _check_argument_specs(arg, arg_specs, axes, f"shard_map: in_specs for argument {i}")
+        if axis_names is not None:
+            specs = _manual_only(specs, frozenset(axis_names))
         static_out: list = []
 
         # The specs go to JAX as they are (no wrapping), so its own errors, such as a result
@@ -138,7 +144,9 @@ def shard_map(
             local,
             mesh=jax_mesh,
             in_specs=specs,
-            out_specs=out_specs,
+            out_specs=out_specs
+            if axis_names is None
+            else _manual_only(out_specs, frozenset(axis_names)),
             check_vma=check_vma,
             **extra,
         )
@@ -146,6 +154,23 @@ def shard_map(
         return eqx.combine(out_dynamic, static_out[-1])
 
     return mapped
+
+
+def _manual_only(specs: PyTree, manual: frozenset) -> PyTree:
+    """`specs` with the mesh axes that are not manual left out of every `PartitionSpec`."""
+
+    def keep(entry: object) -> object:
+        names = entry if isinstance(entry, tuple) else (entry,)
+        kept = tuple(name for name in names if name is not None and name in manual)
+        if not kept:
+            return None
+        return kept if isinstance(entry, tuple) and len(kept) > 1 else kept[0]
+
+    return jax.tree.map(
+        lambda spec: PartitionSpec(*map(keep, spec)) if isinstance(spec, PartitionSpec) else spec,
+        specs,
+        is_leaf=lambda node: isinstance(node, PartitionSpec),
+    )
 
 
 def _check_result_replication(out: PyTree, out_specs: PyTree, name: str) -> None:

@@ -17,7 +17,7 @@ import pytest
 from jax import lax
 from jax.sharding import PartitionSpec as P
 from numerics import assert_arrays_close, assert_tree_close
-from test_any_model import VIT_PLAN, mesh_of, serial_step, sharded_step
+from test_any_model import LLAMA_TENSOR_PARALLEL, VIT_PLAN, mesh_of, serial_step, sharded_step
 
 import eqpar
 from eqpar.nn import PipelinedBlocks
@@ -363,3 +363,71 @@ def test_what_a_scheduled_pipeline_cannot_carry_is_refused(mode):
     )  # fmt: skip
     with pytest.raises(ValueError, match="computed from the model's parameters"):
         run(parallel, x)
+
+
+def test_llama_raw_arrays_data_pipe_and_tensor_parallel_by_plan():
+    """3D for a model with raw weight arrays: `Sharded` keys split its weights over `model`
+    (left to the compiler), `Pipeline` runs its blocks over `pipe`, the batch is split over
+    `data`; `eqpar.shard_map` makes `data` and `pipe` manual and takes the model's whole
+    layout as in_specs."""
+    model = llama.Llama(key=jax.random.key(0))
+    tokens = llama.batch(8)
+    serial_loss, serial_model = serial_step(llama.loss, model, tokens)
+    mesh = mesh_of((2, 2, 2), ("data", "pipe", "model"))
+    plan = {**LLAMA_TENSOR_PARALLEL, "layers": eqpar.Pipeline(stages=2, microbatches=2)}
+    parallel = eqpar.parallelize(model, plan, mesh=mesh)
+    specs = eqpar.partition_specs(parallel)
+    assert specs.layers.pipeline.stages.layers.wq == P("pipe", None, None, "model")
+    placed = eqx.filter_shard(parallel, eqpar.named_shardings(specs, mesh))
+    step = eqpar.shard_map(
+        lambda m, t: lax.pmean(llama.loss(m, t), "data"),
+        mesh=mesh,
+        in_specs=(specs, P("data")),
+        out_specs=P(),
+        axis_names={"data", "pipe"},
+    )
+    batch = jax.device_put(tokens, jax.sharding.NamedSharding(mesh.jax_mesh, P("data")))
+    loss, updated = serial_step(step, placed, batch)
+    assert (
+        updated.layers.pipeline.stages.layers.wq.sharding.spec
+        == specs.layers.pipeline.stages.layers.wq
+    )
+    assert_tree_close(loss, serial_loss, what="loss")
+    assert_arrays_close(eqpar.unparallelize(updated), serial_model)
+
+
+class CrossBlock(eqx.Module):
+    linear: eqx.nn.Linear
+
+    def __call__(self, h, context, gain):
+        return jnp.tanh(self.linear(h) + context) * gain
+
+
+class Latent(eqx.Module):
+    """The blocks' input is a parameter (a learned latent); the batch reaches them only as a
+    per-example argument (cross-attention style), and a gain with its gradient stopped."""
+
+    latent: jax.Array
+    gain: jax.Array
+    layers: list
+    head: eqx.nn.Linear
+
+    def __call__(self, x):
+        h, gain = self.latent, lax.stop_gradient(self.gain)
+        for layer in self.layers:
+            h = layer(h, x, gain)
+        return self.head(h)
+
+
+def test_one_forward_one_backward_when_the_batch_reaches_the_blocks_only_as_an_argument():
+    keys = jax.random.split(jax.random.key(0), 5)
+    layers = [CrossBlock(eqx.nn.Linear(4, 4, key=k)) for k in keys[:4]]
+    model = Latent(jnp.ones(4), jnp.full((), 0.9), layers, eqx.nn.Linear(4, 2, key=keys[4]))
+    x = jax.random.normal(jax.random.key(1), (8, 4))
+    y = jax.random.normal(jax.random.key(2), (8, 2))
+    loss_fn = lambda m, x, y: jnp.mean((jax.vmap(m)(x) - y) ** 2)
+    serial_loss, serial_model = serial_step(loss_fn, model, x, y)
+    plan = {"layers": eqpar.Pipeline(stages=2, microbatches=2, schedule="1f1b")}
+    loss, updated = scheduled_step(loss_fn, model, plan, mesh_of((2, 2), MESH_DP_PP[1]), x, y)
+    assert_tree_close(loss, serial_loss, what="loss")
+    assert_arrays_close(updated, serial_model)

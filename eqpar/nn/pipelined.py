@@ -807,11 +807,16 @@ def _with_recorder(recorder: _Recorder, fn: Callable, *args: Any) -> Any:
         _RECORDERS.remove(recorder)
 
 
-def _depends_on(jaxpr: Any, sources: set, targets: list) -> list[bool]:
+def _depends_on(
+    jaxpr: Any, sources: set, targets: list, *, through_stop_gradient: bool = True
+) -> list[bool]:
     """For each of `targets` (variables of `jaxpr`), whether it is computed from any of
-    `sources` (nested jaxprs are taken whole: any input reaches every output)."""
+    `sources` (nested jaxprs are taken whole: any input reaches every output); with
+    `through_stop_gradient=False`, not through a `lax.stop_gradient`."""
     reached = set(sources)
     for eqn in jaxpr.eqns:
+        if not through_stop_gradient and eqn.primitive.name == "stop_gradient":
+            continue
         if any(not isinstance(v, Literal) and v in reached for v in eqn.invars):
             reached.update(eqn.outvars)
     return [not isinstance(v, Literal) and v in reached for v in targets]
@@ -850,9 +855,13 @@ def value_and_grad(loss_fn: Callable) -> Callable:
     the blocks are called; the code before them (the embedding) runs on every microbatch,
     the blocks as the schedule's stages, and the code after them (the head and the loss) as
     the schedule's loss on the last stage. That needs a loss that is a mean over examples
-    (the mean of the microbatches' losses is the batch's), arguments of the blocks that do
-    not depend on the parameters, and the blocks' arguments that are not per example the
-    same for every microbatch; each is checked.
+    (the mean of the microbatches' losses is then the batch's; a sum would come out divided
+    by the number of microbatches, which cannot be checked), code before and after the blocks
+    that treats examples independently (it runs on one microbatch at a time, so a statistic
+    over the whole batch, such as a batch norm, becomes the microbatch's), randomness drawn
+    from per-example keys in the batch (a key closed over in `loss_fn` would repeat on every
+    microbatch), and blocks' arguments that neither depend on the parameters (the schedule
+    gives them no gradients) nor, unless per example, on the batch; those two are checked.
 
     **Arguments:**
 
@@ -1060,7 +1069,8 @@ def _where(model: PyTree, blocks: PipelinedBlocks) -> Callable:
 def _leaves_or_none(tree: PyTree, count: int) -> list:
     """The leaves of a gradient tree with `None` kept where a leaf has no gradient."""
     leaves = jax.tree.leaves(tree, is_leaf=lambda n: n is None)
-    return leaves if len(leaves) == count else [None] * count
+    assert len(leaves) == count, (len(leaves), count)
+    return leaves
 
 
 def _no_cotangent(a: jax.Array) -> Any:
@@ -1084,7 +1094,7 @@ def _check_arguments(
     batch_vars = jaxpr.invars[len(array_leaves) :]
     trained = {v for v, a in zip(array_vars, array_leaves) if eqx.is_inexact_array(a)}
     outputs = list(jaxpr.outvars)
-    from_parameters = _depends_on(jaxpr, trained, outputs)
+    from_parameters = _depends_on(jaxpr, trained, outputs, through_stop_gradient=False)
     from_batch = _depends_on(jaxpr, set(batch_vars), outputs)
     per_layer_batched, shared_batched = recorder.batched
     per_layer, shared = recorder.values[1], recorder.values[2]

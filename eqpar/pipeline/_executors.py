@@ -32,6 +32,7 @@ from ._microbatch import (
 from ._tools import (
     axes_tree,
     batch_axes,
+    cast_tree,
     describe_tree,
     first_of_stack,
     index_tree,
@@ -687,6 +688,13 @@ def _execute_schedule(
         )
     check_replicated(x, "x", model_axis_name, caller)
     check_replicated(targets, "targets", model_axis_name, caller)
+    # A batch split over an axis may reach the pipeline only through its targets or extra
+    # arguments (`x` made from parameters alone): `x` is then typed as varying over that axis
+    # too, so that the shards' parameter gradients are summed once and the loss averaged
+    # over it, and its own gradient comes back summed over it (the transpose of the cast).
+    x_axes = axes_tree(x)
+    split_axes = batch_axes((x, targets, args, kwargs), model_axis_name)
+    x = cast_tree(x, split_axes)
     microbatches = split_microbatches(x, num_microbatches, batch, "x", caller)
     target_microbatches = split_microbatches(targets, num_microbatches, batch, "targets", caller)
     arguments_at = microbatch_arguments(
@@ -747,7 +755,7 @@ def _execute_schedule(
     return _results(
         carry, x, replicated_axes, model_axis_name, num_stages, num_microbatches,
         return_all_grads=return_all_grads, loss_on_every_device=loss_on_every_device,
-        shard_axes=shard_axes,
+        shard_axes=shard_axes, x_axes=x_axes,
     )  # fmt: skip
 
 
@@ -762,6 +770,7 @@ def _results(
     return_all_grads: bool,
     loss_on_every_device: bool,
     shard_axes: frozenset,
+    x_axes: PyTree,
 ) -> tuple[PyTree, PyTree]:
     """The loss and gradients of a training run, reduced to what every device returns."""
     device = lax.axis_index(model_axis_name)
@@ -794,6 +803,11 @@ def _results(
         carry.x_grads,
     )
     x_grads = merge_microbatches(x_grads)
+    x_grads = jax.tree.map(  # typed as `x` came: summed over the axes it was cast to
+        lambda g, original: sum_over_cast_axes(g, original, x, model_axis_name)
+        if eqx.is_inexact_array(g) else g,
+        x_grads, x_axes, is_leaf=lambda node: node is None,
+    )  # fmt: skip
     if axes:
         loss_grads, x_grads = mean(loss_grads), mean(x_grads)
     return loss, (grads, loss_grads, x_grads)
