@@ -160,11 +160,11 @@ def _manual_only(specs: PyTree, manual: frozenset) -> PyTree:
     """`specs` with the mesh axes that are not manual left out of every `PartitionSpec`."""
 
     def keep(entry: object) -> object:
-        names = entry if isinstance(entry, tuple) else (entry,)
-        kept = tuple(name for name in names if name is not None and name in manual)
+        names: tuple = entry if isinstance(entry, tuple) else (entry,)
+        kept = [name for name in names if name is not None and name in manual]
         if not kept:
             return None
-        return kept if isinstance(entry, tuple) and len(kept) > 1 else kept[0]
+        return tuple(kept) if len(kept) > 1 else kept[0]
 
     return jax.tree.map(
         lambda spec: PartitionSpec(*map(keep, spec)) if isinstance(spec, PartitionSpec) else spec,
