@@ -292,6 +292,17 @@ def test_vit_one_forward_one_backward_by_plan_with_tensor_parallel_stages(schedu
     assert_arrays_close(updated, serial_model)
 
 
+def test_bert_zero_bubble_by_plan():
+    """BERT's chain of per-layer keys and its padding mask under ZB-H1 with data parallel."""
+    model = bert.Encoder(key=jax.random.key(0))
+    batch = bert.batch(8)
+    serial_loss, serial_model = serial_step(bert.loss, model, *batch)
+    plan = {"layers": eqpar.Pipeline(stages=2, microbatches=2, schedule="zb-h1")}
+    loss, updated = scheduled_step(bert.loss, model, plan, mesh_of((2, 2), MESH_DP_PP[1]), *batch)
+    assert_tree_close(loss, serial_loss, what="loss")
+    assert_arrays_close(updated, serial_model)
+
+
 def test_llama_one_forward_one_backward_by_plan_with_a_tied_unembedding():
     """The Llama reads its embedding before the blocks and again as the unembedding after
     them: the two gradients are added."""
