@@ -256,6 +256,8 @@ def test_pipeline_plan_errors_name_the_key_and_the_fix():
         eqpar.parallelize(model, {"blocks": eqpar.Pipeline(stages=2, microbatches=2)}, mesh=mesh)
     with pytest.raises(ValueError, match=r"4 layers do not divide into .* 3 stages"):
         eqpar.parallelize(model, {"blocks": eqpar.Pipeline(stages=3, microbatches=1)})
+    with pytest.raises(TypeError, match=r"`layers` is a tuple of 4 layers.*stack_layers"):
+        eqpar.nn.PipelineModule.from_layers(model.blocks, num_stages=2, num_microbatches=1)
 
 
 # --- 1F1B and ZB-H1: the loss inside the pipeline, through eqpar.value_and_grad ----------

@@ -274,6 +274,14 @@ class PipelineModule(eqx.Module):
         owner = "PipelineModule.from_layers"
         s = check_int(num_stages, name="num_stages", owner=owner)
         v = check_int(num_repeats, name="num_repeats", owner=owner)
+        if isinstance(layers, list | tuple):
+            raise TypeError(
+                f"{owner}: `layers` is a {type(layers).__name__} of {len(layers)} layers; it "
+                f"takes one layer module whose arrays are stacked on a leading axis. Stack the "
+                f"list with `eqpar.nn.stack_layers(layers)` first (or put "
+                f"`eqpar.Pipeline(...)` on the list in a plan, which keeps the model's own "
+                f"forward)."
+            )
         num_layers = common_leading_size(layers, "layers", owner)
         total = s * v
         if num_layers % total:

@@ -825,7 +825,10 @@ def _depends_on(
 class _AfterBlocks(eqx.Module):
     """The author's loss on one microbatch with the blocks' output given: the code after the
     blocks (the head and the loss), as the schedule's loss `(blocks' output, microbatch) ->
-    loss`. `arrays` (the model's, the pipelined blocks' left out) get gradients."""
+    loss`. `arrays` are the model's arrays that code reads (they get gradients); the others
+    (the pipelined blocks', and those only the code before the blocks reads, which runs here
+    too but whose results go unused) are zeros of their shapes, made inside and dropped by
+    the compiler, so the schedule keeps no gradient for them."""
 
     arrays: PyTree
     blocks: PipelinedBlocks  # without arrays: it records the calls and gives the output
@@ -833,13 +836,38 @@ class _AfterBlocks(eqx.Module):
     where: Callable = eqx.field(static=True)
     loss_fn: Callable = eqx.field(static=True)
     batch_def: Any = eqx.field(static=True)
+    unread: PyTree = eqx.field(static=True, default=None)  # shapes where `arrays` has None
 
     def __call__(self, out: tuple, batch: list) -> jax.Array:
         h, _ = out
-        model = eqx.combine(self.arrays, self.static)
+        arrays = self.arrays
+        if self.unread is not None:
+            stand_ins = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), self.unread)
+            arrays = eqx.combine(arrays, stand_ins)
+        model = eqx.combine(arrays, self.static)
         model = eqx.tree_at(self.where, model, self.blocks, is_leaf=_is_none)
         batch = jax.tree.unflatten(self.batch_def, batch)
         return _with_recorder(_Recorder("inject", h), self.loss_fn, model, *batch)
+
+    @classmethod
+    def reading_only_what_it_needs(cls, arrays: PyTree, *rest: Any, out: tuple, batch: list):
+        """An `_AfterBlocks` whose `arrays` are those the code after the blocks reads (found
+        by tracing it once on `out` and `batch`)."""
+        whole = cls(arrays, *rest)
+        leaves, treedef = jax.tree.flatten(arrays)
+        jaxpr = jax.make_jaxpr(
+            lambda leaves: eqx.tree_at(lambda a: a.arrays, whole,
+                                       jax.tree.unflatten(treedef, leaves))(out, batch)
+        )(leaves).jaxpr  # fmt: skip
+        read = {v for eqn in jaxpr.eqns for v in eqn.invars if not isinstance(v, Literal)}
+        read |= {v for v in jaxpr.outvars if not isinstance(v, Literal)}
+        used = [v in read for v in jaxpr.invars]
+        kept = jax.tree.unflatten(treedef, [a if u else None for a, u in zip(leaves, used)])
+        unread = jax.tree.unflatten(
+            treedef,
+            [None if u else jax.ShapeDtypeStruct(a.shape, a.dtype) for a, u in zip(leaves, used)],
+        )
+        return cls(kept, *rest, unread=unread)
 
 
 def value_and_grad(loss_fn: Callable) -> Callable:
@@ -1008,7 +1036,11 @@ def _scheduled_value_and_grad(
         Microbatched(v) if b and not isinstance(v, Microbatched) else v
         for v, b in zip(values, flags)
     ]
-    head = _AfterBlocks(arrays, hollow, static, where, loss_fn, batch_def)
+    head = _AfterBlocks.reading_only_what_it_needs(
+        arrays, hollow, static, where, loss_fn, batch_def,
+        out=(jax.tree.map(lambda a: a[:rows], x), jnp.zeros((rows,), jnp.int32)),
+        batch=first_microbatch,
+    )  # fmt: skip
     loss, (stage_grads, head_grads, x_grads) = runnable.value_and_grad(
         head,
         (x, jnp.zeros((size,), jnp.int32)),
