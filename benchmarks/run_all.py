@@ -40,6 +40,12 @@ BENCHMARKS: list[tuple[str, str, list[str], list[str]]] = [
         ["--microbatches", "4", "8", "32", "--compiles", "1", "--repeats", "3"],
     ),
     (
+        "pipeline_by_plan",
+        "Pipelines by plan: a model's own forward under GPipe, 1F1B and ZB-H1",
+        [],
+        ["--microbatches", "4", "16"],
+    ),
+    (
         "linear_stage",
         "A pipeline stage of eqx.nn.Linear layers against direct math",
         [],

@@ -452,7 +452,8 @@ class _Pending:
         return (
             f"<{_OWNER}: the pending output of block {len(self.calls) - 1} of "
             f"{self.owner.num_layers}; the blocks' outputs exist once every block is called, "
-            f"in order>"
+            f"in order, each directly on the previous one's output (not through a "
+            f"`jax.vmap`, `jax.jit` or `jax.checkpoint` of the block itself)>"
         )
 
     __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = _refuse
