@@ -235,16 +235,7 @@ class PipelinedBlocks(eqx.Module):
             return recorder.mark(self, layout, x, per_layer_values, shared_values)
         if not _under_vmap((x, per_layer_values, shared_values)):
             if self.batch_axis is None:
-                raise ValueError(
-                    f"{_OWNER}: the blocks were called without a `jax.vmap` around them, but "
-                    f"the pipeline expects the model to run one example per call under "
-                    f"`jax.vmap` (Pipeline(batch_axis=None)), which gives it the whole batch. "
-                    f"If the model takes the whole batch itself (its leading axis), pass "
-                    f"Pipeline(..., batch_axis=0). If it is called per example under "
-                    f"`lax.map` / `lax.scan`, or under {_HIDDEN_VMAP} between the vmap and the "
-                    f"blocks hides, call it under `jax.vmap` directly (remat the blocks with "
-                    f"Pipeline(remat=...))."
-                )
+                raise _no_vmap_error()
             try:
                 return _run_pipeline(
                     self.pipeline, layout, x, per_layer_values, shared_values, None
@@ -384,7 +375,28 @@ def _describe_input(name: str | None) -> str:
     return "by position" if name is None else f"as the keyword {name!r}"
 
 
-class _Held:
+class _StandIn:
+    """What the author's code gets in place of something the pipeline holds: any use of it
+    as a value raises the subclass's `_message()`, naming why and the fix."""
+
+    def _message(self) -> str:
+        raise NotImplementedError
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise AttributeError(self._message())
+
+    def _refuse(self, *_: Any, **__: Any) -> Any:
+        raise TypeError(self._message())
+
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = _refuse
+    __matmul__ = __rmatmul__ = __truediv__ = __rtruediv__ = __pow__ = __neg__ = _refuse
+    __getitem__ = __iter__ = __len__ = __bool__ = __float__ = __int__ = __index__ = _refuse
+    __array__ = _refuse
+
+
+class _Held(_StandIn):
     """Where a block's array sits in `PipelinedBlocks.skeletons`: the arrays are held stacked
     over the pipeline's stages, so the author's code can read a block's settings but not its
     arrays (which the block's own `__call__` reads as usual)."""
@@ -392,27 +404,19 @@ class _Held:
     def __repr__(self) -> str:
         return f"<{_OWNER}: an array held stacked over the pipeline's stages>"
 
-    def _refuse(self, *_: Any, **__: Any) -> Any:
-        raise TypeError(
+    def _message(self) -> str:
+        return (
             f"{_OWNER}: a block's arrays are held stacked over the pipeline's stages, so code "
             f"outside the blocks can read the blocks' settings (static fields) but not their "
             f"arrays; read them inside the block's `__call__`, or `eqpar.unparallelize` the "
             f"model first."
         )
 
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("__"):
-            raise AttributeError(name)
-        return self._refuse()
-
-    __add__ = __radd__ = __mul__ = __rmul__ = __matmul__ = __getitem__ = _refuse
-    __array__ = __bool__ = __float__ = __int__ = __len__ = __iter__ = _refuse
-
 
 _HELD = _Held()
 
 
-class _Pending:
+class _Pending(_StandIn):
     """The output of a pipelined block before the last: only the next block can take it. Its
     shape and dtype are known (every block keeps those of its input); its values are not."""
 
@@ -440,14 +444,6 @@ class _Pending:
             f"the pipeline plan)."
         )
 
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("__"):
-            raise AttributeError(name)
-        raise AttributeError(self._message())
-
-    def _refuse(self, *_: Any, **__: Any) -> Any:
-        raise TypeError(self._message())
-
     def __repr__(self) -> str:
         return (
             f"<{_OWNER}: the pending output of block {len(self.calls) - 1} of "
@@ -455,10 +451,6 @@ class _Pending:
             f"in order, each directly on the previous one's output (not through a "
             f"`jax.vmap`, `jax.jit` or `jax.checkpoint` of the block itself)>"
         )
-
-    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = _refuse
-    __matmul__ = __rmatmul__ = __truediv__ = __rtruediv__ = __pow__ = __neg__ = _refuse
-    __getitem__ = __iter__ = __len__ = __bool__ = __float__ = __int__ = __index__ = _refuse
 
 
 class _ArgumentLayout(NamedTuple):
@@ -680,6 +672,20 @@ _HIDDEN_VMAP_FIX = (
 )
 
 
+def _no_vmap_error() -> ValueError:
+    """Blocks called on one example without a `jax.vmap` the pipeline can see."""
+    return ValueError(
+        f"{_OWNER}: the blocks were called without a `jax.vmap` around them, but "
+        f"the pipeline expects the model to run one example per call under "
+        f"`jax.vmap` (Pipeline(batch_axis=None)), which gives it the whole batch. "
+        f"If the model takes the whole batch itself (its leading axis), pass "
+        f"Pipeline(..., batch_axis=0). If it is called per example under "
+        f"`lax.map` / `lax.scan`, or under {_HIDDEN_VMAP} between the vmap and the "
+        f"blocks hides, call it under `jax.vmap` directly (remat the blocks with "
+        f"Pipeline(remat=...))."
+    )
+
+
 @_unbatched_counter.def_vmap
 def _refuse_hidden_vmap(size: int, in_batched: list, leaf: jax.Array) -> Any:
     raise ValueError(
@@ -753,11 +759,7 @@ class _Recorder:
         self.blocks, self.layout = blocks, layout
         if not _under_vmap((x, per_layer, shared)):
             if blocks.batch_axis is None:
-                raise ValueError(
-                    f"{_OWNER}: the blocks were called without a `jax.vmap` around them; "
-                    f"pass Pipeline(..., batch_axis=0) if the model takes the whole batch, "
-                    f"or call it per example under `jax.vmap`."
-                )
+                raise _no_vmap_error()
             flags = (
                 tuple(False for _ in per_layer),
                 tuple(isinstance(v, Microbatched) for v in shared),
