@@ -218,8 +218,15 @@ class PipelinedBlocks(eqx.Module):
     def _run(self, x: PyTree, calls: list[tuple[tuple, dict]], input_name: str | None) -> PyTree:
         if bound_axis_size(self.pipeline.axis_name) is None:
             stack = self.pipeline.to_layers()  # one device: the blocks in order
+            is_microbatched = lambda node: isinstance(node, Microbatched)
             for index, (args, kwargs) in enumerate(calls):
                 block = map_arrays(lambda a, i=index: a[i], stack)
+                # A `Microbatched` argument is passed whole, as the pipeline's serial twin does.
+                args, kwargs = jax.tree.map(
+                    lambda v: v.value if is_microbatched(v) else v,
+                    (args, kwargs),
+                    is_leaf=is_microbatched,
+                )
                 x = _call_block(block, input_name, x, args, kwargs)
             return x
         layout, per_layer_values, shared_values = _ArgumentLayout.of(calls, input_name)
