@@ -440,8 +440,10 @@ class Sharded(Style):
     so `eqpar.partition_specs(model)` gives it; place the model by those specs and run the
     serial step under `jax.jit`, whose partitioner inserts the collectives the author's
     own code needs, whatever it does with the array (reshapes into heads included). The
-    model runs outside `shard_map` on this route, so keep the styles that convert layers
-    for models run inside it.
+    model runs outside `shard_map` on this route (or inside one whose `axis_names` leave the
+    spec's axes to the compiler: a pipeline over `pipe` with the weights split over `model`;
+    a block called where its spec's axis is manual refuses), so keep the styles that convert
+    layers for models run inside it.
 
     ```python
     import equinox as eqx, jax, jax.numpy as jnp, eqpar

@@ -446,3 +446,13 @@ def test_one_forward_one_backward_when_the_batch_reaches_the_blocks_only_as_an_a
     loss, updated = scheduled_step(loss_fn, model, plan, mesh_of((2, 2), MESH_DP_PP[1]), x, y)
     assert_tree_close(loss, serial_loss, what="loss")
     assert_arrays_close(updated, serial_model)
+
+
+def test_raw_arrays_laid_out_for_the_compiler_refuse_a_manual_axis():
+    """`Sharded` keys split the Llama's weights over `model` for the compiler; inside a
+    shard_map where `model` is manual the author's reshapes would see local pieces."""
+    model = llama.Llama(key=jax.random.key(0))
+    mesh = mesh_of((2, 4), ("data", "model"))
+    parallel = eqpar.parallelize(model, LLAMA_TENSOR_PARALLEL, mesh=mesh)
+    with pytest.raises(ValueError, match=r"over .model. for the compiler.*axis_names"):
+        _pipe_loss(llama.loss, parallel, mesh, llama.batch(8))

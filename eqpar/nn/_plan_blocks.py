@@ -17,6 +17,7 @@ import equinox as eqx
 from jax.sharding import PartitionSpec
 from jaxtyping import PyTree
 
+from .._axes import bound_axis_size
 from .._declare import declared_partition_specs
 from ._twins import instance_with
 from .sequence import gather_sequence, scatter_sequence
@@ -64,7 +65,7 @@ def _block_class(base: type, options: BlockOptions) -> type:
         "__reduce__": lambda self: _reduce_block(self, base, options),
         _OPTIONS: (base, options),
     }
-    if options.changes_call:
+    if options.changes_call or options.specs:
         namespace["__call__"] = _block_call(base, options)
     if options.specs:
         namespace["__partition_specs__"] = lambda self: _block_specs(self, base, options)
@@ -108,6 +109,7 @@ def _block_call(base: type, options: BlockOptions) -> Any:
         run = eqx.filter_checkpoint(run, policy=REMAT_POLICIES[options.remat])
 
     def __call__(self: PyTree, *args: Any, **kwargs: Any) -> PyTree:
+        _check_compiler_axes(base, options)
         if options.split_on_entry is not None:
             if not args:
                 raise TypeError(
@@ -123,6 +125,24 @@ def _block_call(base: type, options: BlockOptions) -> Any:
 
     __call__.__doc__ = base_call.__doc__
     return __call__
+
+
+def _check_compiler_axes(base: type, options: BlockOptions) -> None:
+    """Refuse a block whose raw arrays `Sharded` keys lay out over an axis that is manual
+    here (inside `shard_map` over it): the block would see its local piece of each array,
+    and the author's code, written for whole arrays, would run on the wrong shapes."""
+    for path, spec in options.specs:
+        for entry in spec:
+            for axis in entry if isinstance(entry, tuple) else (entry,):
+                if axis is not None and bound_axis_size(axis) is not None:
+                    raise ValueError(
+                        f"{base.__name__}: Sharded keys lay out `{path}` over {axis!r} for the "
+                        f"compiler, but {axis!r} is a manual axis of the shard_map this block "
+                        f"runs in, where it would see its local piece of the array. Leave "
+                        f"{axis!r} to the compiler: `eqpar.shard_map(..., axis_names=...)` "
+                        f"with the other axes only (the model's whole layout still serves as "
+                        f"in_specs), or run the step under `jax.jit` without shard_map."
+                    )
 
 
 def _restore_block(base: type, options: BlockOptions, fields: dict) -> PyTree:
