@@ -269,11 +269,7 @@ class PipelinedBlocks(eqx.Module):
                     f"model (a vmap over models); a pipeline runs one model. vmap over the "
                     f"examples only."
                 )
-            x = jax.tree.map(
-                lambda leaf, b: leaf if b else jnp.broadcast_to(leaf, (size, *jnp.shape(leaf))),
-                x,
-                x_batched,
-            )
+            x = _whole_batch(x, x_batched, size)
             pipeline = eqx.combine(params, pipeline_static)
             batched = (per_layer_batched, shared_batched)
             out = _run_pipeline(pipeline, layout, x, per_layer, shared, batched)
@@ -606,8 +602,6 @@ def _run_pipeline(
     batched: tuple | None,
 ) -> PyTree:
     """The recorded calls as one pipeline run over the whole batch (inside `shard_map`)."""
-    stack = pipeline.stages
-    assert isinstance(stack, ScannedLayers)
     sizes = {leaf.shape[0] for leaf in jax.tree.leaves(x) if jnp.ndim(leaf)}
     if len(sizes) != 1:
         raise ValueError(
@@ -625,22 +619,43 @@ def _run_pipeline(
     if batched is None and pipeline.num_microbatches > 1:
         _check_whole_arguments(layout, per_layer, shared, size)
     flags = batched if batched is not None else ([False] * len(per_layer), [False] * len(shared))
-    per_layer_batched, shared_batched = (tuple(_flag(b) for b in group) for group in flags)
+    flags = tuple(tuple(_flag(b) for b in group) for group in flags)
+    runnable, arguments = _runnable(pipeline, layout, batched is not None, flags, per_layer, shared)
+    number = jnp.zeros((size,), jnp.int32) if batched is not None else _batch_counter(x)
+    out, _ = runnable((x, number), *arguments)
+    return out
+
+
+def _runnable(
+    pipeline: PipelineModule,
+    layout: _ArgumentLayout,
+    per_example: bool,
+    flags: tuple,
+    per_layer: list,
+    shared: list,
+) -> tuple[PipelineModule, tuple[list, list]]:
+    """`pipeline` with each of its stacked blocks called through `_LayerCall` (its own
+    arguments picked out, per example or on the whole microbatch), and the two argument
+    lists its stages take: the per-layer and the shared values, those flagged per example
+    in `flags` wrapped in `Microbatched`."""
+    stack = pipeline.stages
+    assert isinstance(stack, ScannedLayers)
     layer = _LayerCall(
-        stack.layers,
-        layout=layout,
-        per_example=batched is not None,
-        batched=None if batched is None else (per_layer_batched, shared_batched),
+        stack.layers, layout=layout, per_example=per_example, batched=flags if per_example else None
     )
-    stages = ScannedLayers(layer, remat=stack.remat)
-    pipeline = eqx.tree_at(lambda p: p.stages, pipeline, stages)
-    wrap: Callable = lambda values, flags: [
+    runnable = eqx.tree_at(lambda p: p.stages, pipeline, ScannedLayers(layer, remat=stack.remat))
+    wrap = lambda values, flags: [
         Microbatched(v) if b and not isinstance(v, Microbatched) else v
         for v, b in zip(values, flags)
     ]
-    number = jnp.zeros((size,), jnp.int32) if batched is not None else _batch_counter(x)
-    out, _ = pipeline((x, number), wrap(per_layer, per_layer_batched), wrap(shared, shared_batched))
-    return out
+    return runnable, (wrap(per_layer, flags[0]), wrap(shared, flags[1]))
+
+
+def _whole_batch(x: PyTree, batched: PyTree, size: int) -> PyTree:
+    """`x` in a batching rule with its unbatched leaves broadcast over the batch of `size`."""
+    return jax.tree.map(
+        lambda leaf, b: leaf if b else jnp.broadcast_to(leaf, (size, *jnp.shape(leaf))), x, batched
+    )
 
 
 def _check_whole_arguments(
@@ -784,11 +799,7 @@ class _Recorder:
         @marked.def_vmap
         def batch_level(size: int, in_batched: list, x, per_layer, shared, output):
             x_batched, per_layer_batched, shared_batched, _ = in_batched
-            x = jax.tree.map(
-                lambda leaf, b: leaf if b else jnp.broadcast_to(leaf, (size, *jnp.shape(leaf))),
-                x,
-                x_batched,
-            )
+            x = _whole_batch(x, x_batched, size)
             flags = (
                 tuple(_flag(b) for b in per_layer_batched),
                 tuple(_flag(b) for b in shared_batched),
@@ -1033,19 +1044,9 @@ def _scheduled_value_and_grad(
         for value, b in zip(shared_made, shared_batched)
     ]
 
-    stack = blocks.pipeline.stages
-    assert isinstance(stack, ScannedLayers)
-    flags = (per_layer_batched, shared_batched) if first.per_example else None
-    layer = _LayerCall(
-        stack.layers, layout=first.layout, per_example=first.per_example, batched=flags
+    runnable, arguments = _runnable(
+        blocks.pipeline, first.layout, first.per_example, first.batched, per_layer, shared
     )
-    runnable = eqx.tree_at(
-        lambda p: p.stages, blocks.pipeline, ScannedLayers(layer, remat=stack.remat)
-    )
-    wrap: Callable = lambda values, flags: [
-        Microbatched(v) if b and not isinstance(v, Microbatched) else v
-        for v, b in zip(values, flags)
-    ]
     head = _AfterBlocks.reading_only_what_it_needs(
         arrays, hollow, static, where, loss_fn, batch_def,
         out=(jax.tree.map(lambda a: a[:rows], x), jnp.zeros((rows,), jnp.int32)),
@@ -1055,8 +1056,7 @@ def _scheduled_value_and_grad(
         head,
         (x, jnp.zeros((size,), jnp.int32)),
         list(batch_leaves),
-        wrap(per_layer, per_layer_batched),
-        wrap(shared, shared_batched),
+        *arguments,
         schedule=blocks.schedule,
         return_all_grads=True,
     )
