@@ -331,18 +331,18 @@ def pipe_bytes(
 ) -> PipeBytes:
     """The pipe axis's bytes of one training step, exact (`PipeBytes`).
 
-    `body` is the model's `PipelineModule`, whose `schedule(kind)` is the table the step
-    runs: the forward table for GPipe and circular (differentiated: autodiff of the scan
-    sends each cotangent back over the pair its activation came by, in a conditional of the
-    same branches), the training table for 1F1B and ZB-H1. A direction whose steps all send
-    over the same pairs has no conditional: its sends are outside, counted from the HLO.
+    `body` is the model's `PipelineModule`, whose `schedule(...)` is the table the step
+    runs: the training table of its schedule where the step runs the schedule's own
+    backward pass (`train_lm.runs_own_backward`: every schedule on a pipe axis), else the
+    forward table (differentiated: autodiff of the scan sends each cotangent back over the
+    pair its activation came by, in a conditional of the same branches). A direction whose
+    steps all send over the same pairs has no conditional: its sends are outside, counted
+    from the HLO.
     """
     pipe, model = sizes[lm.PIPE], sizes[lm.MODEL]
-    kind = "forward" if run.schedule in ("gpipe", "circular") else run.schedule
-    training = kind != "forward"
-    program = _program.compile_schedule(
-        body.schedule(kind), store_residuals=training and run.remat != "full"
-    )
+    training = train_lm.runs_own_backward(run)
+    table = body.schedule(run.schedule, include_backward=True) if training else body.schedule()
+    program = _program.compile_schedule(table, store_residuals=training)
     steps = len(program.kind)
     # One microbatch's stage input on one device (float32), and how many per device a send
     # of `pairs` moves on average.
@@ -424,7 +424,7 @@ def compile_layout(
         bytes_by_axes_of([op for op in ops if op.in_conditional], sizes), sizes
     )
     pipe, stage_fraction = None, None
-    if sizes[lm.PIPE] > 1 and run.schedule in ("gpipe", "circular"):
+    if sizes[lm.PIPE] > 1 and not train_lm.runs_own_backward(run):
         table = model.body.schedule()
         forwards = sum(action.kind == "forward" for row in table.actions for action in row)
         stage_fraction = forwards / sizes[lm.PIPE] / len(table.actions)
@@ -463,7 +463,7 @@ def gradient_function(model: lm.LM, mesh: eqpar.DeviceMesh, run: Any) -> Any:
         )
     specs = eqpar.partition_specs(model)  # what shard_map's body sees (no FSDP split)
     policy = eqpar.Precision.from_name(run.precision)
-    if run.schedule in ("1f1b", "zb-h1"):
+    if train_lm.runs_own_backward(run):
         sharded = eqpar.shard_map(
             functools.partial(train_lm.loss_and_grads_scheduled, schedule=run.schedule),
             mesh=mesh,
@@ -895,6 +895,7 @@ SWEEP = {
     "DP remat none": ("DP", "none"),
     "DP remat full": ("DP", "full"),
     "DPxPP GPipe remat full": ("DPxPP GPipe", "full"),
+    "DPxPP 1F1B remat full": ("DPxPP 1F1B", "full"),
 }
 
 
@@ -926,6 +927,9 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--layouts", nargs="+", choices=list(LAYOUTS), default=list(LAYOUTS))
     parser.add_argument("--depths", nargs="+", type=int, default=None, help="depth sweep")
     parser.add_argument("--no-sweep", action="store_true", help="skip the depth sweep")
+    parser.add_argument(
+        "--series", nargs="+", choices=list(SWEEP), default=list(SWEEP), help="depth sweep series"
+    )
     parser.add_argument("--batch-size", type=int, default=16, help="global batch")
     parser.add_argument(
         "--microbatches", type=int, default=8, help="microbatches of the pipe layouts"
@@ -962,7 +966,8 @@ def main(argv: list[str] | None = None) -> str:
     sweep: dict[tuple[str, int], Figures] = {}
     width = CONFIGS["gpt2-small"]  # of the depth sweep
     if not args.no_sweep:
-        for series, (layout, remat) in SWEEP.items():
+        for series in args.series:
+            layout, remat = SWEEP[series]
             for depth in depths:
                 config = dataclasses.replace(width, num_layers=depth)
                 figures = figures_of(layout, config, remat)

@@ -277,7 +277,8 @@ def loss_and_grads_scheduled(
     context: bool = False,
 ) -> tuple[Array, lm.LM]:
     """Loss and gradients inside `shard_map` with a schedule that runs its own backward pass
-    (`"1f1b"` or `"zb-h1"`, `PipelineModule.value_and_grad`); with `context`, the sequence
+    (`PipelineModule.value_and_grad`: `"1f1b"`, `"zb-h1"`, `"gpipe"` or `"circular"`); with
+    `context`, the sequence
     is split over the context axis (the batches of `context_batch`).
 
     The embedding's pullback is applied to the gradient the pipeline returns for its input.
@@ -304,6 +305,15 @@ def loss_and_grads_scheduled(
     return loss, grads
 
 
+def runs_own_backward(run: RunConfig) -> bool:
+    """Whether the step takes its gradients from the pipeline schedule's own backward pass
+    (`loss_and_grads_scheduled`) rather than from autodiff of the loss: 1F1B and ZB-H1
+    always, and on a pipe axis GPipe and circular too, whose table's backward adds each
+    layer's gradient into the sum over microbatches in place (autodiff of the forward pass
+    holds each step's whole stage gradient beside that sum)."""
+    return run.schedule in ("1f1b", "zb-h1") or run.mesh[lm.PIPE] > 1
+
+
 def build_step(model: lm.LM, mesh: eqpar.DeviceMesh, run: RunConfig, optimizer: Any) -> Any:
     """The jitted train step `(tokens, model, opt_state) -> (model, opt_state, loss)`.
 
@@ -322,7 +332,7 @@ def build_step(model: lm.LM, mesh: eqpar.DeviceMesh, run: RunConfig, optimizer: 
             return context_batch(tokens, context)
         return tokens[:, :-1], tokens[:, 1:]
 
-    if run.schedule in ("1f1b", "zb-h1"):
+    if runs_own_backward(run):
         sharded = eqpar.shard_map(
             functools.partial(loss_and_grads_scheduled, schedule=run.schedule, context=context > 1),
             mesh=mesh,

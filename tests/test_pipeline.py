@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 from eqpar._declare import declared_partition_specs
 from eqpar._paths import path_to_str
 from eqpar.nn.pipeline import PipelineModule, ScannedLayers
+from eqpar.pipeline import _layered
 from eqpar.pipeline import (
     Microbatched,
     execute_1f1b,
@@ -1256,3 +1257,50 @@ def test_1f1b_does_not_store_what_it_keeps_anyway():
 
     stored = _Residuals(mlp_vjp, mlp_params, jnp.ones((2, FEATURES))).shapes
     assert stored and all(r.shape != linear.weight.shape for r in stored)  # activations only
+
+
+@pytest.mark.parametrize(
+    ("schedule", "remat"),
+    [("gpipe", "none"), ("circular", "full"), ("1f1b", "matmuls"), ("zb-h1", "none")],
+)
+def test_every_training_schedule_adds_each_layers_gradient_into_the_sum(
+    schedule, remat, monkeypatch
+):
+    """A stage of scanned layers is differentiated layer by layer in every training table
+    (each layer's gradient added into the sum over microbatches at its rows, `_layered`),
+    and on data=2 x pipe=2 the loss, the parameter gradients and the batch's gradients are
+    the serial twin's, whatever the layers' remat policy."""
+    backwards = []
+    layered_backward = _layered.LayeredStage.backward
+
+    def spy(self, *args, **kwargs):
+        backwards.append(self)
+        return layered_backward(self, *args, **kwargs)
+
+    monkeypatch.setattr(_layered.LayeredStage, "backward", spy)
+    module = _scanned_module(schedule, remat=remat)
+    x, t, shift = batch(8)  # 16 rows: 8 per data shard, 4 microbatches of 2
+    _, loss_ref, grads_ref, x_grads_ref = serial_twin(module, x, t, shift)
+    arrays, static, specs = layout(module)
+
+    def step(arrays, x, t, shift):
+        model = eqx.combine(arrays, static)
+        value, (grads, _, x_grads) = model.value_and_grad(
+            mse, x, t, shift, scale=SCALE, schedule=schedule, return_all_grads=True
+        )
+        return value, eqx.filter(grads, eqx.is_array), x_grads
+
+    mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "pipe"))
+    fn = jax.jit(
+        jax.shard_map(
+            step,
+            mesh=mesh,
+            in_specs=(specs, P("data"), P("data"), P()),
+            out_specs=(P(), specs, P("data")),
+        )
+    )
+    loss, grads, x_grads = fn(arrays, x, t, shift)
+    assert backwards, "the schedule differentiated the stage whole"
+    assert_tree_close(loss, loss_ref)
+    assert_tree_close(grads, grads_ref)
+    assert_tree_close(x_grads, x_grads_ref)

@@ -28,6 +28,7 @@ from .._paths import path_to_str
 from .._typing import AxisName
 from ..pipeline import execute_schedule
 from ..pipeline._executors import call_stage, circular_forward, gpipe_forward
+from ..pipeline._layered import LayerStack, stack_of
 from ..pipeline._microbatch import batch_size, unwrap_microbatched
 from ..pipeline._tools import typed_scan
 from ..schedule import (
@@ -59,6 +60,13 @@ class _StageCall(eqx.Module):
 
     def __call__(self, x: PyTree, *args: PyTree, **kwargs: Any) -> PyTree:
         return rematerialized(call_stage, self.remat)(self.stage, x, *args, **kwargs)
+
+    def __pipeline_layers__(self) -> LayerStack | None:
+        """The stage's layers, when the stage is a stack of them called as it is."""
+        inner = stack_of(self.stage) if self.remat == "none" else None
+        if inner is None:
+            return None
+        return LayerStack(lambda call: inner.where(call.stage), inner.call)
 
 
 def _leading_shapes(tree: PyTree, ndim: int) -> dict[str, tuple[int, ...]]:

@@ -24,6 +24,7 @@ from jaxtyping import Array, PyTree
 from .._declare import prefixed, stacked_partition_specs
 from .._paths import children, key_to_str, map_children, path_to_str
 from ..pipeline._executors import call_stage, call_varying
+from ..pipeline._layered import LayerStack
 from ..pipeline._tools import typed_scan
 from ._twins import instance_with
 
@@ -449,6 +450,13 @@ class ScannedLayers(eqx.Module):
 
         out, _ = typed_scan(apply, x, arrays)
         return out
+
+    def __pipeline_layers__(self) -> LayerStack | None:
+        """How a training schedule runs this stack layer by layer (`None` when the layers
+        gather their parameters themselves)."""
+        if self.gather_axis is not None:
+            return None
+        return LayerStack(lambda stack: stack.layers, rematerialized(call_stage, self.remat))
 
     def _named_input(self, h: PyTree) -> PyTree:
         """A layer's input, named for a checkpoint around the stack (`AROUND_LAYERS`)."""

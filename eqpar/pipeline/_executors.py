@@ -751,6 +751,7 @@ def _execute_schedule(
         loss_dtype=loss_dtype,
         return_all_grads=return_all_grads,
         loss_on_every_device=loss_on_every_device,
+        shards=lax.axis_size(tuple(sorted(shard_axes, key=str))) if shard_axes else 1,
     )
     return _results(
         carry, x, replicated_axes, model_axis_name, num_stages, num_microbatches,
@@ -781,16 +782,13 @@ def _results(
     loss_grads = sum_over_cast_axes(carry.loss_grads, replicated_axes[1], x, model_axis_name)
     assert carry.loss is not None  # a training run keeps its loss
     loss = lax.psum(jnp.where(is_last, carry.loss, jnp.zeros_like(carry.loss)), model_axis_name)
-    # The one gradient rule: the loss of the whole batch, split over `shards` devices of the
-    # batch's axes, is the mean of their losses, and its gradients are the shards' summed
-    # gradients divided by `shards`, as differentiating a `pmean` of the loss would give.
+    # The one gradient rule: the loss of the whole batch, split over the devices of the
+    # batch's axes (`shard_axes`), is the mean of their losses, and its gradients are the
+    # shards' summed gradients divided by their number, as differentiating a `pmean` of the
+    # loss would give. The loop seeded its cotangents with that division already.
     axes = tuple(sorted(shard_axes, key=str))
-    shards = lax.axis_size(axes) if axes else 1
-    mean: Callable = lambda tree: jax.tree.map(
-        lambda g: g / shards if eqx.is_inexact_array(g) else g, tree
-    )
     if axes:
-        loss, grads = lax.pmean(loss, axes), mean(grads)
+        loss = lax.pmean(loss, axes)
     if not return_all_grads:
         return loss, grads
     if not loss_on_every_device:  # they are on the last stage's device: copy them to all
@@ -808,8 +806,6 @@ def _results(
         if eqx.is_inexact_array(g) else g,
         x_grads, x_axes, is_leaf=lambda node: node is None,
     )  # fmt: skip
-    if axes:
-        loss_grads, x_grads = mean(loss_grads), mean(x_grads)
     return loss, (grads, loss_grads, x_grads)
 
 

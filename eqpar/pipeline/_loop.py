@@ -17,6 +17,7 @@ from .._vma import varies_over as _varies_over
 from .._vma import varying_axes as _varying_axes
 from . import _program
 from ._jaxpr import uses_primitive
+from ._layered import LayeredStage, layer_stack, read_block
 from ._tools import (
     axes_tree,
     cast_tree,
@@ -109,6 +110,7 @@ def run_schedule(
     return_all_grads: bool = False,
     loss_on_every_device: bool = False,
     stage_policy: Callable | None = None,
+    shards: int = 1,
 ) -> LoopState:
     """Run `program` (a compiled schedule table) in one `lax.scan` on this device.
 
@@ -136,7 +138,7 @@ def run_schedule(
     loop = StepLoop(
         program, stages, loss_fn, microbatches, target_microbatches, arguments_at,
         axis_name=axis_name, loss_dtype=loss_dtype, return_all_grads=return_all_grads,
-        loss_on_every_device=loss_on_every_device, stage_policy=stage_policy,
+        loss_on_every_device=loss_on_every_device, stage_policy=stage_policy, shards=shards,
     )  # fmt: skip
     state, _ = typed_scan(loop.step, loop.initial_state(), step_indices(len(program.kind)))
     return state
@@ -165,6 +167,7 @@ class StepLoop:
         return_all_grads: bool,
         loss_on_every_device: bool,
         stage_policy: Callable | None,
+        shards: int = 1,
     ):
         self.program, self.axis_name, self.arguments_at = program, axis_name, arguments_at
         self.training = loss_fn is not None
@@ -198,17 +201,30 @@ class StepLoop:
             else cast_tree(target_microbatches, self.pipe)
         )
         self.skips_bubbles = self._skips_bubbles()
-        self.layout = (
-            _Residuals(self.stage_vjp, self.stage_params(self.params, 0), self.first)
-            if self.store
-            else None
-        )
-        self.no_residuals = self.layout.zeros() if self.layout else ()
+        # A stage of scanned layers runs layer by layer in training, each layer's gradient
+        # added into the sum in place (`_layered`); any other stage is differentiated whole.
+        stack = layer_stack(stages, self.params) if self.training else None
+        self.layered = LayeredStage(stack, self.num_repeats) if stack else None
+        self.layout = None
+        self.no_residuals: tuple = ()
+        if self.store and self.layered is not None:
+            stage = self.stage_at(self.stage_params(self.params, 0), 0)
+            args, kwargs = arguments_at(0)
+            shapes = self.layered.residual_shapes(stage, self.first, args, kwargs)
+            self.no_residuals = tuple(zeros_like(shapes))
+        elif self.store:
+            self.layout = _Residuals(self.stage_vjp, self.stage_params(self.params, 0), self.first)
+            self.no_residuals = self.layout.zeros()
         self.zero_h = zeros_like(self.first)
         self.zero_cotangent = eqx.filter(self.zero_h, eqx.is_inexact_array)
         self.zero_rest = _integer_leaves(self.zero_h)
         self.zero_output = None if self.training else self.zero_h
         self.scale = jnp.asarray(1.0 / self.num_microbatches, loss_dtype or jnp.float32)
+        # Each microbatch's loss counts 1 / M towards this device's loss, and that towards
+        # the whole batch's loss 1 / shards (`_executors._results`): the cotangent starts
+        # scaled by both, so that every gradient comes out of the loop as the whole batch's
+        # (dividing after the loop would write a second buffer the size of the stage).
+        self.seed = jnp.asarray(1.0 / (self.num_microbatches * shards), self.scale.dtype)
         self.loss_steps = self._loss_steps()
         # Only the kinds the table uses are traced: one branch each.
         self.kinds = np.unique(program.kind)
@@ -230,13 +246,23 @@ class StepLoop:
         # copy of the stage's weights for every step (see `forward_run`).
         return jax.tree.map(lambda a: checkpoint_name(a, _STAGE_WEIGHTS), index_tree(p, repeat))
 
-    def run_stage(self, p: Tree, h: Tree, microbatch: Index, repeat: Index) -> Tree:
-        call_args, call_kwargs = self.arguments_at(microbatch)
+    def stage_at(self, p: Tree, repeat: Index) -> Tree:
+        """The stage module of `repeat` with the parameters `p`."""
         others = self.others
         rest = (
             self.static if others is None else eqx.combine(index_tree(others, repeat), self.static)
         )
-        return eqx.combine(p, rest)(h, *call_args, **call_kwargs)
+        return eqx.combine(p, rest)
+
+    def run_stage(self, p: Tree, h: Tree, microbatch: Index, repeat: Index) -> Tree:
+        call_args, call_kwargs = self.arguments_at(microbatch)
+        return self.stage_at(p, repeat)(h, *call_args, **call_kwargs)
+
+    def layered_forward(self, p: Tree, h: Tree, microbatch: Index, repeat: Index) -> tuple:
+        """A layered stage's `(output, residuals)` (see `_layered.LayeredStage`)."""
+        assert self.layered is not None
+        call_args, call_kwargs = self.arguments_at(microbatch)
+        return self.layered.forward(self.stage_at(p, repeat), h, call_args, call_kwargs)
 
     def forward_run(
         self, h: Tree, microbatch: Index, repeat: Index, runs: Index | None = None
@@ -303,16 +329,40 @@ class StepLoop:
             part,
         )
 
-    def pullback_of(self, w: Work) -> tuple[Callable, Tree, Tree | None]:
-        """The stage's pullback, the replication types of its output (which the cotangent
-        must have) and, when recomputed, the output itself (else `None`)."""
+    def pullback_of(self, w: Work) -> tuple[Callable, Tree | None]:
+        """The stage's backward `apply(cotangent, grads) -> (grads, input cotangent)` (with
+        `grads=None` it leaves the weights out) and, when recomputed, the stage's output
+        (else `None`: the forward kept it)."""
         p = self.stage_params(self.params, w.repeat)
+        if self.layered is not None:
+            layered, stage = self.layered, self.stage_at(p, w.repeat)
+            out, slot = None, w.residual_slot
+            if self.store:  # each layer's rows read from the buffer where they are
+                residuals, at = w.residuals, lambda layer: (slot, layer)
+            else:
+                out, residuals = self.layered_forward(p, w.h, w.microbatch, w.repeat)
+                at = lambda layer: (layer,)
+
+            def residuals_of(layer: Array) -> tuple:
+                return tuple(read_block(r, at(layer)) for r in residuals)
+
+            def apply_layered(cotangent: Tree, grads: Tree | None) -> tuple:
+                return layered.backward(stage, w.h, residuals_of, cotangent, grads, w.repeat)
+
+            return apply_layered, out
         if not self.store:
             pullback, out = self.stage_vjp(p, w.h, w.microbatch, w.repeat)
-            return pullback, axes_tree(eqx.filter(out, eqx.is_inexact_array)), out
-        assert self.layout is not None
-        pullback, out_axes = self.layout.join(index_tree(w.residuals, w.residual_slot), p, w.h)
-        return pullback, out_axes, None
+            out_axes = axes_tree(eqx.filter(out, eqx.is_inexact_array))
+        else:
+            assert self.layout is not None
+            residuals = index_tree(w.residuals, w.residual_slot)
+            (pullback, out_axes), out = self.layout.join(residuals, p, w.h), None
+
+        def apply(cotangent: Tree, grads: Tree | None) -> tuple:
+            d_params, d_h = pullback(cast_tree(cotangent, out_axes))
+            return None if grads is None else self.add_grads(grads, d_params, w.repeat), d_h
+
+        return apply, out
 
     # --- the loss -----------------------------------------------------------------------
 
@@ -336,7 +386,7 @@ class StepLoop:
                 f"compute it by blocks and `psum` the parts instead (as "
                 f"`eqpar.nn.vocab_parallel_cross_entropy` does)."
             )
-        d_out, d_loss_params = loss_pullback(_cast_varying(self.scale, _varying_axes(value)))
+        d_out, d_loss_params = loss_pullback(_cast_varying(self.seed, _varying_axes(value)))
         return d_out, d_loss_params, value * self.scale
 
     def _loss_steps(self) -> Array:
@@ -407,6 +457,9 @@ class StepLoop:
         if not (self.training and self.store):
             out = self.run_stage(p, w.h, w.microbatch, w.repeat)
             return self.idle(w)._replace(sent_forward=out)
+        if self.layered is not None:
+            out, residuals = self.layered_forward(p, w.h, w.microbatch, w.repeat)
+            return self.idle(w)._replace(sent_forward=out, residuals=residuals)
         pullback, out = self.stage_vjp(p, w.h, w.microbatch, w.repeat)
         assert self.layout is not None
         residuals = self.layout.split(pullback, out, p, w.h)
@@ -421,13 +474,12 @@ class StepLoop:
         return done._replace(sent_forward=self.zero_h, kept_cotangent=kept, kept_rest=rest)
 
     def backward(self, w: Work, *, weights: bool = True, inputs: bool = True) -> Done:
-        pullback, out_axes, _ = self.pullback_of(w)
+        apply, _ = self.pullback_of(w)
         assert w.cotangents is not None
-        cotangent = cast_tree(index_tree(w.cotangents, w.cotangent_slot), out_axes)
-        d_params, d_h = pullback(cotangent)
+        grads, d_h = apply(index_tree(w.cotangents, w.cotangent_slot), w.grads if weights else None)
         done = self.idle(w)
         if weights:
-            done = done._replace(grads=self.add_grads(w.grads, d_params, w.repeat))
+            done = done._replace(grads=grads)
         return done._replace(sent_back=d_h) if inputs else done
 
     def backward_input(self, w: Work) -> Done:
@@ -437,7 +489,7 @@ class StepLoop:
         return self.backward(w, inputs=False)
 
     def backward_last(self, w: Work, *, weights: bool = True) -> Done:
-        pullback, out_axes, out = self.pullback_of(w)
+        apply, out = self.pullback_of(w)
         if out is None:  # the forward kept the output, in two buffers (the second is None
             # where the activations have only inexact leaves)
             assert w.cotangents is not None
@@ -452,10 +504,10 @@ class StepLoop:
             done = self.idle(w)._replace(
                 loss_grads=tree_add(w.loss_grads, d_loss_params), loss=w.loss + part
             )
-        d_params, d_h = pullback(cast_tree(d_out, out_axes))
+        grads, d_h = apply(d_out, w.grads if weights else None)
         done = done._replace(sent_back=d_h)
         if weights:
-            return done._replace(grads=self.add_grads(w.grads, d_params, w.repeat))
+            return done._replace(grads=grads)
         return done._replace(kept_cotangent=d_out)  # for the weight gradient, later
 
     def backward_input_last(self, w: Work) -> Done:

@@ -67,9 +67,12 @@ def _union_axes(*trees: PyTree) -> PyTree:
     return jax.tree.map(lambda *sets: frozenset().union(*sets), *trees)
 
 
-def typed_scan(body: Callable, init: PyTree, xs: PyTree) -> tuple[PyTree, PyTree]:
-    """`lax.scan(body, init, xs)` with the carry's replication types widened until the body
-    maps them to themselves (as `check_vma` requires of a scan carry)."""
+def typed_scan(
+    body: Callable, init: PyTree, xs: PyTree, *, reverse: bool = False
+) -> tuple[PyTree, PyTree]:
+    """`lax.scan(body, init, xs, reverse=reverse)` with the carry's replication types
+    widened until the body maps them to themselves (as `check_vma` requires of a scan
+    carry)."""
     carry = init
     for _ in range(8):
         out_carry, _ = jax.eval_shape(body, carry, index_tree(xs, 0))
@@ -77,7 +80,7 @@ def typed_scan(body: Callable, init: PyTree, xs: PyTree) -> tuple[PyTree, PyTree
         if jax.tree.leaves(wanted) == jax.tree.leaves(axes_tree(carry)):
             break
         carry = cast_tree(carry, wanted)
-    return lax.scan(body, carry, xs)
+    return lax.scan(body, carry, xs, reverse=reverse)
 
 
 def step_indices(length: int) -> Array:
