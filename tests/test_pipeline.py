@@ -17,9 +17,9 @@ from jax.sharding import PartitionSpec as P
 from eqpar._declare import declared_partition_specs
 from eqpar._paths import path_to_str
 from eqpar.nn.pipeline import PipelineModule, ScannedLayers
-from eqpar.pipeline import _layered
 from eqpar.pipeline import (
     Microbatched,
+    _layered,
     execute_1f1b,
     execute_circular_pipeline,
     execute_pipeline,
