@@ -568,8 +568,14 @@ class StepLoop:
             kept_rest = _write(kept_rest, row, done.kept_rest)
         residuals = state.residuals
         if self.store:
-            row = jnp.where(is_forward, residual_slot, program.num_residual_slots)
-            residuals = _write(residuals, row, done.residuals)
+            # A step without a forward writes its slot's rows back as they are: the buffer
+            # (a stage's residuals per slot, the largest the loop holds) has no spare row.
+            row = jnp.where(is_forward, residual_slot, 0)
+            kept = jax.tree.map(
+                lambda buffer, new: jnp.where(is_forward, new, buffer[row]),
+                residuals, done.residuals,
+            )  # fmt: skip
+            residuals = _write(residuals, row, kept)
         outputs, x_grads = state.outputs, state.x_grads
         if outputs is not None:
             row = jnp.where(kind == _program.FORWARD_LAST, microbatch, self.num_microbatches)
@@ -610,7 +616,7 @@ class StepLoop:
             kept_rest=buffer(self.zero_rest, program.num_cotangent_slots + 1)
             if training and self.store
             else None,
-            residuals=buffer(self.no_residuals, program.num_residual_slots + 1),
+            residuals=buffer(self.no_residuals, max(program.num_residual_slots, 1)),
             outputs=None if training else buffer(self.zero_h, self.num_microbatches + 1),
             grads=zero_grads(self.params) if training else None,
             loss_grads=zero_grads(self.loss_params) if training else None,
