@@ -94,6 +94,9 @@ class CollectiveOp:
     # collective-permute each source-target pair.
     groups: tuple[tuple[int, ...], ...] = dataclasses.field(default=(), compare=False, repr=False)
     in_conditional: bool = False
+    # The fraction of its `executions` that run: 1, or for a branch counted at the share of
+    # its conditional's executions that take it (`collective_ops(shares=...)`).
+    share: float = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -307,7 +310,7 @@ def bytes_by_axes_of(ops: list[CollectiveOp], axis_sizes: dict[str, int]) -> dic
         else:
             group = max((len(g) for g in op.groups), default=count)
             received = _received(op.kind, op.array_bytes, group)
-        totals[axes] = totals.get(axes, 0.0) + op.executions * received
+        totals[axes] = totals.get(axes, 0.0) + op.executions * op.share * received
     return totals
 
 
@@ -394,14 +397,22 @@ def _parse(text: str):
     return computations, entry
 
 
-def collective_ops(compiled_or_text: Any) -> list[CollectiveOp]:
+def collective_ops(
+    compiled_or_text: Any,
+    shares: Callable[[list[list[CollectiveOp]]], list[float] | None] | None = None,
+) -> list[CollectiveOp]:
     """Every collective of a compiled program (a `Compiled` or its `as_text()`), each with
     `executions` = how often one program run executes it (loop trip counts multiplied in).
     A conditional runs one of its branches, which the program text does not say: its
     collectives are those of the branch that moves the most bytes (an upper bound). A loop
     whose steps take different branches (the pipeline executors send only what each step's
     actions need) is therefore counted as if every step took the busiest one; the ops so
-    counted have `in_conditional=True`, the others run exactly as often as counted."""
+    counted have `in_conditional=True`, the others run exactly as often as counted.
+
+    `shares(branches)`, where the caller knows how often each branch runs (a schedule's
+    table does), gives for a conditional's branches (their collectives, in branch order)
+    the fraction of its executions that take each one (or `None`: the busiest branch): every
+    branch's collectives are then counted, each with that `share`."""
     computations, entry = _parse(_text(compiled_or_text))
 
     def visit(
@@ -418,14 +429,19 @@ def collective_ops(compiled_or_text: Any) -> list[CollectiveOp]:
                 visit(n, executions * multiplier, (*path, name), in_branch or branches)
                 for n in names
             ]
-            found.extend(max(reached, key=_moved))
+            weights = shares(reached) if branches and shares is not None else None
+            if weights is None:
+                found.extend(max(reached, key=_moved))
+                continue
+            for ops, weight in zip(reached, weights):
+                found.extend(dataclasses.replace(op, share=op.share * weight) for op in ops)
         return found
 
     return visit(entry, 1, (), False)
 
 
 def _moved(ops: list[CollectiveOp]) -> float:
-    return float(sum(op.executions * op.bytes_per_device for op in ops))
+    return float(sum(op.executions * op.share * op.bytes_per_device for op in ops))
 
 
 def collective_summary(compiled_or_text: Any) -> CollectiveSummary:

@@ -46,6 +46,12 @@ BENCHMARKS: list[tuple[str, str, list[str], list[str]]] = [
         ["--microbatches", "4", "16"],
     ),
     (
+        "accumulation",
+        "Gradient accumulation over microbatches on one device, by executor",
+        [],
+        ["--repeats", "3"],
+    ),
+    (
         "linear_stage",
         "A pipeline stage of eqx.nn.Linear layers against direct math",
         [],

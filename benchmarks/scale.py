@@ -202,6 +202,9 @@ class Figures:
     # the steps at which a device runs its stage (M V of the table's steps). Its collectives
     # over axes other than pipe inside conditionals are the stage's, under that skip.
     stage_fraction: float | None = None
+    # A training table's step: bytes per mesh axis with each conditional counted at the
+    # share of steps taking each branch (`table_weighted_bytes`); exact but for pipe.
+    by_table: dict[str, float] | None = None
     # `memory_figures` of the gradient computation alone (`compile_gradients`): its temp is
     # the memory the forward and backward passes need beyond parameters and gradients.
     gradients: dict[str, int] | None = None
@@ -235,12 +238,17 @@ class Figures:
             for axis, inside in self.in_conditionals.items():
                 if axis != lm.PIPE:
                     exact[axis] -= inside * (1 - self.stage_fraction)
+        if self.by_table is not None:  # each action's collectives as often as the table says
+            for axis in exact:
+                if axis != lm.PIPE:
+                    exact[axis] = self.by_table.get(axis, 0.0)
         return exact
 
     def is_bound(self, axis: str) -> bool:
         """Whether the figure of `axis` counts conditionals at their busiest branch."""
         inside = self.in_conditionals.get(axis, 0.0) > 0
-        return inside and axis != lm.PIPE and self.stage_fraction is None
+        exact = self.stage_fraction is not None or self.by_table is not None
+        return inside and axis != lm.PIPE and not exact
 
 
 @dataclasses.dataclass(frozen=True)
@@ -423,7 +431,9 @@ def compile_layout(
     in_conditionals = split_by_axis(
         bytes_by_axes_of([op for op in ops if op.in_conditional], sizes), sizes
     )
-    pipe, stage_fraction = None, None
+    pipe, stage_fraction, by_table = None, None, None
+    if sizes[lm.PIPE] > 1 and train_lm.runs_own_backward(run):
+        by_table = table_weighted_bytes(compiled, model.body, run, sizes)
     if sizes[lm.PIPE] > 1 and not train_lm.runs_own_backward(run):
         table = model.body.schedule()
         forwards = sum(action.kind == "forward" for row in table.actions for action in row)
@@ -447,8 +457,43 @@ def compile_layout(
         in_conditionals=in_conditionals,
         pipe=pipe,
         stage_fraction=stage_fraction,
+        by_table=by_table,
     )
     return figures, compiled
+
+
+def table_weighted_bytes(
+    compiled: Any, body: Any, run: Any, sizes: dict[str, int]
+) -> dict[str, float] | None:
+    """Bytes per mesh axis of a training table's step with every conditional of the step
+    loop counted at the share of steps that take each branch (averaged over the pipe axis's
+    devices), as the table says: the action switch (one branch per action kind the table
+    uses, in kind order) and the loss's (skip, run) switch. `None` if some other
+    conditional holds collectives over an axis other than pipe (then only the busiest-
+    branch bound is known). The pipe axis's own sends are counted by `pipe_bytes`."""
+    program = _program.compile_schedule(
+        body.schedule(run.schedule, include_backward=True), store_residuals=True
+    )
+    kinds = np.unique(program.kind)
+    kind_shares = [float((program.kind == k).mean()) for k in kinds]
+    last = np.isin(program.kind, (_program.BACKWARD_LAST, _program.BACKWARD_INPUT_LAST))
+    loss_share = float(last.any(axis=1).mean())
+    unknown = []
+
+    def shares(branches: list[list[CollectiveOp]]) -> list[float] | None:
+        if all(op.kind == "collective-permute" for ops in branches for op in ops):
+            return None  # the sends, which `pipe_bytes` counts from the table
+        if len(branches) == len(kinds):
+            return kind_shares
+        if len(branches) == 2 and not branches[0]:  # `loss_everywhere`: (skip, run)
+            return [1 - loss_share, loss_share]
+        unknown.append(branches)
+        return None
+
+    ops = collective_ops(compiled, shares=shares)
+    if unknown:
+        return None
+    return split_by_axis(bytes_by_axes_of(ops, sizes), sizes)
 
 
 def gradient_function(model: lm.LM, mesh: eqpar.DeviceMesh, run: Any) -> Any:
