@@ -210,7 +210,8 @@ def build_model(config: lm.LMConfig, run: RunConfig, mesh: eqpar.DeviceMesh) -> 
 
     With `--fsdp` the block stack also gathers its parameters over `data` one layer at a time
     (`eqpar.nn.gather_layers`); the embeddings and the head are split by `eqpar.FSDP` and
-    gathered at the `shard_map` boundary."""
+    gathered as they enter `shard_map` (`build_step` gives it their `stored_specs`), whence
+    their gradients leave by reduce-scatter."""
     model = lm.build(
         config,
         mesh,
@@ -314,6 +315,7 @@ def build_step(model: lm.LM, mesh: eqpar.DeviceMesh, run: RunConfig, optimizer: 
     specs = eqpar.partition_specs(model)  # what shard_map's body sees (no FSDP split)
     policy = eqpar.Precision.from_name(run.precision)
     context = context_size(run)
+    param_specs = storage_specs(model, mesh, run.fsdp)
     # Rows split over `data`; with a context axis the sequence also over `context`.
     sequence_spec = P(lm.DATA, lm.CONTEXT) if context > 1 else P(lm.DATA)
 
@@ -336,11 +338,15 @@ def build_step(model: lm.LM, mesh: eqpar.DeviceMesh, run: RunConfig, optimizer: 
             return policy.cast_to_output(loss), policy.cast_to_param(grads)
 
     else:
+        # Parameters enter split as stored and are gathered inside, so that with `--fsdp`
+        # their gradients leave by reduce-scatter (`stored_specs`), the embeddings' and the
+        # head's included.
         loss = eqpar.shard_map(
             functools.partial(sequence_loss, context=context > 1),
             mesh=mesh,
             in_specs=(specs, sequence_spec, sequence_spec),
             out_specs=P(),
+            stored_specs=(param_specs, sequence_spec, sequence_spec),
         )
         loss_and_grads = eqx.filter_value_and_grad(
             lambda model, tokens: policy.cast_to_output(
@@ -348,7 +354,6 @@ def build_step(model: lm.LM, mesh: eqpar.DeviceMesh, run: RunConfig, optimizer: 
             )
         )
 
-    param_specs = storage_specs(model, mesh, run.fsdp)
     param_shardings = eqpar.named_shardings(param_specs, mesh)
 
     @eqx.filter_jit(donate="all-except-first")

@@ -8,6 +8,7 @@ import equinox as eqx
 import jax
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "examples"))
@@ -89,6 +90,50 @@ def test_parallel_training_equals_one_device(serial, mesh, options):
     assert losses[-1] < losses[0]
     for got, want in zip(arrays(model), arrays(serial_model), strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-6)
+
+
+# The embedding and the head [128, 32] are 16 KiB: large enough for FSDP to split them.
+WIDE_VOCAB = dataclasses.replace(TINY, vocab_size=128)
+
+
+def test_fsdp_reduce_scatters_every_split_gradient_the_embedding_and_head_included():
+    """`--fsdp` on `data=8` trains as one device does, and the compiled step (exact figures)
+    reduces the gradient of every parameter FSDP splits, the embedding and the head included,
+    by reduce-scatter: all of their bytes go through reduce-scatters over `data`, and no
+    all-reduce over `data` is as large as one of them (what is left: the replicated leaves)."""
+    from _hlo import collective_ops, group_axes
+
+    serial_losses, serial_model = train_lm.train(
+        run_config("data=1", microbatches=1), config=WIDE_VOCAB, devices=jax.devices()[:1],
+        progress=False, show_layout=False,
+    )  # fmt: skip
+    run = run_config("data=8", fsdp=True, microbatches=4)
+    losses, model = train_lm.train(run, config=WIDE_VOCAB, progress=False, show_layout=False)
+    np.testing.assert_allclose(losses, serial_losses, rtol=1e-5)
+    for got, want in zip(arrays(model), arrays(serial_model), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-6)
+
+    mesh = train_lm.make_mesh(run.mesh)
+    model = train_lm.build_model(WIDE_VOCAB, run, mesh)
+    specs = train_lm.storage_specs(model, mesh, fsdp=True)
+    assert specs.embed.weight == specs.unembed.weight == P(("model", "pipe"), "data")
+    flat_specs = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
+    leaves = jax.tree.leaves(eqx.filter(model, eqx.is_array))
+    split = [leaf.nbytes for leaf, spec in zip(leaves, flat_specs) if "data" in spec]
+    optimizer = train_lm.make_optimizer(run)
+    placed, opt_state = train_lm.place(model, optimizer, mesh, fsdp=True)
+    step = train_lm.build_step(placed, mesh, run, optimizer)
+    tokens = jax.device_put(
+        np.zeros((8, WIDE_VOCAB.seq_len + 1), np.int32), NamedSharding(mesh.jax_mesh, P("data"))
+    )
+    sizes = dict(mesh.jax_mesh.shape)
+    ops = collective_ops(step.lower(tokens, placed, opt_state).compile())
+    over_data = [op for op in ops if "data" in group_axes(op.groups, sizes)]
+    # A reduce-scatter's input: its result x the group (every device's block of the gradient).
+    scattered = [op.array_bytes * op.group_size for op in over_data if op.kind == "reduce-scatter"]
+    all_reduced = [op.array_bytes for op in over_data if op.kind == "all-reduce"]
+    assert sum(scattered) == sum(split), (scattered, split)
+    assert max(all_reduced) < min(split), (all_reduced, split)
 
 
 def test_parameters_live_where_their_layout_says():
