@@ -469,11 +469,16 @@ def gradient_function(model: lm.LM, mesh: eqpar.DeviceMesh, run: Any) -> Any:
     stored = train_lm.storage_specs(model, mesh, run.fsdp)
     policy = eqpar.Precision.from_name(run.precision)
     if run.schedule in ("1f1b", "zb-h1"):
+        entering = stored if run.fsdp else specs
         sharded = eqpar.shard_map(
-            functools.partial(train_lm.loss_and_grads_scheduled, schedule=run.schedule),
+            functools.partial(
+                train_lm.loss_and_grads_scheduled,
+                schedule=run.schedule,
+                stored=(stored, specs) if run.fsdp else None,
+            ),
             mesh=mesh,
-            in_specs=(specs, P(lm.DATA), P(lm.DATA)),
-            out_specs=(P(), specs),
+            in_specs=(entering, P(lm.DATA), P(lm.DATA)),
+            out_specs=(P(), entering),
         )
 
         def loss_and_grads(model: lm.LM, tokens: jax.Array) -> tuple[jax.Array, lm.LM]:

@@ -685,8 +685,11 @@ class FSDP(Distribution):
     and its gradient leaves by reduce-scatter (the gather's transpose), the embeddings' and
     the output head's as much as any layer's. (Given `compute_specs` alone, the compiler
     gathers the parameters before `shard_map` and all-reduces their whole gradients, 2x the
-    bytes of a reduce-scatter.) Pin the results to the storage layout with `constrain`.
-    `eqpar.nn.gather_layers` goes further for layer stacks: one layer gathered at a time.
+    bytes of a reduce-scatter.) A function that takes its gradients itself inside
+    `shard_map` (a pipeline schedule's own backward pass) gathers with
+    `eqpar.spmd.gather_stored` instead. Pin the results to the storage layout with
+    `constrain`. `eqpar.nn.gather_layers` goes further for layer stacks: one layer gathered
+    at a time.
 
     ```python
     import equinox as eqx, jax, jax.numpy as jnp, optax, eqpar

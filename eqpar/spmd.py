@@ -1,6 +1,6 @@
 """Equinox-aware `shard_map` and sharded-at-birth construction of models."""
 
-__all__ = ["build_sharded", "shard_map"]
+__all__ = ["build_sharded", "gather_stored", "shard_map"]
 
 import dataclasses
 import functools
@@ -235,12 +235,63 @@ def _gathers(arg: PyTree, stored: PyTree, specs: PyTree, source: str) -> list[_G
 
 
 def _gathered(arg: PyTree, plans: list[_Gathers]) -> PyTree:
-    """The local blocks of `arg` all-gathered as `plans` say (`_gathers`)."""
+    """The local blocks of `arg` all-gathered as `plans` say (`_gathers`: one plan per array
+    leaf, in leaf order)."""
     leaves, treedef = jax.tree.flatten(arg)
-    for i, plan in enumerate(plans):
+    arrays = [i for i, leaf in enumerate(leaves) if eqx.is_array(leaf)]
+    for i, plan in zip(arrays, plans, strict=True):
         for dim, names in plan:
             leaves[i] = lax.all_gather(leaves[i], tuple(names), axis=dim, tiled=True)
     return jax.tree.unflatten(treedef, leaves)
+
+
+def gather_stored(tree: PyTree, *, stored_specs: PyTree, in_specs: PyTree) -> PyTree:
+    """Inside `shard_map`: all-gather the local blocks of `tree`, split as `stored_specs`
+    say, into the blocks `in_specs` gives; what `eqpar.shard_map(stored_specs=...)` does as
+    its arguments enter, for a function that takes gradients itself (a schedule's own
+    backward pass, `PipelineModule.value_and_grad`). Differentiate through it
+    (`eqx.filter_vjp`): the gradient of the stored blocks is the reduce-scatter of the
+    gathered ones' (each device's share, as a gathered array counts as varying over the
+    axes it was gathered over).
+
+    **Arguments:**
+
+    - `tree`: a pytree (an Equinox module) of local blocks.
+    - `stored_specs`: how `tree` is stored: a `PartitionSpec` for every array, or a pytree
+      prefix of `tree` (e.g. its part of `eqpar.FSDP.partition_specs(model)`).
+    - `in_specs`: the blocks wanted, in the same forms (e.g. `compute_specs`): each entry the
+      stored one with mesh axes left off its end. Name only the manual axes in both.
+
+    **Returns:** `tree` with every array gathered to its `in_specs` block.
+
+    ```python
+    import jax, jax.numpy as jnp, eqpar
+    from jax.sharding import PartitionSpec as P
+    from eqpar.spmd import gather_stored
+
+    mesh = eqpar.DeviceMesh((8,), ("data",))
+    w, x = jnp.arange(32.0).reshape(4, 8) / 32, jnp.ones((16, 8))
+
+    def loss(w, x):  # w: [4, 8] whole
+        return jnp.mean((x @ w.T) ** 2)
+
+    @eqpar.shard_map(mesh=mesh, in_specs=(P(None, "data"), P("data")),
+                     out_specs=(P(), P(None, "data")))
+    def loss_and_grad(block, x):  # block: [4, 1], this device's column of w
+        def local(block):
+            whole = gather_stored(block, stored_specs=P(None, "data"), in_specs=P())
+            return jax.lax.pmean(loss(whole, x), "data")
+        return jax.value_and_grad(local)(block)  # the gradient: reduce-scattered
+
+    value, grad = jax.jit(loss_and_grad)(w, x)
+    assert jnp.allclose(grad, jax.grad(loss)(w, x), rtol=1e-5)
+    ```
+    """
+    expand = functools.partial(
+        expand_specs, where="tree", caller="gather_stored", is_array=eqx.is_array
+    )
+    stored, inside = expand(stored_specs, tree), expand(in_specs, tree)
+    return _gathered(tree, _gathers(tree, stored, inside, "gather_stored"))
 
 
 def _manual_only(specs: PyTree, manual: frozenset) -> PyTree:

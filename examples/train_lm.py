@@ -54,6 +54,7 @@ from eqpar.context import balance_sequence, sequence_positions
 from eqpar.distributions import match_param_specs
 from eqpar.inspect import print_layout_table
 from eqpar.nn import PipelineModule
+from eqpar.spmd import gather_stored
 
 
 @dataclasses.dataclass(frozen=True)
@@ -276,13 +277,23 @@ def loss_and_grads_scheduled(
     targets: Int[Array, "batch seq"],
     schedule: str = "1f1b",
     context: bool = False,
+    stored: tuple[Any, Any] | None = None,
 ) -> tuple[Array, lm.LM]:
     """Loss and gradients inside `shard_map` with a schedule that runs its own backward pass
     (`"1f1b"` or `"zb-h1"`, `PipelineModule.value_and_grad`); with `context`, the sequence
     is split over the context axis (the batches of `context_batch`).
 
     The embedding's pullback is applied to the gradient the pipeline returns for its input.
+    With `stored` (`--fsdp`: the model's stored and computed specs), the parameters come in
+    split as stored: those that the layers do not gather themselves (`gather_layers`) are
+    gathered here, and their gradients reduce-scattered back (`eqpar.spmd.gather_stored`).
     """
+    scatter = None
+    if stored is not None:
+        stored_specs, in_specs = stored
+        model, scatter = eqx.filter_vjp(
+            lambda m: gather_stored(m, stored_specs=stored_specs, in_specs=in_specs), model
+        )
     positions = context_positions(inputs) if context else None
     h, embed_vjp = eqx.filter_vjp(
         lambda e: eqx.tree_at(lambda m: (m.embed, m.position), model, e).embed_tokens(
@@ -300,6 +311,8 @@ def loss_and_grads_scheduled(
         eqx.filter(model, eqx.is_inexact_array),
         (*embed_grads, body_grads, head_grads.norm, head_grads.unembed),
     )
+    if scatter is not None:
+        (grads,) = scatter(grads)
     # The loss of the whole batch (the mean over the shards of `data`, and of `context` when
     # the sequence is split) and its gradients: nothing to divide by hand.
     return loss, grads
@@ -325,11 +338,20 @@ def build_step(model: lm.LM, mesh: eqpar.DeviceMesh, run: RunConfig, optimizer: 
         return tokens[:, :-1], tokens[:, 1:]
 
     if run.schedule in ("1f1b", "zb-h1"):
+        # With `--fsdp` the parameters enter split as stored; the function gathers them
+        # itself, inside its own backward pass.
+        stored = (param_specs, specs) if run.fsdp else None
+        entering = param_specs if run.fsdp else specs
         sharded = eqpar.shard_map(
-            functools.partial(loss_and_grads_scheduled, schedule=run.schedule, context=context > 1),
+            functools.partial(
+                loss_and_grads_scheduled,
+                schedule=run.schedule,
+                context=context > 1,
+                stored=stored,
+            ),
             mesh=mesh,
-            in_specs=(specs, sequence_spec, sequence_spec),
-            out_specs=(P(), specs),
+            in_specs=(entering, sequence_spec, sequence_spec),
+            out_specs=(P(), entering),
         )
 
         def loss_and_grads(model: lm.LM, tokens: jax.Array) -> tuple[jax.Array, lm.LM]:

@@ -8,7 +8,7 @@ from numerics import assert_tree_close
 
 from eqpar.layout import partition_specs
 from eqpar.mesh import DeviceMesh
-from eqpar.spmd import build_sharded, shard_map
+from eqpar.spmd import build_sharded, gather_stored, shard_map
 
 
 @pytest.fixture(scope="module")
@@ -193,6 +193,8 @@ def test_stored_specs_that_do_not_extend_the_in_specs_are_refused(mesh):
         r"stored. An in_spec must be its stored spec with mesh axes left off",
     ):
         g(jnp.ones((8, 8)))
+    with pytest.raises(ValueError, match=r"gather_stored, leaf 'w': stored as P\(\) but"):
+        gather_stored({"w": jnp.ones(8)}, stored_specs=P(), in_specs=P("data"))
     h = shard_map(lambda a, b: a, mesh=mesh, in_specs=(P(), P()), out_specs=P(),
                   stored_specs=(P(),))  # fmt: skip
     with pytest.raises(ValueError, match="stored_specs has 1 entries but <lambda> got 2"):
