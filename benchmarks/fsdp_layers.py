@@ -5,8 +5,11 @@ documentation writes them, stacked in `eqpar.nn.ScannedLayers(remat="full")`, on
 axis of 8 devices, three ways:
 
 - `DP` (the baseline): parameters replicated, the batch split;
-- `FSDP boundary`: parameters stored split by `eqpar.FSDP`, gathered whole where the
-  `shard_map` starts (what FSDP without `gather_layers` does);
+- `FSDP boundary`: parameters stored split by `eqpar.FSDP`, given to `eqpar.shard_map` by
+  `in_specs` alone: the compiler gathers them whole before the `shard_map` and all-reduces
+  their gradients;
+- `FSDP stored`: the same, with the storage layout as `stored_specs`: each parameter enters
+  split, is all-gathered as it enters and its gradient reduce-scattered;
 - `FSDP per layer`: the same storage with `eqpar.nn.gather_layers`: each layer gathered in
   its own scan step, its gradient reduce-scattered there.
 
@@ -40,13 +43,16 @@ from eqpar.nn import ScannedLayers, gather_layers
 DIM, HEADS, HIDDEN, SEQ, BATCH = 384, 6, 1536, 128, 16
 
 
-def figures(model, storage_specs, mesh: eqpar.DeviceMesh) -> tuple[int, int, float]:
+def figures(
+    model, storage_specs, mesh: eqpar.DeviceMesh, *, stored: bool = False
+) -> tuple[int, int, float]:
     placed = eqx.filter_shard(model, eqpar.named_shardings(storage_specs, mesh))
     loss = eqpar.shard_map(
         lambda m, x: lax.pmean(jnp.mean(jax.vmap(m)(x) ** 2), "data"),
         mesh=mesh,
         in_specs=(eqpar.partition_specs(model), P("data")),
         out_specs=P(),
+        stored_specs=(storage_specs, P("data")) if stored else None,
     )
     x = jnp.zeros((BATCH, SEQ, DIM))
     compiled = eqx.filter_jit(eqx.filter_value_and_grad(loss)).lower(placed, x).compile()
@@ -61,12 +67,13 @@ def measure(depth: int, mesh: eqpar.DeviceMesh) -> dict:
     return {
         "DP": figures(stack, eqpar.partition_specs(stack), mesh),
         "FSDP boundary": figures(stack, fsdp.partition_specs(stack), mesh),
+        "FSDP stored": figures(stack, fsdp.partition_specs(stack), mesh, stored=True),
         "FSDP per layer": figures(per_layer, fsdp.partition_specs(per_layer), mesh),
     }
 
 
 def table(rows: dict[int, dict]) -> str:
-    names = ("DP", "FSDP boundary", "FSDP per layer")
+    names = ("DP", "FSDP boundary", "FSDP stored", "FSDP per layer")
     lines = [
         f"Width {DIM}, {HEADS} heads, MLP {HIDDEN}, sequence {SEQ}, global batch {BATCH} over "
         "data=8, remat='full'. Per device; ratio to DP in brackets.",
@@ -74,7 +81,7 @@ def table(rows: dict[int, dict]) -> str:
         "| layers | " + " | ".join(f"{n} peak" for n in names) + " | "
         + " | ".join(f"{n} temp" for n in names) + " | "
         + " | ".join(f"{n} bytes" for n in names) + " |",
-        "| --- |" + " --- |" * 9,
+        "| --- |" + " --- |" * 3 * len(names),
     ]  # fmt: skip
     for depth, row in rows.items():
         cells = []

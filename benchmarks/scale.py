@@ -82,8 +82,10 @@ tuple of axes (model, pipe) (`lm.VOCAB`), so they are on every device; an all-re
 (model, pipe) counts a full ring on model and `1/t` of the data on pipe.
 
 - `data`, replicated parameters: one all-reduce of the gradient, `2 (g-1)/g x P / w`;
-  FSDP: all-gather in the forward, re-gather in the backward, reduce-scatter of the
-  gradient, `3 (g-1)/g x P`.
+  FSDP (ZeRO-3): the block stack's parameters `P_L` all-gathered layer by layer in the
+  forward, again in the backward, and their gradients reduce-scattered, `3 (g-1)/g x P_L`;
+  the others (embeddings, head, final norm: gathered once as they enter `shard_map`, kept
+  for the backward) all-gathered and reduce-scattered, `2 (g-1)/g x (P - P_L)`.
 - `pipe`: the schedule's point-to-point traffic, each microbatch's activation forward and
   its cotangent backward once per stage boundary, averaged over devices,
   `2 (V S - 1) / S x A`; plus, for the vocabulary split over pipe, all-reduces over pipe at
@@ -188,6 +190,7 @@ class Figures:
     run: Any  # train_lm.RunConfig
     num_params: int
     param_bytes: int  # all parameters, one copy
+    layer_bytes: int  # the block stack's parameters (`model.body`), one copy
     opt_bytes: int  # all optimizer state, one copy
     params: int  # per device
     opt_state: int  # per device
@@ -448,6 +451,7 @@ def compile_layout(
         run=run,
         num_params=sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(arrays)),
         param_bytes=_whole_bytes(arrays),
+        layer_bytes=_whole_bytes(arrays.body),
         opt_bytes=_whole_bytes(opt_state),
         params=_shard_bytes(arrays),
         opt_state=_shard_bytes(opt_state),
@@ -507,13 +511,19 @@ def gradient_function(model: lm.LM, mesh: eqpar.DeviceMesh, run: Any) -> Any:
             "Drop the context axis (the scale layouts have none)."
         )
     specs = eqpar.partition_specs(model)  # what shard_map's body sees (no FSDP split)
+    stored = train_lm.storage_specs(model, mesh, run.fsdp)
     policy = eqpar.Precision.from_name(run.precision)
     if train_lm.runs_own_backward(run):
+        entering = stored if run.fsdp else specs
         sharded = eqpar.shard_map(
-            functools.partial(train_lm.loss_and_grads_scheduled, schedule=run.schedule),
+            functools.partial(
+                train_lm.loss_and_grads_scheduled,
+                schedule=run.schedule,
+                stored=(stored, specs) if run.fsdp else None,
+            ),
             mesh=mesh,
-            in_specs=(specs, P(lm.DATA), P(lm.DATA)),
-            out_specs=(P(), specs),
+            in_specs=(entering, P(lm.DATA), P(lm.DATA)),
+            out_specs=(P(), entering),
         )
 
         def loss_and_grads(model: lm.LM, tokens: jax.Array) -> tuple[jax.Array, lm.LM]:
@@ -526,6 +536,7 @@ def gradient_function(model: lm.LM, mesh: eqpar.DeviceMesh, run: Any) -> Any:
         mesh=mesh,
         in_specs=(specs, P(lm.DATA), P(lm.DATA)),
         out_specs=P(),
+        stored_specs=(stored, P(lm.DATA), P(lm.DATA)),
     )
     return eqx.filter_value_and_grad(
         lambda model, tokens: policy.cast_to_output(
@@ -611,7 +622,8 @@ def ideal_collectives(f: Figures, config: lm.LMConfig) -> dict[str, float]:
     if data > 1:
         share = (data - 1) / data
         if f.run.fsdp:
-            ideal[lm.DATA] = 3 * share * f.param_bytes
+            rest = f.param_bytes - f.layer_bytes
+            ideal[lm.DATA] = share * (3 * f.layer_bytes + 2 * rest)
         else:
             ideal[lm.DATA] = 2 * share * f.param_bytes / f.ways
     # Per token one float32 (the cross entropy's reductions); the vocabulary split over
@@ -857,6 +869,14 @@ def targets(
             + (f" (over: {', '.join(over)})" if over else f" (largest: {worst[1]})")
         )
         by_name = {f.layout: f for f in rows}
+        if "FSDP" in by_name:
+            f = by_name["FSDP"]
+            measured, ideal = f.exact[lm.DATA], ideal_collectives(f, config)[lm.DATA]
+            lines.append(
+                f"- {name}: FSDP data bytes <= 1.05x ZeRO-3's (issue 24): "
+                f"{format_bytes(measured)} vs {format_bytes(ideal)} ({measured / ideal:.2f}x): "
+                f"{verdict(measured <= 1.05 * ideal)}"
+            )
         if "DP" in by_name and "FSDP" in by_name:
             dp, fsdp = by_name["DP"].memory["total"], by_name["FSDP"].memory["total"]
             lines.append(
@@ -1036,7 +1056,8 @@ def main(argv: list[str] | None = None) -> str:
     lines += [
         "",
         "Ideals: params/optimizer = one copy / ways (DP 1, FSDP 8, DPxTP 4, DPxPP 4, "
-        "DPxTPxPP 4); `data` = 2(g-1)/g x P/ways (FSDP: 3(g-1)/g x P); `pipe` = 2(VS-1)/S x A "
+        "DPxTPxPP 4); `data` = 2(g-1)/g x P/ways (FSDP: (g-1)/g x (3 P_L + 2 (P - P_L)), P_L "
+        "the block stack's); `pipe` = 2(VS-1)/S x A "
         "+ 2(S-1)/S x (2A + 2A/t + 3A/(d_model t)), A = (batch/data) x seq x d_model x 4; "
         "`model` = 2(t-1)/t x ((kL/S + 2) A + 3A/d_model), k = 4 (5 with remat full). "
         "Collectives over several axes are split among them as a hierarchical ring would move "

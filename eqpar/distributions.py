@@ -679,10 +679,17 @@ class FSDP(Distribution):
     **With `shard_map` (tensor-parallel layers).** Layers such as `TPDense` expect, inside
     `shard_map`, blocks split over `model` only, while FSDP stores them split over `data` too.
     Store the model and optimizer state by `partition_specs` (what `build_model` and
-    `distribute_opt_state` do), give `shard_map` the model's `compute_specs`, and call it
-    inside `jax.jit` / `eqx.filter_jit`: the compiler gathers each parameter over `data` at
-    the `shard_map` boundary and reduce-scatters its gradient back. Pin the results to the
-    storage layout with `constrain`.
+    `distribute_opt_state` do), give `eqpar.shard_map` the model's `compute_specs` as
+    `in_specs` and its `partition_specs` as `stored_specs`, and call it inside `jax.jit` /
+    `eqx.filter_jit`: each parameter enters split over `data` and is all-gathered inside,
+    and its gradient leaves by reduce-scatter (the gather's transpose), the embeddings' and
+    the output head's as much as any layer's. (Given `compute_specs` alone, the compiler
+    gathers the parameters before `shard_map` and all-reduces their whole gradients, 2x the
+    bytes of a reduce-scatter.) A function that takes its gradients itself inside
+    `shard_map` (a pipeline schedule's own backward pass) gathers with
+    `eqpar.spmd.gather_stored` instead. Pin the results to the storage layout with
+    `constrain`. `eqpar.nn.gather_layers` goes further for layer stacks: one layer gathered
+    at a time.
 
     ```python
     import equinox as eqx, jax, jax.numpy as jnp, optax, eqpar
@@ -712,7 +719,8 @@ class FSDP(Distribution):
 
     rows = P("data", "model")  # batch over data, features over model
     forward = eqpar.shard_map(
-        lambda m, x: m(x), mesh=mesh, in_specs=(fsdp.compute_specs(model), rows), out_specs=rows
+        lambda m, x: m(x), mesh=mesh, in_specs=(fsdp.compute_specs(model), rows), out_specs=rows,
+        stored_specs=(fsdp.partition_specs(model), rows),
     )
 
     @eqx.filter_jit
@@ -1021,9 +1029,11 @@ def gather_layers(
     all-gathers one layer's parameters at each step of its scan. The gathered copies are kept
     out of what the backward pass saves (with `remat="full"` or `"matmuls"` the backward pass
     gathers each layer again), and the transpose of the gather reduce-scatters the layer's
-    gradient into the same split, where FSDP at the boundary all-reduces the whole gradient.
-    Parameters outside the stacks (embeddings, heads) are left to the distribution:
-    `eqpar.FSDP(...)` splits them and they are gathered at the `shard_map` boundary as before.
+    gradient into the same split. Parameters outside the stacks (embeddings, heads) are left
+    to the distribution: `eqpar.FSDP(...)` splits them, and given as `stored_specs` to
+    `eqpar.shard_map` (`FSDP.partition_specs`) they are gathered as they enter and their
+    gradients reduce-scattered too (given only `in_specs`, the compiler gathers them before
+    `shard_map` and all-reduces their whole gradients).
 
     Inside a pipeline the stage's layers are gathered at every microbatch step of the
     schedule, which multiplies the gather traffic by the number of steps; per-layer FSDP pays

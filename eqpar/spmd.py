@@ -1,6 +1,6 @@
 """Equinox-aware `shard_map` and sharded-at-birth construction of models."""
 
-__all__ = ["build_sharded", "shard_map"]
+__all__ = ["build_sharded", "gather_stored", "shard_map"]
 
 import dataclasses
 import functools
@@ -8,11 +8,12 @@ from collections.abc import Callable, Hashable, Set
 
 import equinox as eqx
 import jax
+from jax import lax
 from jax.sharding import Mesh, PartitionSpec
 
 from . import _current
 from ._paths import path_to_str
-from ._specs import check_spec, entry_names, is_spec_leaf
+from ._specs import check_spec, entry_names, is_spec_leaf, show_spec
 from ._splits import fresh_record
 from ._typing import PyTree, Specs
 from ._vma import varying_axes
@@ -34,6 +35,7 @@ def shard_map(
     out_specs: PyTree,
     check_vma: bool = True,
     axis_names: Set[Hashable] | None = None,
+    stored_specs: PyTree | None = None,
 ) -> Callable:
     """`jax.shard_map` for functions that take and return Equinox modules.
 
@@ -57,6 +59,18 @@ def shard_map(
       name them (they are dropped from what `jax.shard_map` is given; the arrays' own
       shardings carry them), so `eqpar.partition_specs(model)` serves as in_specs when, say,
       `Sharded` keys split the weights over `model` and a pipeline runs over `pipe`.
+    - `stored_specs`: how the arguments are stored where that splits them further than
+      `in_specs` (default: as `in_specs`), in the same forms as `in_specs`; e.g.
+      `eqpar.FSDP.partition_specs(model)` with `in_specs` its `compute_specs`. An array
+      enters split as stored and is all-gathered (tiled) over the mesh axes its stored spec
+      adds at the end of an entry, so `fn` sees the block `in_specs` gives. Differentiated
+      from outside, its gradient leaves by the gather's transpose, a reduce-scatter into the
+      stored split (FSDP's gradient reduction); with the array entering whole instead, the
+      compiler all-reduces the whole gradient and slices it. Inside `fn` a gathered array
+      counts as varying over those axes (its gradient there is each device's share): reduce
+      a result computed from it over them (`lax.pmean` of one that is the same on each
+      device), as a loss over a split batch is; a gradient that `fn` takes itself is that
+      share, and an out_spec that leaves the axis out refuses it.
 
     **Returns:** the mapped function (or a decorator when `fn` is omitted).
 
@@ -72,6 +86,17 @@ def shard_map(
 
     x = jnp.ones((16, 4))
     assert jnp.allclose(apply(mlp, x), jax.vmap(mlp)(x))
+
+    # Stored split over data (FSDP), seen whole: the gradient is reduce-scattered.
+    fsdp = eqpar.FSDP(mesh, min_size_bytes=0)
+    stored = eqx.filter_shard(mlp, eqpar.named_shardings(fsdp.partition_specs(mlp), mesh))
+    loss = eqpar.shard_map(
+        lambda m, x: jax.lax.pmean(jnp.mean(jax.vmap(m)(x) ** 2), "data"), mesh=mesh,
+        in_specs=(fsdp.compute_specs(mlp), P("data")), out_specs=P(),
+        stored_specs=(fsdp.partition_specs(mlp), P("data")),
+    )
+    grads = eqx.filter_jit(eqx.filter_grad(loss))(stored, x)
+    assert grads.layers[0].weight.sharding.spec == P("data", None)
     ```
     """
     if fn is None:
@@ -82,6 +107,7 @@ def shard_map(
             out_specs=out_specs,
             check_vma=check_vma,
             axis_names=axis_names,
+            stored_specs=stored_specs,
         )
     if not callable(fn):
         raise TypeError(f"shard_map: fn must be callable; got {type(fn).__name__}.")
@@ -97,41 +123,28 @@ def shard_map(
                 f"them."
             )
         name = getattr(fn, "__name__", "fn")
-        if is_spec_leaf(in_specs):
-            arg_prefixes = (in_specs,) * len(args)
-        elif isinstance(in_specs, tuple):
-            if len(in_specs) != len(args):
-                raise ValueError(
-                    f"shard_map: in_specs has {len(in_specs)} entries but {name} got "
-                    f"{len(args)} positional arguments; give one spec (or spec pytree) per "
-                    f"argument."
-                )
-            arg_prefixes = in_specs
-        elif len(args) == 1:
-            arg_prefixes = (in_specs,)
-        else:
-            raise TypeError(
-                f"shard_map: in_specs is a {type(in_specs).__name__} but {name} got {len(args)} "
-                f"positional arguments; give a tuple with one spec (or spec pytree) per argument."
-            )
         dynamic, static = eqx.partition(args, eqx.is_array)
-        specs = tuple(
-            expand_specs(
-                prefix, arg, where=f"argument {i}", caller="shard_map", is_array=eqx.is_array
-            )
-            for i, (prefix, arg) in enumerate(zip(arg_prefixes, args))
-        )
         axes = None if jax_mesh is None else dict(jax_mesh.shape)
-        for i, (arg, arg_specs) in enumerate(zip(args, specs)):
-            _check_argument_specs(arg, arg_specs, axes, f"shard_map: in_specs for argument {i}")
+        specs = _argument_specs(in_specs, "in_specs", args, name, axes)
+        stored = specs
+        if stored_specs is not None:
+            stored = _argument_specs(stored_specs, "stored_specs", args, name, axes)
         if axis_names is not None:
             specs = _manual_only(specs, frozenset(axis_names))
+            stored = _manual_only(stored, frozenset(axis_names))
+        gathers = [
+            _gathers(arg, arg_stored, arg_specs, f"shard_map: argument {i} of {name}")
+            for i, (arg, arg_stored, arg_specs) in enumerate(zip(args, stored, specs))
+        ]
         static_out: list = []
 
         # The specs go to JAX as they are (no wrapping), so its own errors, such as a result
         # that differs over an axis its spec leaves out, read as they should.
         @functools.wraps(fn)
         def local(*local_dynamic):
+            local_dynamic = tuple(
+                _gathered(arg, plans) for arg, plans in zip(local_dynamic, gathers)
+            )
             with fresh_record():
                 out = fn(*eqx.combine(local_dynamic, static))
             out_dynamic, out_static = eqx.partition(out, eqx.is_array)
@@ -143,7 +156,7 @@ def shard_map(
         inner = jax.shard_map(
             local,
             mesh=jax_mesh,
-            in_specs=specs,
+            in_specs=stored,
             out_specs=out_specs
             if axis_names is None
             else _manual_only(out_specs, frozenset(axis_names)),
@@ -154,6 +167,131 @@ def shard_map(
         return eqx.combine(out_dynamic, static_out[-1])
 
     return mapped
+
+
+def _argument_specs(
+    given: PyTree, what: str, args: tuple, name: str, axes: dict | None
+) -> tuple[PyTree, ...]:
+    """`given` (`in_specs` or `stored_specs`) as one full specs pytree per argument, each
+    checked against its argument's arrays and the mesh."""
+    if is_spec_leaf(given):
+        prefixes = (given,) * len(args)
+    elif isinstance(given, tuple):
+        if len(given) != len(args):
+            raise ValueError(
+                f"shard_map: {what} has {len(given)} entries but {name} got "
+                f"{len(args)} positional arguments; give one spec (or spec pytree) per "
+                f"argument."
+            )
+        prefixes = given
+    elif len(args) == 1:
+        prefixes = (given,)
+    else:
+        raise TypeError(
+            f"shard_map: {what} is a {type(given).__name__} but {name} got {len(args)} "
+            f"positional arguments; give a tuple with one spec (or spec pytree) per argument."
+        )
+    specs = tuple(
+        expand_specs(prefix, arg, where=f"argument {i}", caller="shard_map", is_array=eqx.is_array)
+        for i, (prefix, arg) in enumerate(zip(prefixes, args))
+    )
+    for i, (arg, arg_specs) in enumerate(zip(args, specs)):
+        _check_argument_specs(arg, arg_specs, axes, f"shard_map: {what} for argument {i}")
+    return specs
+
+
+# One array's gathers: (dimension, the mesh axes to all-gather it over), in dimension order.
+_Gathers = tuple[tuple[int, tuple[Hashable, ...]], ...]
+
+
+def _gathers(arg: PyTree, stored: PyTree, specs: PyTree, source: str) -> list[_Gathers]:
+    """For each array of `arg` (in leaf order), what turns its stored block into the block
+    its in_spec gives: on each dimension, the axes the stored entry names after the in_spec
+    entry's. An in_spec that is not the stored spec with axes left off the end of entries
+    raises, naming the leaf."""
+    by_path = {path: spec for path, _, spec in _arrays_with_specs(arg, stored)}
+    plans = []
+    for path, leaf, spec in _arrays_with_specs(arg, specs):
+        rank = len(leaf.shape)
+        kept = (*spec, *([None] * (rank - len(spec))))
+        stored_spec = by_path.get(path, spec)
+        held = (*stored_spec, *([None] * (rank - len(stored_spec))))
+        plan = []
+        for dim, (inside, outside) in enumerate(zip(kept, held)):
+            if entry_names(outside)[: len(entry_names(inside))] != entry_names(inside):
+                where = f"leaf {path_to_str(path)!r}" if path else "the array"
+                raise ValueError(
+                    f"{source}, {where}: stored as {show_spec(stored_spec)} but in_specs gives "
+                    f"{show_spec(spec)}; dimension {dim} is split over {inside!r} inside and "
+                    f"over {outside!r} as stored. An in_spec must be its stored spec with mesh "
+                    f"axes left off the end of entries (what FSDP.compute_specs is to "
+                    f"FSDP.partition_specs); reshard the array first otherwise."
+                )
+            inside, outside = entry_names(inside), entry_names(outside)
+            if len(outside) > len(inside):
+                plan.append((dim, outside[len(inside) :]))
+        plans.append(tuple(plan))
+    return plans
+
+
+def _gathered(arg: PyTree, plans: list[_Gathers]) -> PyTree:
+    """The local blocks of `arg` all-gathered as `plans` say (`_gathers`: one plan per array
+    leaf, in leaf order)."""
+    leaves, treedef = jax.tree.flatten(arg)
+    arrays = [i for i, leaf in enumerate(leaves) if eqx.is_array(leaf)]
+    for i, plan in zip(arrays, plans, strict=True):
+        for dim, names in plan:
+            leaves[i] = lax.all_gather(leaves[i], tuple(names), axis=dim, tiled=True)
+    return jax.tree.unflatten(treedef, leaves)
+
+
+def gather_stored(tree: PyTree, *, stored_specs: PyTree, in_specs: PyTree) -> PyTree:
+    """Inside `shard_map`: all-gather the local blocks of `tree`, split as `stored_specs`
+    say, into the blocks `in_specs` gives; what `eqpar.shard_map(stored_specs=...)` does as
+    its arguments enter, for a function that takes gradients itself (a schedule's own
+    backward pass, `PipelineModule.value_and_grad`). Differentiate through it
+    (`eqx.filter_vjp`): the gradient of the stored blocks is the reduce-scatter of the
+    gathered ones' (each device's share, as a gathered array counts as varying over the
+    axes it was gathered over).
+
+    **Arguments:**
+
+    - `tree`: a pytree (an Equinox module) of local blocks.
+    - `stored_specs`: how `tree` is stored: a `PartitionSpec` for every array, or a pytree
+      prefix of `tree` (e.g. its part of `eqpar.FSDP.partition_specs(model)`).
+    - `in_specs`: the blocks wanted, in the same forms (e.g. `compute_specs`): each entry the
+      stored one with mesh axes left off its end. Name only the manual axes in both.
+
+    **Returns:** `tree` with every array gathered to its `in_specs` block.
+
+    ```python
+    import jax, jax.numpy as jnp, eqpar
+    from jax.sharding import PartitionSpec as P
+    from eqpar.spmd import gather_stored
+
+    mesh = eqpar.DeviceMesh((8,), ("data",))
+    w, x = jnp.arange(32.0).reshape(4, 8) / 32, jnp.ones((16, 8))
+
+    def loss(w, x):  # w: [4, 8] whole
+        return jnp.mean((x @ w.T) ** 2)
+
+    @eqpar.shard_map(mesh=mesh, in_specs=(P(None, "data"), P("data")),
+                     out_specs=(P(), P(None, "data")))
+    def loss_and_grad(block, x):  # block: [4, 1], this device's column of w
+        def local(block):
+            whole = gather_stored(block, stored_specs=P(None, "data"), in_specs=P())
+            return jax.lax.pmean(loss(whole, x), "data")
+        return jax.value_and_grad(local)(block)  # the gradient: reduce-scattered
+
+    value, grad = jax.jit(loss_and_grad)(w, x)
+    assert jnp.allclose(grad, jax.grad(loss)(w, x), rtol=1e-5)
+    ```
+    """
+    expand = functools.partial(
+        expand_specs, where="tree", caller="gather_stored", is_array=eqx.is_array
+    )
+    stored, inside = expand(stored_specs, tree), expand(in_specs, tree)
+    return _gathered(tree, _gathers(tree, stored, inside, "gather_stored"))
 
 
 def _manual_only(specs: PyTree, manual: frozenset) -> PyTree:

@@ -54,6 +54,7 @@ from eqpar.context import balance_sequence, sequence_positions
 from eqpar.distributions import match_param_specs
 from eqpar.inspect import print_layout_table
 from eqpar.nn import PipelineModule
+from eqpar.spmd import gather_stored
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,7 +211,8 @@ def build_model(config: lm.LMConfig, run: RunConfig, mesh: eqpar.DeviceMesh) -> 
 
     With `--fsdp` the block stack also gathers its parameters over `data` one layer at a time
     (`eqpar.nn.gather_layers`); the embeddings and the head are split by `eqpar.FSDP` and
-    gathered at the `shard_map` boundary."""
+    gathered as they enter `shard_map` (`build_step` gives it their `stored_specs`), whence
+    their gradients leave by reduce-scatter."""
     model = lm.build(
         config,
         mesh,
@@ -275,14 +277,23 @@ def loss_and_grads_scheduled(
     targets: Int[Array, "batch seq"],
     schedule: str = "1f1b",
     context: bool = False,
+    stored: tuple[Any, Any] | None = None,
 ) -> tuple[Array, lm.LM]:
     """Loss and gradients inside `shard_map` with a schedule that runs its own backward pass
     (`PipelineModule.value_and_grad`: `"1f1b"`, `"zb-h1"`, `"gpipe"` or `"circular"`); with
-    `context`, the sequence
-    is split over the context axis (the batches of `context_batch`).
+    `context`, the sequence is split over the context axis (the batches of `context_batch`).
 
     The embedding's pullback is applied to the gradient the pipeline returns for its input.
+    With `stored` (`--fsdp`: the model's stored and computed specs), the parameters come in
+    split as stored: those that the layers do not gather themselves (`gather_layers`) are
+    gathered here, and their gradients reduce-scattered back (`eqpar.spmd.gather_stored`).
     """
+    scatter = None
+    if stored is not None:
+        stored_specs, in_specs = stored
+        model, scatter = eqx.filter_vjp(
+            lambda m: gather_stored(m, stored_specs=stored_specs, in_specs=in_specs), model
+        )
     positions = context_positions(inputs) if context else None
     h, embed_vjp = eqx.filter_vjp(
         lambda e: eqx.tree_at(lambda m: (m.embed, m.position), model, e).embed_tokens(
@@ -300,6 +311,8 @@ def loss_and_grads_scheduled(
         eqx.filter(model, eqx.is_inexact_array),
         (*embed_grads, body_grads, head_grads.norm, head_grads.unembed),
     )
+    if scatter is not None:
+        (grads,) = scatter(grads)
     # The loss of the whole batch (the mean over the shards of `data`, and of `context` when
     # the sequence is split) and its gradients: nothing to divide by hand.
     return loss, grads
@@ -324,6 +337,7 @@ def build_step(model: lm.LM, mesh: eqpar.DeviceMesh, run: RunConfig, optimizer: 
     specs = eqpar.partition_specs(model)  # what shard_map's body sees (no FSDP split)
     policy = eqpar.Precision.from_name(run.precision)
     context = context_size(run)
+    param_specs = storage_specs(model, mesh, run.fsdp)
     # Rows split over `data`; with a context axis the sequence also over `context`.
     sequence_spec = P(lm.DATA, lm.CONTEXT) if context > 1 else P(lm.DATA)
 
@@ -333,11 +347,20 @@ def build_step(model: lm.LM, mesh: eqpar.DeviceMesh, run: RunConfig, optimizer: 
         return tokens[:, :-1], tokens[:, 1:]
 
     if runs_own_backward(run):
+        # With `--fsdp` the parameters enter split as stored; the function gathers them
+        # itself, inside its own backward pass.
+        stored = (param_specs, specs) if run.fsdp else None
+        entering = param_specs if run.fsdp else specs
         sharded = eqpar.shard_map(
-            functools.partial(loss_and_grads_scheduled, schedule=run.schedule, context=context > 1),
+            functools.partial(
+                loss_and_grads_scheduled,
+                schedule=run.schedule,
+                context=context > 1,
+                stored=stored,
+            ),
             mesh=mesh,
-            in_specs=(specs, sequence_spec, sequence_spec),
-            out_specs=(P(), specs),
+            in_specs=(entering, sequence_spec, sequence_spec),
+            out_specs=(P(), entering),
         )
 
         def loss_and_grads(model: lm.LM, tokens: jax.Array) -> tuple[jax.Array, lm.LM]:
@@ -346,11 +369,15 @@ def build_step(model: lm.LM, mesh: eqpar.DeviceMesh, run: RunConfig, optimizer: 
             return policy.cast_to_output(loss), policy.cast_to_param(grads)
 
     else:
+        # Parameters enter split as stored and are gathered inside, so that with `--fsdp`
+        # their gradients leave by reduce-scatter (`stored_specs`), the embeddings' and the
+        # head's included.
         loss = eqpar.shard_map(
             functools.partial(sequence_loss, context=context > 1),
             mesh=mesh,
             in_specs=(specs, sequence_spec, sequence_spec),
             out_specs=P(),
+            stored_specs=(param_specs, sequence_spec, sequence_spec),
         )
         loss_and_grads = eqx.filter_value_and_grad(
             lambda model, tokens: policy.cast_to_output(
@@ -358,7 +385,6 @@ def build_step(model: lm.LM, mesh: eqpar.DeviceMesh, run: RunConfig, optimizer: 
             )
         )
 
-    param_specs = storage_specs(model, mesh, run.fsdp)
     param_shardings = eqpar.named_shardings(param_specs, mesh)
 
     @eqx.filter_jit(donate="all-except-first")

@@ -604,13 +604,15 @@ def tp_batch():
     return x, y
 
 
-def tp_train_step(d, model, optimizer, in_spec, out_spec):
-    """The FSDP x TP recipe: storage by `partition_specs`, `shard_map` by `compute_specs`."""
+def tp_train_step(d, model, optimizer, in_spec, out_spec, *, stored=True):
+    """The FSDP x TP recipe: storage by `partition_specs`, `shard_map` by `compute_specs`,
+    gathered inside from the stored split (`stored_specs`; `stored=False`: entering whole)."""
     forward = shard_map(
         lambda m, x: m(x),
         mesh=d.device_mesh,
         in_specs=(d.compute_specs(model), in_spec),
         out_specs=out_spec,
+        stored_specs=(d.partition_specs(model), in_spec) if stored else None,
     )
     params, static = eqx.partition(model, eqx.is_array)
 
@@ -676,6 +678,68 @@ def test_fsdp_tp_sgd_step_equals_the_serial_step(name, layout):
         where = jax.tree_util.keystr(path)
         assert_tree_close(got, expected, what=where)
         assert has_spec(got, spec), (where, got.sharding, spec)
+
+
+def test_fsdp_tp_sgd_step_entering_whole_equals_the_serial_step_too():
+    """Without `stored_specs` the parameters enter `shard_map` whole (the compiler gathers
+    them): the same step, by all-reduce."""
+    _, in_spec, out_spec = TP_MODELS["tp_mlp"]
+    d = fsdp_tp("mesh")
+    optimizer = optax.sgd(0.1)
+    model = place_tp(d, "tp_mlp")
+    x, y = (d.distribute_input(a) for a in tp_batch())
+    results = []
+    for stored in (True, False):
+        step, params = tp_train_step(d, model, optimizer, in_spec, out_spec, stored=stored)
+        results.append(step(params, d.distribute_opt_state(optimizer.init(params), model), x, y))
+    assert_tree_close(results[1][0], results[0][0], what="params")
+    assert_tree_close(results[1][2], results[0][2], what="loss")
+
+
+def ways(spec, sizes):
+    """The number of blocks `spec` splits an array into on a mesh of `sizes`."""
+    names = [n for entry in spec for n in (entry if isinstance(entry, tuple) else (entry,))]
+    return int(np.prod([sizes[n] for n in names if n is not None]))
+
+
+def test_fsdp_gradients_leave_by_reduce_scatter_not_all_reduce():
+    """From the compiled step (exact): with `stored_specs` no all-reduce over `data` is as
+    large as a split parameter's gradient block; every such gradient is reduce-scattered.
+    Entering `shard_map` whole, the compiler all-reduces those gradients and slices them."""
+    from _hlo import collective_ops, group_axes
+
+    _, in_spec, out_spec = TP_MODELS["tp_mlp"]
+    d = fsdp_tp("mesh")
+    optimizer = optax.sgd(0.1)
+    model = place_tp(d, "tp_mlp")
+    sizes = dict(d.device_mesh.jax_mesh.shape)
+    stored_specs = jax.tree.leaves(d.partition_specs(model), is_leaf=lambda s: isinstance(s, P))
+    compute_specs = jax.tree.leaves(d.compute_specs(model), is_leaf=lambda s: isinstance(s, P))
+    leaves = jax.tree.leaves(eqx.filter(model, eqx.is_array))
+    # A split parameter's gradient inside shard_map: its block under the compute spec.
+    blocks = [
+        leaf.nbytes // ways(spec, sizes)
+        for leaf, stored, spec in zip(leaves, stored_specs, compute_specs, strict=True)
+        if stored != spec
+    ]
+    assert len(blocks) == 3, blocks  # pre, up and down weights
+    x, y = (d.distribute_input(a) for a in tp_batch())
+    largest_all_reduce, scattered = {}, {}
+    for stored in (True, False):
+        step, params = tp_train_step(d, model, optimizer, in_spec, out_spec, stored=stored)
+        opt_state = d.distribute_opt_state(optimizer.init(params), model)
+        ops = collective_ops(step.lower(params, opt_state, x, y).compile())
+        over_data = [op for op in ops if "data" in group_axes(op.groups, sizes)]
+        largest_all_reduce[stored] = max(
+            op.array_bytes for op in over_data if op.kind == "all-reduce"
+        )
+        # A reduce-scatter's result is its input / the group: the gradient block / data.
+        scattered[stored] = sum(
+            op.array_bytes * op.group_size for op in over_data if op.kind == "reduce-scatter"
+        )
+    assert largest_all_reduce[True] < min(blocks), largest_all_reduce  # the loss, small biases
+    assert scattered[True] == sum(blocks), (scattered, blocks)
+    assert largest_all_reduce[False] >= sum(blocks) and scattered[False] == 0
 
 
 @pytest.mark.parametrize("name", ["tp_block", "scanned"])  # only TPDense layers

@@ -8,7 +8,7 @@ from numerics import assert_tree_close
 
 from eqpar.layout import partition_specs
 from eqpar.mesh import DeviceMesh
-from eqpar.spmd import build_sharded, shard_map
+from eqpar.spmd import build_sharded, gather_stored, shard_map
 
 
 @pytest.fixture(scope="module")
@@ -140,6 +140,65 @@ def test_manual_over_some_axes_only():
 
     x = jnp.arange(8.0)
     np.testing.assert_allclose(jax.jit(total)(x), jnp.array([28.0]))
+
+
+def test_stored_specs_gather_inside_on_every_split_axis():
+    """An array stored more split than its in_spec enters as stored and is gathered over the
+    axes its stored entries add (several on one dimension, or on several dimensions): `fn`
+    sees the in_spec's block, and the gradient (the gather's transpose) is the serial one,
+    in the stored layout."""
+    mesh = DeviceMesh((2, 2, 2), ("data", "pipe", "model"))
+    w = jnp.sin(jnp.arange(8 * 12, dtype=jnp.float32)).reshape(8, 12)
+    x = jnp.cos(jnp.arange(8 * 8, dtype=jnp.float32)).reshape(8, 8)
+    stored, inside = P(("model", "data"), "pipe"), P("model", None)
+
+    @shard_map(
+        mesh=mesh,
+        in_specs=(inside, P("data")),
+        out_specs=P(),
+        stored_specs=(stored, P("data")),
+    )
+    def loss(w, x):
+        assert w.shape == (4, 12)  # the in_spec's block: rows over model, columns whole
+        partial = jnp.sum(jnp.tanh(x[:, :4] @ w) ** 2)  # this device's rows of x and w
+        # The same on each device of pipe, but counted as varying over it (w was gathered
+        # over pipe): pmean it, so each device's gradient is its share.
+        return jax.lax.pmean(jax.lax.psum(partial, ("data", "model")), "pipe")
+
+    def serial(w, x):
+        return sum(jnp.sum(jnp.tanh(x[:, :4] @ w[4 * i : 4 * i + 4]) ** 2) for i in range(2))
+
+    placed = jax.device_put(w, jax.sharding.NamedSharding(mesh.jax_mesh, stored))
+    value, grad = jax.jit(jax.value_and_grad(loss))(placed, x)
+    want_value, want_grad = jax.value_and_grad(serial)(w, x)
+    assert_tree_close(value, want_value, what="loss")
+    assert_tree_close(grad, want_grad, what="gradient")
+    assert grad.sharding.spec == stored
+
+
+def test_stored_specs_that_do_not_extend_the_in_specs_are_refused(mesh):
+    f = shard_map(
+        lambda w: jnp.sum(w), mesh=mesh, in_specs=P(None, None), out_specs=P(),
+        stored_specs=P(None, "data"), check_vma=False,
+    )  # fmt: skip
+    f(jnp.ones((4, 8)))  # gathered over data on dimension 1
+    g = shard_map(
+        lambda w: jnp.sum(w), mesh=mesh, in_specs=P(None, "data"), out_specs=P(),
+        stored_specs=P("data", None), check_vma=False,
+    )  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"argument 0 of <lambda>, the array: stored as P\('data', None\) but in_specs "
+        r"gives P\(None, 'data'\); dimension 1 is split over 'data' inside and over None as "
+        r"stored. An in_spec must be its stored spec with mesh axes left off",
+    ):
+        g(jnp.ones((8, 8)))
+    with pytest.raises(ValueError, match=r"gather_stored, leaf 'w': stored as P\(\) but"):
+        gather_stored({"w": jnp.ones(8)}, stored_specs=P(), in_specs=P("data"))
+    h = shard_map(lambda a, b: a, mesh=mesh, in_specs=(P(), P()), out_specs=P(),
+                  stored_specs=(P(),))  # fmt: skip
+    with pytest.raises(ValueError, match="stored_specs has 1 entries but <lambda> got 2"):
+        h(jnp.ones(8), jnp.ones(8))
 
 
 # --- build_sharded -----------------------------------------------------------------------------

@@ -8,6 +8,7 @@ import equinox as eqx
 import jax
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "examples"))
@@ -89,6 +90,81 @@ def test_parallel_training_equals_one_device(serial, mesh, options):
     assert losses[-1] < losses[0]
     for got, want in zip(arrays(model), arrays(serial_model), strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-6)
+
+
+# The embedding and the head [128, 32] are 16 KiB: large enough for FSDP to split them.
+WIDE_VOCAB = dataclasses.replace(TINY, vocab_size=128)
+
+
+@pytest.fixture(scope="module")
+def wide_serial():
+    run = run_config("data=1", microbatches=1)
+    return train_lm.train(
+        run, config=WIDE_VOCAB, devices=jax.devices()[:1], progress=False, show_layout=False
+    )
+
+
+@pytest.mark.parametrize(
+    ("mesh", "options"),
+    [
+        ("data=8", {"microbatches": 4}),
+        ("data=2,pipe=2,model=2", {"schedule": "circular", "microbatches": 2}),
+        ("data=2,pipe=4", {"schedule": "1f1b", "microbatches": 2}),
+        ("data=2,pipe=2,model=2", {"schedule": "zb-h1", "microbatches": 2}),
+    ],
+    ids=["fsdp8", "fsdp-pp-tp-circular", "fsdp-pp-1f1b", "fsdp-pp-tp-zb-h1"],
+)
+def test_fsdp_reduce_scatters_every_split_gradient_the_embedding_and_head_included(
+    wide_serial, mesh, options
+):
+    """`--fsdp` with an embedding and a head large enough for FSDP to split trains as one
+    device does, and the compiled step (exact figures) reduces the gradient of every
+    parameter FSDP splits, the embedding's and the head's included, by reduce-scatter over
+    `data`: the reduce-scatters take every split gradient's block (as the layers see it), and
+    the all-reduces over `data` hold no more than the unsplit parameters' gradients and the
+    loss. Under autodiff (`eqpar.shard_map(stored_specs=...)`) and under the 1F1B and ZB-H1
+    schedules' own backward passes (`eqpar.spmd.gather_stored`) alike."""
+    from _hlo import collective_ops, group_axes
+
+    serial_losses, serial_model = wide_serial
+    run = run_config(mesh, fsdp=True, **options)
+    losses, model = train_lm.train(run, config=WIDE_VOCAB, progress=False, show_layout=False)
+    np.testing.assert_allclose(losses, serial_losses, rtol=1e-5)
+    for got, want in zip(arrays(model), arrays(serial_model), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-6)
+
+    device_mesh = train_lm.make_mesh(run.mesh)
+    model = train_lm.build_model(WIDE_VOCAB, run, device_mesh)
+    stored = train_lm.storage_specs(model, device_mesh, fsdp=True)
+    assert P(("model", "pipe"), "data") == stored.embed.weight == stored.unembed.weight
+    is_spec = lambda x: isinstance(x, P)
+    split, unsplit = [], []
+    for leaf, kept, inside in zip(
+        jax.tree.leaves(eqx.filter(model, eqx.is_array)),
+        jax.tree.leaves(stored, is_leaf=is_spec),
+        jax.tree.leaves(eqpar.partition_specs(model), is_leaf=is_spec),
+        strict=True,
+    ):
+        shape = NamedSharding(device_mesh.jax_mesh, inside).shard_shape(leaf.shape)
+        block = int(np.prod(shape)) * leaf.dtype.itemsize  # what the layers see
+        (split if kept != inside else unsplit).append(block)
+    optimizer = train_lm.make_optimizer(run)
+    placed, opt_state = train_lm.place(model, optimizer, device_mesh, fsdp=True)
+    step = train_lm.build_step(placed, device_mesh, run, optimizer)
+    rows = NamedSharding(device_mesh.jax_mesh, P("data"))
+    tokens = jax.device_put(np.zeros((8, WIDE_VOCAB.seq_len + 1), np.int32), rows)
+    sizes = dict(device_mesh.jax_mesh.shape)
+    ops = collective_ops(step.lower(tokens, placed, opt_state).compile())
+    over_data = [op for op in ops if "data" in group_axes(op.groups, sizes)]
+    # A reduce-scatter's input: its result x the group.
+    scattered = sum(
+        op.array_bytes * op.group_size * op.executions
+        for op in over_data
+        if op.kind == "reduce-scatter"
+    )
+    all_reduced = sum(op.array_bytes * op.executions for op in over_data if op.kind == "all-reduce")
+    assert scattered == sum(split), (scattered, split)
+    assert all_reduced <= sum(unsplit) + 64, (all_reduced, unsplit)  # + the loss
 
 
 def test_parameters_live_where_their_layout_says():
