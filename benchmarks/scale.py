@@ -850,7 +850,7 @@ def targets(
     def verdict(ok: bool) -> str:
         return "met" if ok else "**not met**"
 
-    lines = ["", "Targets (issue 12):", ""]
+    lines = ["", "Targets (issues 12 and 24):", ""]
     for name, rows in tables.items():
         config = configs[name]
         axis_ratios: list[tuple[float, str]] = []
@@ -921,7 +921,7 @@ def targets(
             "would need the optimizer applied per layer inside the backward pass, which eqpar "
             "does not do."
         )
-        if activation > 1.5 and high.sizes[lm.PIPE] > 1 and high.run.schedule == "gpipe":
+        if activation > 1.5 and high.sizes[lm.PIPE] > 1:
             lines.append("  - " + _pipeline_growth(sweep, series, depths, width))
     return lines
 
@@ -929,29 +929,36 @@ def targets(
 def _pipeline_growth(
     sweep: dict[tuple[str, int], Figures], series: str, depths: list[int], width: lm.LMConfig
 ) -> str:
-    """Why a GPipe series' activation temp grows by more than the saved layer inputs, with
-    the ratio it would have with only those, and with one gradient sum besides. Per device,
-    one layer's share is a `1 / pipe` of it (a device holds `L / pipe` layers)."""
+    """Why a pipeline series' activation temp grows by more than the layer inputs its
+    schedule keeps, with the ratio it would have with only those, and with the gradient sum
+    besides. Per device, one layer's share is a `1 / pipe` of it (a device holds
+    `L / pipe` layers)."""
     low, high = sweep[series, depths[0]], sweep[series, depths[-1]]
     layer_params, saved, _, activation = added_layer(sweep, series, depths, width)
-    extra = (activation - saved) / layer_params
+    microbatches, stages = high.run.microbatches, high.sizes[lm.PIPE]
+    # GPipe and circular keep every microbatch's layer inputs; 1F1B and ZB-H1 at most S.
+    kept_microbatches = (
+        microbatches if high.run.schedule in ("gpipe", "circular") else min(stages, microbatches)
+    )
+    kept = saved * kept_microbatches / microbatches
+    extra = (activation - kept) / layer_params
     added = depths[-1] - depths[0]
     base = _activation_temp(low)
-    inputs_only = (base + added * saved) / base
-    with_sum = (base + added * (saved + layer_params)) / base
+    inputs_only = (base + added * kept) / base
+    with_sum = (base + added * (kept + layer_params)) / base
     return (
-        f"why: a pipeline sums each stage's parameter gradients over its "
-        f"{high.run.microbatches} microbatches in a buffer the size of the stage's "
-        f"parameters (reduced over `data` once, after the last microbatch), and autodiff of "
-        f"the schedule's loop holds each step's stage gradients before adding them in: per "
-        f"added layer, one layer's saved input A/pipe ({format_bytes(saved)}) plus "
-        f"{extra:.2f}x one layer's parameters / pipe ({format_bytes(layer_params)}). With the "
-        f"saved inputs alone the ratio would be {inputs_only:.2f}x; with the sum besides, "
-        f"which accumulating over microbatches needs, {with_sum:.2f}x (the best that a "
-        f"backward adding each layer's gradient into the sum in place would give). Meeting "
-        f"1.5x would take reducing each microbatch's gradients over `data` as they are made, "
-        f"into the gradient outputs (not temp) instead of a sum held in temp, for "
-        f"{high.run.microbatches}x that axis's bytes, a trade eqpar does not make."
+        f"why: per added layer, the layer inputs the schedule keeps ({kept_microbatches} of "
+        f"{microbatches} microbatches, {format_bytes(kept)}) plus {extra:.2f}x one layer's "
+        f"parameters / pipe ({format_bytes(layer_params)}): the sum of the stage's gradients "
+        f"over the microbatches, into which the backward adds each layer's gradient in place, "
+        f"reduced over `data` once after the last microbatch into the returned gradients. With "
+        f"the inputs alone the ratio would be {inputs_only:.2f}x; with the sum, "
+        f"{with_sum:.2f}x. The sum cannot be the returned gradients themselves: those are "
+        f"replicated over `data`, the sum is not until it is reduced, and `shard_map`'s "
+        f"replication types have no in-place reduction from one to the other. Reducing each "
+        f"microbatch's gradients as they are made would drop the sum for {microbatches}x the "
+        f"data-axis bytes, a trade eqpar does not make. (The ratio is to a {depths[0]}-layer "
+        f"figure that the in-place sum made smaller: compare the absolute figures.)"
     )
 
 

@@ -1260,16 +1260,24 @@ def test_1f1b_does_not_store_what_it_keeps_anyway():
 
 
 @pytest.mark.parametrize(
-    ("schedule", "remat"),
-    [("gpipe", "none"), ("circular", "full"), ("1f1b", "matmuls"), ("zb-h1", "none")],
+    ("schedule", "remat", "num_layers"),
+    [
+        ("gpipe", "none", 8),
+        ("circular", "full", 8),
+        ("1f1b", "matmuls", 8),
+        ("zb-h1", "none", 8),
+        ("circular", "none", 4),  # one layer per stage
+        ("1f1b", "full", 2),
+    ],
 )
 def test_every_training_schedule_adds_each_layers_gradient_into_the_sum(
-    schedule, remat, monkeypatch
+    schedule, remat, num_layers, monkeypatch
 ):
     """A stage of scanned layers is differentiated layer by layer in every training table
-    (each layer's gradient added into the sum over microbatches at its rows, `_layered`),
-    and on data=2 x pipe=2 the loss, the parameter gradients and the batch's gradients are
-    the serial twin's, whatever the layers' remat policy."""
+    (each layer's gradient added into the sum over microbatches at its rows, `_layered`; a
+    layer's input kept once, layer 0's being the stage input), and on data=2 x pipe=2 the
+    loss, the parameter gradients and the batch's gradients are the serial twin's, whatever
+    the layers' remat policy and however many layers a stage holds."""
     backwards = []
     layered_backward = _layered.LayeredStage.backward
 
@@ -1278,7 +1286,14 @@ def test_every_training_schedule_adds_each_layers_gradient_into_the_sum(
         return layered_backward(self, *args, **kwargs)
 
     monkeypatch.setattr(_layered.LayeredStage, "backward", spy)
-    module = _scanned_module(schedule, remat=remat)
+    layers = eqx.filter_vmap(Block)(jax.random.split(jax.random.key(3), num_layers))
+    module = PipelineModule.from_layers(
+        layers,
+        num_stages=2,
+        num_microbatches=4,
+        num_repeats=2 if schedule == "circular" else 1,
+        remat=remat,
+    )
     x, t, shift = batch(8)  # 16 rows: 8 per data shard, 4 microbatches of 2
     _, loss_ref, grads_ref, x_grads_ref = serial_twin(module, x, t, shift)
     arrays, static, specs = layout(module)

@@ -55,18 +55,23 @@ def layer_stack(stage: PyTree, params: PyTree) -> LayerStack | None:
 
 class _Trace(NamedTuple):
     treedef: Any  # the structure of one layer's pullback
-    sources: tuple  # per pullback leaf: the index of the layer parameter it is, or None
+    # Per pullback leaf: ("param", i) for the layer's parameter leaf i, ("input", j) for its
+    # input's inexact leaf j, or None (stored).
+    sources: tuple
     out_axes: PyTree  # the replication types of a layer's output (its cotangent's)
+    num_stored: int  # stored leaves per layer; the layer inputs follow when a source is one
 
 
 class LayeredStage:
     """The forward and backward of a `LayerStack` stage, one layer at a time.
 
-    `forward` returns the stage's output and the residuals to keep for the backward (each
-    layer's pullback residuals stacked on a leading layer axis, the layer's own parameters
-    left out: the backward takes them from the parameters); `backward` runs the layers'
-    pullbacks in reverse and adds each layer's parameter gradient into the gradient sum
-    `grads` at its rows. The pullbacks' structure is recorded when `forward` is traced and
+    `forward` returns the stage's output and the residuals to keep for the backward: each
+    layer's pullback residuals stacked on a leading layer axis, less the layer's own
+    parameters (the backward takes them from the parameters) and its input, which is kept
+    once, as the inputs of layers 1 to L - 1 (layer 0's is the stage input, which the
+    schedule keeps for the backward anyway); `backward` runs the layers' pullbacks in
+    reverse and adds each layer's parameter gradient into the gradient sum `grads` at its
+    rows. The pullbacks' structure is recorded when `forward` is traced and
     looked up by operand types when `backward` is (as the stage's whole residuals are)."""
 
     def __init__(self, stack: LayerStack, num_repeats: int):
@@ -100,14 +105,17 @@ class LayeredStage:
 
             _, pullback, out = jax.vjp(run, layer_diff, h_diff, has_aux=True)
             leaves, treedef = jax.tree.flatten(pullback)
-            params = jax.tree.leaves(layer_diff)
-            sources = tuple(next((i for i, a in enumerate(params) if a is r), None) for r in leaves)
+            named = [("param", a) for a in jax.tree.leaves(layer_diff)]
+            named += [("input", a) for a in jax.tree.leaves(h_diff)]
+            sources = tuple(_source(r, named) for r in leaves)
             out_axes = axes_tree(eqx.filter(out, eqx.is_inexact_array))
-            self.recorded[key] = _Trace(treedef, sources, out_axes)
             stored = tuple(r for r, s in zip(leaves, sources) if s is None)
-            return out, stored
+            self.recorded[key] = _Trace(treedef, sources, out_axes, len(stored))
+            needs_input = any(s is not None and s[0] == "input" for s in sources)
+            return out, (stored, tuple(jax.tree.leaves(h_diff)) if needs_input else ())
 
-        return typed_scan(body, h, (diff, other))
+        out, (stored, inputs) = typed_scan(body, h, (diff, other))
+        return out, (*stored, *(a[1:] for a in inputs))
 
     def residual_shapes(self, stage: PyTree, h: PyTree, args: tuple, kwargs: dict) -> PyTree:
         arrays, static = eqx.partition(stage, eqx.is_array)  # Python scalars stay static
@@ -135,13 +143,25 @@ class LayeredStage:
         trace = self.recorded[_types(index_tree(diff, 0), h)]
         num_layers = jax.tree.leaves(diff)[0].shape[0]
         where = self.stack.where
+        stage_input = jax.tree.leaves(eqx.filter(h, eqx.is_inexact_array))
+
+        def layer_input(index: jax.Array) -> list:
+            """Layer `index`'s input: the stage input, or what layer `index - 1` made."""
+            if num_layers == 1:
+                return stage_input
+            kept = residuals_of(jnp.maximum(index - 1, 0))[trace.num_stored :]
+            return [
+                jnp.where(index == 0, *cast_tree((a, b), _varying_axes(a) | _varying_axes(b)))
+                for a, b in zip(stage_input, kept)
+            ]
 
         def body(carry: tuple, index: jax.Array) -> tuple:
             d_out, grads = carry
-            stored = residuals_of(index)
-            params = jax.tree.leaves(index_tree(diff, index))
-            rest = iter(stored)
-            leaves = [next(rest) if s is None else params[s] for s in trace.sources]
+            stored = iter(residuals_of(index)[: trace.num_stored])
+            inputs = {"param": jax.tree.leaves(index_tree(diff, index))}
+            if any(s is not None and s[0] == "input" for s in trace.sources):
+                inputs["input"] = layer_input(index)
+            leaves = [next(stored) if s is None else inputs[s[0]][s[1]] for s in trace.sources]
             pullback = jax.tree.unflatten(trace.treedef, leaves)
             d_layer, d_h = pullback(cast_tree(d_out, trace.out_axes))
             if grads is not None:
@@ -155,8 +175,22 @@ class LayeredStage:
         return grads, d_h
 
 
+def _source(residual: Any, named: list) -> tuple | None:
+    """`(kind, index)` of the input leaf `residual` is (by identity) among `named`'s
+    `(kind, leaf)` pairs, the index counted within its kind; None if it is none of them."""
+    counts: dict[str, int] = {}
+    for kind, leaf in named:
+        if leaf is residual:
+            return kind, counts.get(kind, 0)
+        counts[kind] = counts.get(kind, 0) + 1
+    return None
+
+
 def read_block(buffer: jax.Array, at: tuple) -> jax.Array:
-    """The block of `buffer` at the leading indices `at` (traced)."""
+    """The block of `buffer` at the leading indices `at` (traced); zeros where a leading
+    dimension is empty (the layer inputs of a one-layer stage, which are never read)."""
+    if 0 in buffer.shape[: len(at)]:
+        return jnp.zeros(buffer.shape[len(at) :], buffer.dtype)
     starts = (*at, *([0] * (buffer.ndim - len(at))))
     block = lax.dynamic_slice(buffer, starts, (*([1] * len(at)), *buffer.shape[len(at) :]))
     return block.reshape(buffer.shape[len(at) :])
