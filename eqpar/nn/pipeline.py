@@ -523,6 +523,11 @@ class PipelineModule(eqx.Module):
         - `"gpipe"` (`"circular"` when `num_repeats > 1`): all forwards, then all backwards,
           as autodiff of `self(x)` runs them, holding all microbatches' residuals.
 
+        Stages of scanned layers (`from_layers`) are differentiated one layer at a time, each
+        layer's gradient added into the sum over microbatches in place, so every schedule
+        here holds less than autodiff of `self(x)`, which forms a stage's whole gradient at
+        each backward step before adding it in: train GPipe through `schedule="gpipe"` too.
+
         The model's `remat` policy says what a forward keeps for its backward: `"none"` its
         stage's residuals, `"full"` only the stage input (the backward recomputes the
         forward), `"matmuls"` the matmul outputs of each layer. The loss is the same on every
