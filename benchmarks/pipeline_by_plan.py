@@ -74,14 +74,14 @@ def temp_bytes(model: Model, style: eqpar.Pipeline, batch: tuple) -> int:
     return int(compiled.memory_analysis().temp_size_in_bytes)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--microbatches", type=int, nargs="+", default=[4, 8, 16, 32])
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--seq", type=int, default=32)
     parser.add_argument("--width", type=int, default=64)
     parser.add_argument("--depth", type=int, default=8)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     model = make_model(args.width, args.depth)
     kx, ky = jax.random.split(jax.random.key(1))
     shape = (args.batch, args.seq, args.width)
