@@ -392,6 +392,25 @@ def check_tolerance(precision: str) -> float:
 SGD_LR_SCALE = 30  # plain SGD's learning rate is this multiple of --lr (Adam's)
 
 
+def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
+    """`optax.clip_by_global_norm(max_norm)` with the clipping factor as one scalar: each
+    gradient times `min(1, max_norm / norm)`, the same updates to float32 rounding.
+
+    optax's computes `gradient / norm * max_norm` per array, and XLA counts a division as too
+    dear to compute twice: where Adam's two moments both read the clipped gradient, it writes
+    the quotient to a buffer of its own, a second copy of the gradients in the step's temp
+    (+1x the parameters; `benchmarks/scale.py`'s depth sweep). A product by a scalar
+    fuses into each reader, so the step holds the gradients and the optimizer state only."""
+
+    def update(updates: Any, state: optax.EmptyState, params: Any = None) -> tuple[Any, Any]:
+        del params
+        norm = jax.numpy.sqrt(optax.tree_utils.tree_vdot(updates, updates))
+        factor = jax.numpy.where(norm < max_norm, 1.0, max_norm / norm)
+        return jax.tree.map(lambda g: g * factor.astype(g.dtype), updates), state
+
+    return optax.GradientTransformation(optax.init_empty_state, update)
+
+
 def make_optimizer(run: RunConfig) -> Any:
     """Adam (with warmup and clipping) by default; plain SGD with momentum (`--optimizer sgd`)
     for `--check` and the tests' comparisons.
@@ -403,7 +422,7 @@ def make_optimizer(run: RunConfig) -> Any:
     arithmetic into a full-size update."""
     if run.optimizer == "adam":
         warmup = optax.linear_schedule(0.0, run.lr, transition_steps=10)
-        return optax.chain(optax.clip_by_global_norm(1.0), optax.adam(warmup))
+        return optax.chain(clip_by_global_norm(1.0), optax.adam(warmup))
     if run.optimizer == "sgd":
         return optax.sgd(SGD_LR_SCALE * run.lr, momentum=0.9)
     raise SystemExit(f"--optimizer must be adam or sgd; got {run.optimizer!r}")

@@ -6,7 +6,9 @@ import sys
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
@@ -168,6 +170,31 @@ def test_microbatches_only_cut_a_pipeline():
     train_lm.check_sizes(TINY, run)
     assert train_lm.pipeline_microbatches(run) == 1
     assert train_lm.pipeline_microbatches(run_config("data=2,pipe=4", microbatches=4)) == 4
+
+
+@pytest.mark.parametrize("size", [0.01, 10.0])  # global norm below and above the clip's 1
+def test_adam_clips_as_optax(size):
+    # The example's clipping multiplies by one scalar factor where optax's divides each
+    # gradient by the norm (which costs the step a buffer the size of the gradients): the
+    # same Adam updates, to a few float32 roundings (2**-24 relative each: the factor's
+    # division, the product, Adam's ratio), over steps whose gradients change.
+    optimizer = train_lm.make_optimizer(dataclasses.replace(run_config("data=1"), optimizer="adam"))
+    warmup = optax.linear_schedule(0.0, train_lm.RunConfig.lr, transition_steps=10)
+    reference = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(warmup))
+    keys = jax.random.split(jax.random.key(0), 4)
+    params = {"w": jnp.ones((3, 5)), "b": [jnp.zeros(5), jnp.ones(())]}
+    state, reference_state = optimizer.init(params), reference.init(params)
+    for key in keys:
+        parts = jax.random.split(key, 3)
+        grads = {
+            "w": size * jax.random.normal(parts[0], (3, 5)),
+            "b": [size * jax.random.normal(parts[1], (5,)), size * jax.random.normal(parts[2])],
+        }
+        updates, state = optimizer.update(grads, state, params)
+        expected, reference_state = reference.update(grads, reference_state, params)
+        for leaf, expected_leaf in zip(jax.tree.leaves(updates), jax.tree.leaves(expected)):
+            np.testing.assert_allclose(leaf, expected_leaf, rtol=1e-6, atol=0)
+        params = optax.apply_updates(params, updates)
 
 
 def test_help_shows_the_defaults():
