@@ -175,11 +175,11 @@ def test_microbatches_only_cut_a_pipeline():
 @pytest.mark.parametrize("size", [0.01, 10.0])  # global norm below and above the clip's 1
 def test_adam_clips_as_optax(size):
     # The example's clipping multiplies by one scalar factor where optax's divides each
-    # gradient by the norm (which costs the step a buffer the size of the gradients): the
-    # same clipped gradients to a few float32 roundings (the norm summed in another order,
-    # the factor's division and the product: 2**-21 relative covers them; measured at most
-    # 4 x 2**-24), and so the same Adam updates over steps whose gradients change (Adam's
-    # ratio scales them by about 1 + 2**-21 at most).
+    # gradient by the norm (which costs the step a buffer the size of the gradients on CPU):
+    # the same clipped gradients to two float32 roundings (the factor's division and the
+    # product, 2**-24 relative each; 2**-22 leaves room for a norm summed in another order),
+    # and so the same Adam updates over steps whose gradients change (Adam's ratio scales
+    # them by about the same, 2**-20 at most).
     optimizer = train_lm.make_optimizer(dataclasses.replace(run_config("data=1"), optimizer="adam"))
     warmup = optax.linear_schedule(0.0, train_lm.RunConfig.lr, transition_steps=10)
     reference = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(warmup))
@@ -194,7 +194,7 @@ def test_adam_clips_as_optax(size):
         clipped, _ = train_lm.clip_by_global_norm(1.0).update(grads, optax.EmptyState())
         expected, _ = optax.clip_by_global_norm(1.0).update(grads, optax.EmptyState())
         for leaf, expected_leaf in zip(jax.tree.leaves(clipped), jax.tree.leaves(expected)):
-            np.testing.assert_allclose(leaf, expected_leaf, rtol=2**-21, atol=0)
+            np.testing.assert_allclose(leaf, expected_leaf, rtol=2**-22, atol=0)
         updates, state = optimizer.update(grads, state, params)
         expected, reference_state = reference.update(grads, reference_state, params)
         for leaf, expected_leaf in zip(jax.tree.leaves(updates), jax.tree.leaves(expected)):
