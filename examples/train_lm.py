@@ -403,8 +403,8 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
     the step's temp (+1x the parameters with `data=8`; `benchmarks/scale.py`'s depth sweep).
     A product by a scalar fuses into each reader, so the step holds the gradients and the
     optimizer state only: in every layout of the example each added layer adds what it adds
-    to the step of Adam without clipping. XLA's GPU compiler fuses the division too: on an H100 both give the same temp.
-    optax has no clipping by a scalar factor, hence this one."""
+    to the step of Adam without clipping. XLA's GPU compiler fuses the division too: on an
+    H100 both give the same temp. optax has no clipping by a scalar factor, hence this one."""
 
     def update(updates: Any, state: optax.EmptyState, params: Any = None) -> tuple[Any, Any]:
         del params
