@@ -69,9 +69,13 @@ outputs laid out as the parameters, no optimizer and nothing donated; with param
 arguments and gradients as outputs, its temp is the memory the forward and backward passes
 need beyond both. The issue's target "with remat `full`, temp at 96 layers <= 1.5x temp
 at 12 layers" is about that memory, so it is judged on the activation temp. The step temp's
-ratio is printed beside it, not judged: it grows because the gradients and the update are
-the size of the parameters, 8x the layers' at 96 layers as at 12, and removing them would
-need the optimizer applied per layer inside the backward pass, which eqpar does not do.
+ratio is printed beside it, not judged: beyond the activation temp the step holds the
+gradients, a buffer the size of the parameters (8x the layers' at 96 layers as at 12); Adam's
+update, the example's global-norm clipping included (`train_lm.clip_by_global_norm`), adds
+no buffer of its own, and the sweep prints what one more layer adds to the step beyond the
+gradient computation, in layers' parameters. Without the gradients the optimizer would have
+to run per layer inside the backward pass, which global-norm clipping rules out: the norm
+needs every gradient before the first update.
 
 Ideal collective bytes per device per step, with `g` the axis size, `P` all parameter bytes,
 `w` the layout's `ways`, `A = (batch / data) x seq x d_model x 4` one device's activation
@@ -108,8 +112,9 @@ tuple of axes (model, pipe) (`lm.VOCAB`), so they are on every device; an all-re
   per-layer all-reduces run `V M + S - 1` times instead of `V M`: DPxTPxPP measures the
   per-layer term x `(M + S - 1) / M` (at GPT-2 small, 810 MiB = 720 MiB x 9/8).
 
-Run: `python benchmarks/scale.py` (`--quick`: GPT-2-small only, depths 12 and 24; `--help`
-for the rest). On CPU 8 devices are simulated unless `JAX_PLATFORMS` is set; on accelerators
+Run: `python benchmarks/scale.py` (`--quick`: GPT-2-small only, depths 12 and 24;
+`--layouts --series "DP remat full"`: that series of the depth sweep alone; `--help` for the
+rest). On CPU 8 devices are simulated unless `JAX_PLATFORMS` is set; on accelerators
 the device kind is recorded above the tables.
 """
 
@@ -816,7 +821,8 @@ def depth_table(
     lines += [
         "",
         "Step temp: the whole Adam step (parameters and optimizer state donated), which holds "
-        "buffers the size of the parameters: the gradients and the update. Activation temp: "
+        "the gradients, a buffer the size of the parameters (the update, clipping included, "
+        "is written in place into the parameters and moments). Activation temp: "
         "the gradient computation alone (`compile_gradients`: loss and gradients as the step "
         "computes them, gradients as outputs, no optimizer, nothing donated), the memory the "
         "forward and backward passes need beyond parameters and gradients. Temp is the peak "
@@ -833,7 +839,10 @@ def depth_table(
                 f"({step / layer_params:.2f}x one layer's parameters), activation temp "
                 f"+{format_bytes(activation)} ({activation / layer_params:.2f}x one layer's "
                 f"parameters {format_bytes(layer_params)}; {activation / saved:.2f}x one "
-                f"layer's saved input A/pipe {format_bytes(saved)})"
+                f"layer's saved input A/pipe {format_bytes(saved)}); the step beyond the "
+                f"gradient computation +{format_bytes(step - activation)} "
+                f"({(step - activation) / layer_params:.2f}x one layer's parameters: its "
+                "gradients are 1x)"
             )
     return lines
 
@@ -913,13 +922,14 @@ def targets(
         step = high.memory["temp"] / low.memory["temp"]
         lines.append(
             f"  - whole-step temp, not judged: {format_bytes(high.memory['temp'])} vs "
-            f"{format_bytes(low.memory['temp'])} ({step:.2f}x). It grows because the "
-            f"gradients and the update are the size of the parameters (the layers' are "
+            f"{format_bytes(low.memory['temp'])} ({step:.2f}x). It grows because the step "
+            f"holds the gradients, the size of the parameters (the layers' are "
             f"{depths[-1] / depths[0]:g}x at {depths[-1]} layers; all of them per device "
             f"{format_bytes(high.params)} vs {format_bytes(low.params)}, "
-            f"{high.params / low.params:.2f}x), and removing them "
-            "would need the optimizer applied per layer inside the backward pass, which eqpar "
-            "does not do."
+            f"{high.params / low.params:.2f}x); the update and the clipping add no buffer. "
+            "Removing the gradients would need the optimizer applied per layer inside the "
+            "backward pass, which global-norm clipping rules out (the norm needs every "
+            "gradient before the first update)."
         )
         if activation > 1.5 and high.sizes[lm.PIPE] > 1:
             lines.append("  - " + _pipeline_growth(sweep, series, depths, width))
@@ -996,7 +1006,13 @@ def main(argv: list[str] | None = None) -> str:
         "--quick", action="store_true", help="GPT-2-small only; depth sweep 12 and 24"
     )
     parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=None)
-    parser.add_argument("--layouts", nargs="+", choices=list(LAYOUTS), default=list(LAYOUTS))
+    parser.add_argument(
+        "--layouts",
+        nargs="*",
+        choices=list(LAYOUTS),
+        default=list(LAYOUTS),
+        help="layouts of the tables (none: the depth sweep only)",
+    )
     parser.add_argument("--depths", nargs="+", type=int, default=None, help="depth sweep")
     parser.add_argument("--no-sweep", action="store_true", help="skip the depth sweep")
     parser.add_argument(
@@ -1027,7 +1043,7 @@ def main(argv: list[str] | None = None) -> str:
         return compile_layout(layout, config, run, devices)[0]
 
     tables: dict[str, list[Figures]] = {}
-    for name, config in configs.items():
+    for name, config in configs.items() if args.layouts else ():
         rows = []
         for layout in args.layouts:
             figures = figures_of(layout, config, args.remat)

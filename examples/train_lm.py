@@ -428,6 +428,36 @@ def check_tolerance(precision: str) -> float:
 SGD_LR_SCALE = 30  # plain SGD's learning rate is this multiple of --lr (Adam's)
 
 
+def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
+    """`optax.clip_by_global_norm(max_norm)` with the clipping factor as one scalar: below
+    `max_norm` the gradients pass unchanged, above it each is multiplied by `max_norm / norm`;
+    the same updates to float32 rounding.
+
+    optax's computes `gradient / norm * max_norm` per array, and XLA's CPU compiler counts a
+    division as too dear to compute twice: where Adam's two moments both read the clipped
+    gradient, it writes the quotient to a buffer of its own, a second copy of the gradients in
+    the step's temp (+1x the parameters with `data=8`; `benchmarks/scale.py`'s depth sweep).
+    A product by a scalar fuses into each reader, so the step holds the gradients and the
+    optimizer state only: in every layout of the example each added layer adds what it adds
+    to the step of Adam without clipping. XLA's GPU compiler fuses the division too: on an
+    H100 both give the same temp. optax has no clipping by a scalar factor, hence this one."""
+
+    def update(updates: Any, state: optax.EmptyState, params: Any = None) -> tuple[Any, Any]:
+        del params
+        # Each array's sum of squares keeps its sharding (a `vdot` would flatten the array,
+        # which gathers one split over devices: 10x a layer's parameters more per layer under
+        # FSDP).
+        norm = jax.numpy.sqrt(sum(jax.numpy.sum(g * g) for g in jax.tree.leaves(updates)))
+        factor = max_norm / norm
+        # A select of the whole array, as optax's: a `where` on the factor alone costs the
+        # 1F1B step a copy of one weight's gradients per layer in the schedule's loop.
+        return jax.tree.map(
+            lambda g: lax.select(norm < max_norm, g, g * factor.astype(g.dtype)), updates
+        ), state
+
+    return optax.GradientTransformation(optax.init_empty_state, update)
+
+
 def make_optimizer(run: RunConfig) -> Any:
     """Adam (with warmup and clipping) by default; plain SGD with momentum (`--optimizer sgd`)
     for `--check` and the tests' comparisons.
@@ -439,7 +469,7 @@ def make_optimizer(run: RunConfig) -> Any:
     arithmetic into a full-size update."""
     if run.optimizer == "adam":
         warmup = optax.linear_schedule(0.0, run.lr, transition_steps=10)
-        return optax.chain(optax.clip_by_global_norm(1.0), optax.adam(warmup))
+        return optax.chain(clip_by_global_norm(1.0), optax.adam(warmup))
     if run.optimizer == "sgd":
         return optax.sgd(SGD_LR_SCALE * run.lr, momentum=0.9)
     raise SystemExit(f"--optimizer must be adam or sgd; got {run.optimizer!r}")

@@ -6,7 +6,9 @@ import sys
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -244,6 +246,36 @@ def test_microbatches_only_cut_a_pipeline():
     train_lm.check_sizes(TINY, run)
     assert train_lm.pipeline_microbatches(run) == 1
     assert train_lm.pipeline_microbatches(run_config("data=2,pipe=4", microbatches=4)) == 4
+
+
+@pytest.mark.parametrize("size", [0.01, 10.0])  # global norm below and above the clip's 1
+def test_adam_clips_as_optax(size):
+    # The example's clipping multiplies by one scalar factor where optax's divides each
+    # gradient by the norm (which costs the step a buffer the size of the gradients on CPU):
+    # the same clipped gradients to two float32 roundings (the factor's division and the
+    # product, 2**-24 relative each; 2**-22 leaves room for a norm summed in another order),
+    # and so the same Adam updates over steps whose gradients change (Adam's ratio scales
+    # them by about the same, 2**-20 at most).
+    optimizer = train_lm.make_optimizer(dataclasses.replace(run_config("data=1"), optimizer="adam"))
+    warmup = optax.linear_schedule(0.0, train_lm.RunConfig.lr, transition_steps=10)
+    reference = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(warmup))
+    params = {"w": jnp.ones((3, 5)), "b": [jnp.zeros(5), jnp.ones(())]}
+    state, reference_state = optimizer.init(params), reference.init(params)
+    for key in jax.random.split(jax.random.key(0), 4):
+        parts = jax.random.split(key, 3)
+        grads = {
+            "w": size * jax.random.normal(parts[0], (3, 5)),
+            "b": [size * jax.random.normal(parts[1], (5,)), size * jax.random.normal(parts[2])],
+        }
+        clipped, _ = train_lm.clip_by_global_norm(1.0).update(grads, optax.EmptyState())
+        expected, _ = optax.clip_by_global_norm(1.0).update(grads, optax.EmptyState())
+        for leaf, expected_leaf in zip(jax.tree.leaves(clipped), jax.tree.leaves(expected)):
+            np.testing.assert_allclose(leaf, expected_leaf, rtol=2**-22, atol=0)
+        updates, state = optimizer.update(grads, state, params)
+        expected, reference_state = reference.update(grads, reference_state, params)
+        for leaf, expected_leaf in zip(jax.tree.leaves(updates), jax.tree.leaves(expected)):
+            np.testing.assert_allclose(leaf, expected_leaf, rtol=2**-20, atol=0)
+        params = optax.apply_updates(params, updates)
 
 
 def test_help_shows_the_defaults():
