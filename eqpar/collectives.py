@@ -636,8 +636,9 @@ def _gather_matmul_bwd(
     )
     if not _gather_walks(w, ring):
         return dx.astype(x.dtype), _ring_outer_dot(dy, x).astype(w.dtype)
-    # Tied to dy, the second walk of the input blocks is neither merged with the forward
-    # pass's nor run before the backward pass reaches this layer.
+    # Tied to dy, the second walk of the input blocks waits for the backward pass to reach
+    # this layer. (XLA may still share its first step with the forward pass's, keeping that
+    # one received block from the forward pass: one block, one transfer fewer.)
     x, _ = lax.optimization_barrier((x, dy))
 
     # dw's columns of device `source` are dy^T @ (its input block): the input blocks go round
