@@ -448,9 +448,23 @@ class _Ring:
         return ring_shift(x, self.axis, up=up)
 
 
-def _loop(first: int, last: int, body: Callable[[Any, Any], Any], carry: PyTree) -> PyTree:
-    """`body(t, carry)` for `t = first .. last` (no loop when the range is empty)."""
+def _loop(
+    first: int, last: int, body: Callable[[Any, Any], Any], carry: PyTree, *, unroll: int = 0
+) -> PyTree:
+    """`body(t, carry)` for `t = first .. last` (no loop when the range is empty), unrolled
+    when it has at most `unroll` steps."""
+    if last - first + 1 <= unroll:
+        for t in range(first, last + 1):
+            carry = body(jnp.int32(t), carry)
+        return carry
     return lax.fori_loop(first, last + 1, body, carry) if last >= first else carry
+
+
+# Running sums up to this many steps (rings of up to 4 devices) are unrolled: a loop's state
+# is a tuple of pointers that the CPU compiler may place above the peak (40 bytes in the MLP
+# block of `benchmarks/tensor_parallel.py`), and each step's sum is held whole before it is
+# sent either way, so unrolled steps hold no more than the loop.
+_UNROLLED_SUM_STEPS = 3
 
 
 def _weight_block(w: Array, index: Array, size: int, axis: int) -> Array:
@@ -461,44 +475,62 @@ def _dot(x: Array, w: Array) -> Array:
     return jnp.einsum("...i,oi->...o", x, w)
 
 
-def _ring_gather(x: Array, w: Array, ring: _Ring, bidirectional: bool) -> Array:
-    """`all_gather(x, tiled) @ w.T` as ring steps, without holding the gathered input.
+def _ring_fold(
+    x: Array,
+    consume: Callable[[PyTree, Array, Array], PyTree],
+    carry: PyTree,
+    ring: _Ring,
+    d: Array,
+    bidirectional: bool,
+) -> PyTree:
+    """Fold `consume(carry, block, source)` over the blocks `x` of every device, passing the
+    blocks round the ring: the all-gather of `x`, each block consumed as it arrives and
+    never all held at once.
 
-    Walking up the ring, item `t` is the block of device `d - t` (walking down, of `d + t`),
-    which meets that device's weight columns. One way round, each step passes on the block
-    it holds while multiplying it, so every transfer runs next to a matmul.
+    Walking up the ring, step `t` brings the block of device `d - t` (walking down, of `d +
+    t`); `source` is that device's index. Each step passes on the block it holds while
+    consuming it, so every transfer runs next to the work on a block already at hand. `d` is
+    this device's index (`_Ring.device`).
     """
-    k = x.shape[-1]
-    d = ring.device(x)
-
-    def product(block: Array, item: PyTree) -> Array:
-        return _dot(block, _weight_block(w, ring.index(d, -item), k, 1))
-
+    carry = consume(carry, x, d)
+    if ring.n == 1:
+        return carry
     if not bidirectional:
 
-        def step(t: PyTree, carry: tuple[Array, Array, Array]) -> tuple[Array, Array, Array]:
-            block, acc, _ = carry
-            return ring.shift(block), acc + product(block, t), t
+        def step(t: PyTree, state: tuple[Array, PyTree, Array]) -> tuple[Array, PyTree, Array]:
+            block, carry, _ = state
+            return ring.shift(block), consume(carry, block, ring.index(d, -t)), t
 
-        # The own block is multiplied while the first block travels; the last block arrives
-        # after the loop, whose step count is carried out of it so that the last weight
-        # slice is not cut before the loop has run.
-        acc = product(x, 0)
-        block, acc, t = _loop(1, ring.n - 2, step, (ring.shift(x), acc, jnp.int32(0)))
-        return acc + product(block, t + 1)
-    # Both directions: step t brings the block of d - t one way and of d + t the other (item
-    # -t); for even n the up side has one block more, so its first step runs alone.
-    acc = product(x, 0)
+        # The own block is consumed while the first block travels; the last block arrives
+        # after the loop, whose step count is carried out of it so that what the last block
+        # meets (e.g. a weight slice) is not cut before the loop has run.
+        block, carry, t = _loop(1, ring.n - 2, step, (ring.shift(x), carry, jnp.int32(0)))
+        return consume(carry, block, ring.index(d, -t - 1))
+    # Both directions: step t brings the block of d - t one way and of d + t the other; for
+    # even n the up side has one block more, so its first step runs alone.
     up, lead = x, 1 - ring.n % 2
     if lead:
         up = ring.shift(up)
-        acc = acc + product(up, 1)
+        carry = consume(carry, up, ring.index(d, -1))
 
-    def both(t: PyTree, carry: tuple[Array, Array, Array]) -> tuple[Array, Array, Array]:
-        up, down = ring.shift(carry[0]), ring.shift(carry[1], up=False)
-        return up, down, carry[2] + product(up, t + lead) + product(down, -t)
+    def both(t: PyTree, state: tuple[Array, Array, PyTree]) -> tuple[Array, Array, PyTree]:
+        up, down = ring.shift(state[0]), ring.shift(state[1], up=False)
+        carry = consume(state[2], up, ring.index(d, -t - lead))
+        return up, down, consume(carry, down, ring.index(d, t))
 
-    return _loop(1, (ring.n - 1) // 2, both, (up, x, acc))[2]
+    return _loop(1, (ring.n - 1) // 2, both, (up, x, carry))[2]
+
+
+def _ring_gather(x: Array, w: Array, ring: _Ring, bidirectional: bool) -> Array:
+    """`all_gather(x, tiled) @ w.T` as ring steps, without holding the gathered input: each
+    arriving block meets its device's columns of `w`."""
+    k = x.shape[-1]
+
+    def add_product(acc: Array | None, block: Array, source: Array) -> Array:
+        product = _dot(block, _weight_block(w, source, k, 1))
+        return product if acc is None else acc + product
+
+    return _ring_fold(x, add_product, None, ring, ring.device(x), bidirectional)
 
 
 def _ring_reduce_blocks(
@@ -518,7 +550,7 @@ def _ring_reduce_blocks(
         def step(t: PyTree, total: Array) -> Array:
             return ring.shift(total) + produce(ring.index(d, -1 - t))
 
-        return _loop(1, ring.n - 1, step, produce(ring.index(d, -1)))
+        return _loop(1, ring.n - 1, step, produce(ring.index(d, -1)), unroll=_UNROLLED_SUM_STEPS)
     # The sum for d is built from both sides: one running sum collects the devices below d
     # shifting up (the chunks for d + n//2 .. d + 1 on their way), the other the devices
     # above d shifting down; for even n the up side has one device more and starts alone.
@@ -532,29 +564,59 @@ def _ring_reduce_blocks(
         up = ring.shift(carry[0]) + produce(ring.index(d, half - t))
         return up, ring.shift(carry[1], up=False) + produce(ring.index(d, t - half))
 
-    up, down = _loop(1, half - 1, both, (up, down))
+    up, down = _loop(1, half - 1, both, (up, down), unroll=_UNROLLED_SUM_STEPS)
     return ring.shift(up) + ring.shift(down, up=False) + produce(ring.index(d, 0))
 
 
-# In a training step the gathered input (gather mode) and the gathered output gradient
-# (scatter mode) are needed whole for the weight gradient, as in TPDense, so those two
-# all-gathers stay single collectives. The rings are used for the two reduce-scatters, where
-# they also save memory: neither the full partial product `[..., out]` of the scatter
-# forward pass nor the full input gradient `[..., in]` of the gather backward pass is held.
-# Multiplying gathered blocks as they arrive would instead hold a second output-sized buffer
-# for each partial product, where the backend has no fused multiply-accumulate (CPU).
+# In a training step each collective of both modes is a ring next to block matmuls wherever
+# the ring holds no more memory than the one collective it replaces:
+#
+# - gather mode: the forward pass walks the input blocks round the ring (`_ring_fold`) and
+#   saves only this device's block; the backward pass walks them round again, writing each
+#   block's columns of the weight gradient in place as it arrives, and reduce-scatters the
+#   input gradient as running sums (`_ring_reduce_blocks`, always a ring).
+# - scatter mode: the forward pass reduce-scatters the partial products as running sums
+#   (always a ring); the backward pass walks the output-gradient blocks round the ring,
+#   writing each block's rows of the weight gradient in place and adding its product with
+#   the matching weight rows to the input gradient.
+#
+# The two walks sum one product per block into an accumulator (the gather forward pass's
+# output, the scatter backward pass's input gradient), and without a fused multiply-
+# accumulate (XLA:CPU) each product is a second accumulator-sized buffer. Where that buffer
+# is at least the `(n - 1) / n` of the gathered array that the all-gather would add (an MLP's
+# up projection at n <= 4, its down projection's backward pass at n <= 4), the walk holds
+# more than the all-gather and the layer gathers once instead, as `TPDense` does
+# (`_walk_holds_less`; figures in `benchmarks/tensor_parallel.py`).
+
+
+def _walk_holds_less(accumulator: int, gathered: int, n: int) -> bool:
+    """Whether a walk that sums an `accumulator`-wide product per block holds less than an
+    all-gather to `gathered` features (both per row of the leading axes)."""
+    return accumulator * n < gathered * (n - 1)
+
+
+def _ring_outer_dot(dy: Array, block: Array) -> Array:
+    """`dy^T @ block` summed over every leading axis: one block of a weight gradient."""
+    return jnp.einsum("...o,...i->oi", dy, block)
+
+
+def _gather_walks(w: Array, ring: _Ring) -> bool:
+    """Whether gather mode's training step walks the input round the ring (`w`: `[out / n,
+    in]`) rather than gathering it once."""
+    return _walk_holds_less(w.shape[0], w.shape[1], ring.n)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
 def _gather_matmul_vjp(x: Array, w: Array, ring: _Ring, bidirectional: bool) -> Array:
-    """`all_gather(x, tiled) @ w.T` (gather mode); around the ring when not differentiated."""
+    """`all_gather(x, tiled) @ w.T` (gather mode) around the ring."""
     return _ring_gather(x, w, ring, bidirectional)
 
 
 def _gather_matmul_fwd(
     x: Array, w: Array, ring: _Ring, bidirectional: bool
 ) -> tuple[Array, tuple[Array, Array]]:
-    del bidirectional
+    if _gather_walks(w, ring):
+        return _ring_gather(x, w, ring, bidirectional), (x, w)
     gathered = lax.all_gather(x, ring.axis, axis=x.ndim - 1, tiled=True)
     return _dot(gathered, w), (gathered, w)
 
@@ -562,17 +624,31 @@ def _gather_matmul_fwd(
 def _gather_matmul_bwd(
     ring: _Ring, bidirectional: bool, residuals: tuple[Array, Array], dy: Array
 ) -> tuple[Array, Array]:
-    gathered, w = residuals
+    x, w = residuals  # x: this device's input block, or the gathered input
     k = w.shape[1] // ring.n
+    d = ring.device(dy)
     # dx is the reduce-scatter of dy @ w over the input blocks: one chunk per ring step.
     dx = _ring_reduce_blocks(
         lambda dest: jnp.einsum("...o,oi->...i", dy, _weight_block(w, dest, k, 1)),
         ring,
-        ring.device(dy),
+        d,
         bidirectional,
     )
-    dw = jnp.einsum("...o,...i->oi", dy, gathered)
-    return dx.astype(gathered.dtype), dw.astype(w.dtype)
+    if not _gather_walks(w, ring):
+        return dx.astype(x.dtype), _ring_outer_dot(dy, x).astype(w.dtype)
+    # Tied to dy, the second walk of the input blocks waits for the backward pass to reach
+    # this layer. (XLA may still share its first step with the forward pass's, keeping that
+    # one received block from the forward pass: one block, one transfer fewer.)
+    x, _ = lax.optimization_barrier((x, dy))
+
+    # dw's columns of device `source` are dy^T @ (its input block): the input blocks go round
+    # the ring again, each written into its columns as it arrives.
+    def columns(dw: Array, block: Array, source: Array) -> Array:
+        part = _ring_outer_dot(dy, block).astype(w.dtype)
+        return lax.dynamic_update_slice_in_dim(dw, part, source * k, axis=1)
+
+    dw = _ring_fold(x, columns, jnp.zeros_like(w), ring, d, bidirectional)
+    return dx.astype(x.dtype), dw
 
 
 _gather_matmul_vjp.defvjp(_gather_matmul_fwd, _gather_matmul_bwd)
@@ -603,12 +679,24 @@ def _scatter_matmul_fwd(
 def _scatter_matmul_bwd(
     ring: _Ring, bidirectional: bool, residuals: tuple[Array, Array], dy: Array
 ) -> tuple[Array, Array]:
-    del bidirectional
     x, w = residuals
-    full = lax.all_gather(dy, ring.axis, axis=dy.ndim - 1, tiled=True)
-    dx = jnp.einsum("...o,oi->...i", full, w)
-    dw = jnp.einsum("...o,...i->oi", full, x)
-    return dx.astype(x.dtype), dw.astype(w.dtype)
+    m = dy.shape[-1]
+    if not _walk_holds_less(x.shape[-1], w.shape[0], ring.n):
+        full = lax.all_gather(dy, ring.axis, axis=dy.ndim - 1, tiled=True)
+        dx = jnp.einsum("...o,oi->...i", full, w)
+        return dx.astype(x.dtype), _ring_outer_dot(full, x).astype(w.dtype)
+
+    # The output-gradient block of device `source` meets that device's rows of the weight:
+    # its product with them adds to dx, and dy_block^T @ x are its rows of dw.
+    def rows(carry: tuple[Array | None, Array], block: Array, source: Array) -> tuple[Array, Array]:
+        dx, dw = carry
+        product = jnp.einsum("...o,oi->...i", block, _weight_block(w, source, m, 0))
+        part = _ring_outer_dot(block, x).astype(w.dtype)
+        dw = lax.dynamic_update_slice_in_dim(dw, part, source * m, axis=0)
+        return (product if dx is None else dx + product), dw
+
+    dx, dw = _ring_fold(dy, rows, (None, jnp.zeros_like(w)), ring, ring.device(dy), bidirectional)
+    return dx.astype(x.dtype), dw
 
 
 _scatter_matmul_vjp.defvjp(_scatter_matmul_fwd, _scatter_matmul_bwd)
@@ -624,11 +712,15 @@ def ring_gather_matmul(
     """`all_gather(x, axis_name, tiled) @ weight.T` as ring steps, inside `shard_map`.
 
     Each device holds its block of the input's features (`[..., in / n]`) and its rows of the
-    weight (`[out / n, in]`). Without gradients the input blocks pass around the ring while
-    each is multiplied by the matching columns of the weight, so the gathered input is never
-    held and every transfer can overlap a matmul. Under differentiation (a custom VJP;
-    reverse mode only) the forward pass gathers the input once, which the weight gradient
-    needs whole, and the backward pass reduce-scatters the input gradient around the ring.
+    weight (`[out / n, in]`). The input blocks pass around the ring while each is multiplied
+    by the matching columns of the weight, so the gathered input is never held and every
+    transfer can overlap a matmul. Differentiable in reverse mode (a custom VJP): the forward
+    pass saves only the local block; the backward pass walks the input blocks round the ring
+    again, writing each block's columns of the weight gradient as it arrives, and
+    reduce-scatters the input gradient around the ring. Where summing the products would
+    hold more than the gathered input (`out / n >= in (n - 1) / n`, with no fused
+    multiply-accumulate each product is a second output-sized buffer), the training step
+    gathers the input once instead, as `TPDense` does (see `eqpar.nn.TPAsyncDense`).
 
     **Arguments:**
 
@@ -670,7 +762,10 @@ def ring_matmul_scatter(
     columns of the weight (`[out, in / n]`). Each ring step computes the partial product for
     one destination's output block and adds it to the running sum passing by, so the whole
     partial product `[..., out]` is never held. Differentiable in reverse mode (a custom
-    VJP: the output gradient is gathered once, as the weight gradient needs it whole).
+    VJP): the output-gradient blocks walk round the ring, each adding its product with the
+    matching weight rows to the input gradient and writing its rows of the weight gradient,
+    so the gathered gradient is never held. Where summing those products would hold more
+    than the gathered gradient (`in / n >= out (n - 1) / n`), it is gathered once instead.
 
     **Arguments:**
 

@@ -270,3 +270,27 @@ def test_hlo_scatter_sends(n, scatter, expected):
 
     x = jnp.ones((n * n * 8, 64))
     assert sorted(permute_sends(fn, n, x)) == expected(n, chunk)
+
+
+@pytest.mark.parametrize("bidirectional", [False, True])
+def test_ring_matmuls_on_a_ring_of_one(bidirectional):
+    """A ring of one device multiplies its own block once (the walk used to add it twice)."""
+    mesh = Mesh(np.array(jax.devices()[:1]), ("model",))
+    x = jax.random.normal(jax.random.key(0), (3, 8))
+    w = jax.random.normal(jax.random.key(1), (8, 8))
+    for fn, w_spec in (
+        (C.ring_gather_matmul, P("model")),
+        (C.ring_matmul_scatter, P(None, "model")),
+    ):
+        f = jax.shard_map(
+            lambda x, w, fn=fn: fn(x, w, "model", bidirectional=bidirectional),
+            mesh=mesh,
+            in_specs=(P(None, "model"), w_spec),
+            out_specs=P(None, "model"),
+        )
+        assert_tree_close(f(x, w), x @ w.T, what=fn.__name__)
+        assert_tree_close(
+            jax.grad(lambda x, w, f=f: jnp.sum(f(x, w) ** 2), argnums=(0, 1))(x, w),
+            jax.grad(lambda x, w: jnp.sum((x @ w.T) ** 2), argnums=(0, 1))(x, w),
+            what=f"{fn.__name__} gradients",
+        )
