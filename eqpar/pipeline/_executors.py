@@ -560,8 +560,13 @@ def execute_schedule(
     By default a forward keeps what its backward needs (the residuals of `jax.vjp`, without
     the parameters and the stage input, which are kept anyway), so no stage runs its
     forward twice; `recompute=True` keeps only the stage input and recomputes the forward
-    in each backward action. The last stage's forward also keeps its output, from which its
-    backward computes the loss (with `recompute=True` its forward waits for its backward).
+    in each backward action. A stage that is a stack of scanned layers (`ScannedLayers`,
+    unless it gathers its parameters itself or has no inexact ones) is differentiated one
+    layer at a time: the forward keeps each layer's residuals (values that are the same in
+    every layer, such as a mask, once), and the backward adds each layer's parameter
+    gradient into the sum over microbatches in place as soon as it is made. The last
+    stage's forward also keeps its output, from which its backward computes the loss (with
+    `recompute=True` its forward waits for its backward).
 
     Each device runs the branch of its own action, so a stage's collectives over other mesh
     axes run inside branches that differ between devices: `psum`, all-gather and

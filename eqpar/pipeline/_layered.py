@@ -20,10 +20,11 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.extend.core import Literal
 from jaxtyping import PyTree
 
 from .._vma import varying_axes as _varying_axes
-from ._tools import axes_tree, cast_tree, index_tree, typed_scan
+from ._tools import axes_tree, cast_tree, index_tree, typed_scan, zeros_like
 
 
 class LayerStack(NamedTuple):
@@ -47,7 +48,7 @@ def layer_stack(stage: PyTree, params: PyTree) -> LayerStack | None:
     """The stage's `LayerStack` if it has one and holds every inexact parameter (`params`,
     the stage's inexact leaves) in its layers, else `None` (the stage runs whole)."""
     stack = stack_of(stage)
-    if stack is None:
+    if stack is None or not jax.tree.leaves(params):  # nothing to sum
         return None
     inside = jax.tree.leaves(stack.where(params))
     return stack if len(inside) == len(jax.tree.leaves(params)) else None
@@ -59,20 +60,24 @@ class _Trace(NamedTuple):
     # input's inexact leaf j, or None (stored).
     sources: tuple
     out_axes: PyTree  # the replication types of a layer's output (its cotangent's)
-    num_stored: int  # stored leaves per layer; the layer inputs follow when a source is one
+    # Per stored leaf (pullback order): whether it is the same in every layer (it depends on
+    # neither the layer's arrays nor its input: a stage argument, a constant such as a
+    # causal mask), and so kept once rather than once per layer.
+    invariant: tuple = ()
 
 
 class LayeredStage:
     """The forward and backward of a `LayerStack` stage, one layer at a time.
 
-    `forward` returns the stage's output and the residuals to keep for the backward: each
-    layer's pullback residuals stacked on a leading layer axis, less the layer's own
-    parameters (the backward takes them from the parameters) and its input, which is kept
-    once, as the inputs of layers 1 to L - 1 (layer 0's is the stage input, which the
-    schedule keeps for the backward anyway); `backward` runs the layers' pullbacks in
-    reverse and adds each layer's parameter gradient into the gradient sum `grads` at its
-    rows. The pullbacks' structure is recorded when `forward` is traced and
-    looked up by operand types when `backward` is (as the stage's whole residuals are)."""
+    `forward` returns the stage's output and the residuals to keep for the backward, a
+    tuple: each layer's pullback residuals stacked on a leading layer axis, less the layer's
+    own parameters (the backward takes them from the parameters); then those that are the
+    same in every layer, once, without the layer axis; then, where the pullbacks use their
+    input, the inputs of layers 1 to L - 1 (layer 0's is the stage input, which the schedule
+    keeps for the backward anyway). `backward` runs the layers' pullbacks in reverse and
+    adds each layer's parameter gradient into the gradient sum `grads` at its rows. The
+    pullbacks' structure is recorded when `forward` is traced and looked up by operand
+    types when `backward` is (as the stage's whole residuals are)."""
 
     def __init__(self, stack: LayerStack, num_repeats: int):
         self.stack, self.num_repeats = stack, num_repeats
@@ -94,7 +99,7 @@ class LayeredStage:
         call = self.stack.call
         key = _types(index_tree(diff, 0), h)  # as `backward` sees them
 
-        def body(h: PyTree, layer: tuple) -> tuple:
+        def step(h: PyTree, layer: tuple) -> tuple:
             layer_diff, layer_other = layer
             h_diff, h_rest = eqx.partition(h, eqx.is_inexact_array)
 
@@ -110,12 +115,27 @@ class LayeredStage:
             sources = tuple(_source(r, named) for r in leaves)
             out_axes = axes_tree(eqx.filter(out, eqx.is_inexact_array))
             stored = tuple(r for r, s in zip(leaves, sources) if s is None)
-            self.recorded[key] = _Trace(treedef, sources, out_axes, len(stored))
+            self.recorded[key] = _Trace(treedef, sources, out_axes)
             needs_input = any(s is not None and s[0] == "input" for s in sources)
-            return out, (stored, tuple(jax.tree.leaves(h_diff)) if needs_input else ())
+            return out, stored, tuple(jax.tree.leaves(h_diff)) if needs_input else ()
 
-        out, (stored, inputs) = typed_scan(body, h, (diff, other))
-        return out, (*stored, *(a[1:] for a in inputs))
+        # Which stored residuals are the same in every layer: those that depend on neither
+        # the carried activation nor the layer's arrays (the probe's inputs).
+        probe, shapes = jax.make_jaxpr(step, return_shape=True)(h, index_tree((diff, other), 0))
+        first = len(jax.tree.leaves(shapes[0]))
+        invariant = _invariant_outputs(probe)[first : first + len(shapes[1])]
+
+        def body(carry: tuple, layer: tuple) -> tuple:
+            h, _ = carry
+            out, stored, inputs = step(h, layer)
+            varying = tuple(r for r, same in zip(stored, invariant) if not same)
+            kept = tuple(r for r, same in zip(stored, invariant) if same)  # each layer's alike
+            return (out, kept), (varying, inputs)
+
+        kept = tuple(zeros_like(r) for r, same in zip(shapes[1], invariant) if same)
+        (out, kept), (varying, inputs) = typed_scan(body, (h, kept), (diff, other))
+        self.recorded[key] = self.recorded[key]._replace(invariant=tuple(invariant))
+        return out, (*varying, *kept, *(a[1:] for a in inputs))
 
     def residual_shapes(self, stage: PyTree, h: PyTree, args: tuple, kwargs: dict) -> PyTree:
         arrays, static = eqx.partition(stage, eqx.is_array)  # Python scalars stay static
@@ -129,7 +149,7 @@ class LayeredStage:
         self,
         stage: PyTree,
         h: PyTree,
-        residuals_of: Callable[[jax.Array], tuple],
+        read: Callable[[int, jax.Array | None], jax.Array],
         cotangent: PyTree,
         grads: PyTree | None,
         repeat: Any,
@@ -137,27 +157,34 @@ class LayeredStage:
         """`(grads, input cotangent)`: `grads` (the whole stage's gradient sum, `None` to
         leave the weights out) with each layer's gradient added in at its rows (row
         `repeat` of a circular stack first), and the cotangent of the stage input `h`.
-        `residuals_of(layer)` reads what `forward` kept for that layer (from the schedule's
-        residual buffer directly, not from a copy of the stage's rows)."""
+        `read(k, layer)` reads residual leaf `k` of what `forward` kept, at `layer` (`None`
+        for a leaf without the layer axis), from the schedule's residual buffer directly
+        rather than from a copy of the stage's rows."""
         diff, _, _ = self._layers(stage)
         trace = self.recorded[_types(index_tree(diff, 0), h)]
         num_layers = jax.tree.leaves(diff)[0].shape[0]
         where = self.stack.where
         stage_input = jax.tree.leaves(eqx.filter(h, eqx.is_inexact_array))
+        num_varying = trace.invariant.count(False)
+        num_kept = len(trace.invariant) - num_varying
+        kept = [read(num_varying + k, None) for k in range(num_kept)]
+        first_input = num_varying + num_kept
 
         def layer_input(index: jax.Array) -> list:
             """Layer `index`'s input: the stage input, or what layer `index - 1` made."""
             if num_layers == 1:
                 return stage_input
-            kept = residuals_of(jnp.maximum(index - 1, 0))[trace.num_stored :]
+            previous = jnp.maximum(index - 1, 0)
+            made = [read(first_input + k, previous) for k in range(len(stage_input))]
             return [
                 jnp.where(index == 0, *cast_tree((a, b), _varying_axes(a) | _varying_axes(b)))
-                for a, b in zip(stage_input, kept)
+                for a, b in zip(stage_input, made)
             ]
 
         def body(carry: tuple, index: jax.Array) -> tuple:
             d_out, grads = carry
-            stored = iter(residuals_of(index)[: trace.num_stored])
+            varying, once = iter([read(k, index) for k in range(num_varying)]), iter(kept)
+            stored = iter([next(once if same else varying) for same in trace.invariant])
             inputs = {"param": jax.tree.leaves(index_tree(diff, index))}
             if any(s is not None and s[0] == "input" for s in trace.sources):
                 inputs["input"] = layer_input(index)
@@ -175,6 +202,60 @@ class LayeredStage:
         return grads, d_h
 
 
+def _invariant_outputs(closed: Any) -> list[bool]:
+    """Per output of the jaxpr `closed`: whether it depends on none of its inputs (only on
+    constants and the values it closes over)."""
+    jaxpr = closed.jaxpr
+    return [not d for d in _dependent_outputs(jaxpr, [True] * len(jaxpr.invars))]
+
+
+def _dependent_outputs(jaxpr: Any, dependent_inputs: list[bool]) -> list[bool]:
+    """Which outputs of `jaxpr` depend on the inputs marked in `dependent_inputs`. Calls of
+    a jaxpr with the same inputs and outputs (`jit`, `checkpoint`, custom derivatives) are
+    followed output by output; any other equation counts as depending on an input if any
+    of its operands does, however it uses it (conservative: a value so marked is only kept
+    once per layer)."""
+    dependent = {v for v, d in zip(jaxpr.invars, dependent_inputs) if d}
+
+    def depends(v: Any) -> bool:
+        return not isinstance(v, Literal) and v in dependent
+
+    for equation in jaxpr.eqns:
+        operands = [depends(v) for v in equation.invars]
+        if not any(operands):
+            continue
+        inner = _called_jaxpr(equation)
+        if inner is None:
+            dependent.update(equation.outvars)
+            continue
+        for v, d in zip(equation.outvars, _dependent_outputs(inner, operands)):
+            if d:
+                dependent.add(v)
+    return [depends(v) for v in jaxpr.outvars]
+
+
+# Primitives that call a jaxpr once on their own operands, giving its results (no loop: a
+# loop's results can depend on its operands across iterations, which one pass would miss).
+_CALLS = frozenset({
+    "pjit", "jit", "closed_call", "core_call", "checkpoint", "remat", "remat2",
+    "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr",
+})  # fmt: skip
+
+
+def _called_jaxpr(equation: Any) -> Any:
+    """The jaxpr a call equation (`_CALLS`) calls with its own operands and results."""
+    if equation.primitive.name not in _CALLS:
+        return None
+    for value in equation.params.values():
+        inner = getattr(value, "jaxpr", value)  # a ClosedJaxpr's, or a Jaxpr itself
+        invars, outvars = getattr(inner, "invars", None), getattr(inner, "outvars", None)
+        if invars is None or outvars is None:
+            continue
+        if len(invars) == len(equation.invars) and len(outvars) == len(equation.outvars):
+            return inner
+    return None
+
+
 def _source(residual: Any, named: list) -> tuple | None:
     """`(kind, index)` of the input leaf `residual` is (by identity) among `named`'s
     `(kind, leaf)` pairs, the index counted within its kind; None if it is none of them."""
@@ -189,6 +270,8 @@ def _source(residual: Any, named: list) -> tuple | None:
 def read_block(buffer: jax.Array, at: tuple) -> jax.Array:
     """The block of `buffer` at the leading indices `at` (traced); zeros where a leading
     dimension is empty (the layer inputs of a one-layer stage, which are never read)."""
+    if not at:
+        return buffer
     if 0 in buffer.shape[: len(at)]:
         return jnp.zeros(buffer.shape[len(at) :], buffer.dtype)
     starts = (*at, *([0] * (buffer.ndim - len(at))))

@@ -49,7 +49,7 @@ class LoopState(NamedTuple):
     # The last stage's outputs' other leaves (integers, booleans), beside their inexact leaves
     # in `cotangents` (same rows): the loss sees what the stage returned, not its input's.
     kept_rest: Tree | None
-    residuals: Tree  # what forwards stored for their backwards: [residual slots + 1, ...]
+    residuals: Tree  # what forwards stored for their backwards: [residual slots, ...]
     outputs: Tree | None  # forward runs: the last stage's outputs, [M + 1, ...]
     grads: Tree | None  # gradient of the stage parameters so far
     loss_grads: Tree | None  # gradient of loss_fn's parameters so far
@@ -336,18 +336,17 @@ class StepLoop:
         p = self.stage_params(self.params, w.repeat)
         if self.layered is not None:
             layered, stage = self.layered, self.stage_at(p, w.repeat)
-            out, slot = None, w.residual_slot
+            out, slot = None, ()
             if self.store:  # each layer's rows read from the buffer where they are
-                residuals, at = w.residuals, lambda layer: (slot, layer)
+                residuals, slot = w.residuals, (w.residual_slot,)
             else:
                 out, residuals = self.layered_forward(p, w.h, w.microbatch, w.repeat)
-                at = lambda layer: (layer,)
 
-            def residuals_of(layer: Array) -> tuple:
-                return tuple(read_block(r, at(layer)) for r in residuals)
+            def read(k: int, layer: Array | None) -> Array:
+                return read_block(residuals[k], slot if layer is None else (*slot, layer))
 
             def apply_layered(cotangent: Tree, grads: Tree | None) -> tuple:
-                return layered.backward(stage, w.h, residuals_of, cotangent, grads, w.repeat)
+                return layered.backward(stage, w.h, read, cotangent, grads, w.repeat)
 
             return apply_layered, out
         if not self.store:

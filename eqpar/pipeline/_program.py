@@ -9,7 +9,10 @@ A value occupies a buffer slot from the step it arrives (or is made) to the step
 use; slots are handed out first-free per device, so a buffer holds as many values as the
 schedule keeps alive at once, and no more. Row `num_slots` of each buffer is a spare that
 takes the writes of steps with nothing to keep (an unconditional write is cheaper than a
-select). The same tables give the device pairs each step's sends really need.
+select), except in the residual buffer, the largest, which the executor gives no spare row:
+a step without a forward writes a slot's rows back unchanged (its `residual_slot` then
+points past the end and is not read). The same tables give the device pairs each step's
+sends really need.
 """
 
 from typing import NamedTuple
