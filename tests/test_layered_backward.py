@@ -106,6 +106,17 @@ def _compare(
     )
 
 
+def _pipelined(layers, schedule, *, remat):
+    """`layers` in 2 stages (2 per device with the circular schedule), 4 microbatches."""
+    return PipelineModule.from_layers(
+        layers,
+        num_stages=2,
+        num_microbatches=4,
+        num_repeats=2 if schedule == "circular" else 1,
+        remat=remat,
+    )
+
+
 def _data(key=1, dtype=jnp.float32):
     k1, k2 = jax.random.split(jax.random.key(key))
     x = jax.random.normal(k1, (ROWS, F)).astype(dtype)
@@ -140,13 +151,7 @@ def _indexed_layers(n=8):
 )
 def test_layer_index_stacked_per_layer(schedule, remat, monkeypatch):
     calls = _spy(monkeypatch)
-    module = PipelineModule.from_layers(
-        _indexed_layers(),
-        num_stages=2,
-        num_microbatches=4,
-        num_repeats=2 if schedule == "circular" else 1,
-        remat=remat,
-    )
+    module = _pipelined(_indexed_layers(), schedule, remat=remat)
     x, t = _data()
     _compare(module, x, t, schedule=schedule)
     assert calls
@@ -174,13 +179,7 @@ class CountingLayer(eqx.Module):
 def test_integer_leaf_in_the_activations(schedule, remat, monkeypatch):
     calls = _spy(monkeypatch)
     layers = eqx.filter_vmap(CountingLayer)(jax.random.split(jax.random.key(3), 8))
-    module = PipelineModule.from_layers(
-        layers,
-        num_stages=2,
-        num_microbatches=4,
-        num_repeats=2 if schedule == "circular" else 1,
-        remat=remat,
-    )
+    module = _pipelined(layers, schedule, remat=remat)
     h, t = _data()
     count = jnp.arange(ROWS, dtype=jnp.int32) % 3
     _compare(module, (h, count), t, schedule=schedule)
@@ -208,13 +207,7 @@ class MaskedDropoutLayer(eqx.Module):
 def test_mask_key_and_keyword_arguments(schedule, remat, monkeypatch):
     calls = _spy(monkeypatch)
     layers = eqx.filter_vmap(MaskedDropoutLayer)(jax.random.split(jax.random.key(3), 8))
-    module = PipelineModule.from_layers(
-        layers,
-        num_stages=2,
-        num_microbatches=4,
-        num_repeats=2 if schedule == "circular" else 1,
-        remat=remat,
-    )
+    module = _pipelined(layers, schedule, remat=remat)
     x, t = _data()
     mask = jax.random.bernoulli(jax.random.key(8), 0.6, (ROWS,))
     key = jax.random.key(11)
@@ -314,12 +307,7 @@ def test_bfloat16_layers_float32_loss(schedule, monkeypatch):
     layers = jax.tree.map(
         lambda a: a.astype(jnp.bfloat16) if eqx.is_inexact_array(a) else a, layers
     )
-    module = PipelineModule.from_layers(
-        layers,
-        num_stages=2,
-        num_microbatches=4,
-        num_repeats=2 if schedule == "circular" else 1,
-    )
+    module = _pipelined(layers, schedule, remat="none")
     h, t = _data(dtype=jnp.bfloat16)
     count = jnp.zeros(ROWS, jnp.int32)
     _compare(module, (h, count), t, schedule=schedule, rtol=5e-2)
@@ -377,12 +365,7 @@ def test_vocab_parallel_head_over_a_data_axis(schedule, monkeypatch):
     import eqpar
 
     calls = _spy(monkeypatch)
-    module = PipelineModule.from_layers(
-        _indexed_layers(),
-        num_stages=2,
-        num_microbatches=4,
-        num_repeats=2 if schedule == "circular" else 1,
-    )
+    module = _pipelined(_indexed_layers(), schedule, remat="none")
     k1, k2, k3, k4 = jax.random.split(jax.random.key(5), 4)
     norm = eqx.tree_at(
         lambda n: (n.weight, n.bias),
@@ -453,9 +436,7 @@ class BiasLayer(eqx.Module):
 def test_layers_without_stored_residuals(schedule, monkeypatch):
     calls = _spy(monkeypatch)
     layers = BiasLayer(jax.random.normal(jax.random.key(3), (8, F)))
-    module = PipelineModule.from_layers(
-        layers, num_stages=2, num_microbatches=4, num_repeats=2 if schedule == "circular" else 1
-    )
+    module = _pipelined(layers, schedule, remat="none")
     x, t = _data()
     _compare(module, x, t, schedule=schedule)
     assert calls
@@ -539,13 +520,7 @@ class KeyedLayer(eqx.Module):
 def test_prng_key_stacked_per_layer(schedule, remat, monkeypatch):
     calls = _spy(monkeypatch)
     layers = eqx.filter_vmap(KeyedLayer)(jax.random.split(jax.random.key(3), 8))
-    module = PipelineModule.from_layers(
-        layers,
-        num_stages=2,
-        num_microbatches=4,
-        num_repeats=2 if schedule == "circular" else 1,
-        remat=remat,
-    )
+    module = _pipelined(layers, schedule, remat=remat)
     x, t = _data()
     _compare(module, x, t, schedule=schedule)
     assert calls
