@@ -12,23 +12,13 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
+from test_pipeline import layout
 
-from eqpar._declare import declared_partition_specs
-from eqpar._paths import path_to_str
 from eqpar.nn.pipeline import PipelineModule, ScannedLayers
 from eqpar.pipeline import Microbatched, _layered
 
 F = 4
 ROWS = 16  # 2 data shards x 4 microbatches x 2 rows
-
-
-def _spec_tree(module):
-    declared = declared_partition_specs(module)
-    arrays, static = eqx.partition(module, eqx.is_array)
-    specs = jax.tree_util.tree_map_with_path(
-        lambda path, _: declared.get(path_to_str(path), P()), arrays
-    )
-    return arrays, static, specs
 
 
 def mse(y, t):
@@ -65,7 +55,7 @@ def _compare(
     serial twin (`apply_serially`) with the same loss."""
     kwargs = kwargs or {}
     serial_args = args if serial_args is None else serial_args
-    arrays, static, specs = _spec_tree(module)
+    arrays, static, specs = layout(module)
 
     diff, rest = eqx.partition(arrays, eqx.is_inexact_array)
     x_diff, x_rest = eqx.partition(x, eqx.is_inexact_array)
@@ -375,7 +365,7 @@ def test_vocab_parallel_head_over_a_data_axis(schedule, monkeypatch):
     head = VocabHead(norm, eqx.nn.Linear(F, VOCAB, key=k3))
     x, _ = _data()
     t = jax.random.randint(k4, (ROWS,), 0, VOCAB)
-    arrays, static, specs = _spec_tree(module)
+    arrays, static, specs = layout(module)
     parallel = eqpar.parallelize(head, {"unembed": eqpar.ColumnParallel("pipe")})
     head_arrays, head_static = eqx.partition(parallel, eqx.is_array)
     head_specs = eqpar.partition_specs(parallel)
@@ -472,7 +462,7 @@ def test_targets_split_over_data_input_replicated(schedule, monkeypatch):
     module = PipelineModule.from_layers(_indexed_layers(), num_stages=2, num_microbatches=4)
     x = jax.random.normal(jax.random.key(1), (ROWS // 2, F))
     t = jax.random.normal(jax.random.key(2), (ROWS, F))
-    arrays, static, specs = _spec_tree(module)
+    arrays, static, specs = layout(module)
     diff, rest = eqx.partition(arrays, eqx.is_inexact_array)
 
     def serial_loss(diff, x):
