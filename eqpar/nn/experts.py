@@ -1,0 +1,582 @@
+"""Mixture of experts: tokens routed to the top-k of E expert MLPs, on one device or with the
+experts split over a mesh axis (expert parallelism).
+
+`MixtureOfExperts` is an ordinary Equinox layer: a router (`eqx.nn.Linear`, features ->
+experts), the experts' weights stacked `[E, ...]`, top-k gating, and the usual auxiliary
+losses. The experts run as grouped matmuls (`lax.ragged_dot`) over the tokens sorted by
+expert, so no token is padded to a fixed capacity and the program does not grow with E.
+
+With `expert_axis_name` set (the `eqpar.ExpertParallel` plan style sets it), each device of
+that axis holds `E / n` experts and its own tokens; the layer sends each (token, expert)
+assignment to the device holding the expert and the result back (`lax.all_to_all` after an
+exchange of counts). eqpar owns this exchange because `lax.ragged_all_to_all` has no CPU
+lowering and needs a receive buffer whose size is fixed at trace time: here the buffer holds
+`buffer_factor` times the balanced share, and a step whose routing overflows it runs more
+rounds of the same exchange instead of dropping tokens (the result stays exact).
+"""
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable, Hashable, Sequence
+from typing import NamedTuple
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jaxtyping import Array, Float, Int, PRNGKeyArray
+from jax.sharding import PartitionSpec as P
+
+from .._axes import axis_size
+from .._vma import varying_axes
+from ._twins import instance_with
+
+__all__ = ["MixtureOfExperts", "RouterLosses", "expert_buffer_rows"]
+
+
+class RouterLosses(NamedTuple):
+    """What a `MixtureOfExperts` call reports besides its output, over all the tokens of the
+    call (every device's tokens, under `shard_map`).
+
+    - `load_balancing`: `E * sum_e f_e * p_e`, with `f_e` the share of the (token, choice)
+      assignments routed to expert `e` and `p_e` its mean router probability (1 when
+      perfectly balanced). Add it to the loss with a small weight (e.g. 0.01).
+    - `z_loss`: the mean squared log-sum-exp of the router logits (keeps them small; e.g.
+      0.001).
+    - `dropped`: how many assignments a capacity factor dropped (0 when dropless).
+    """
+
+    load_balancing: Float[Array, ""]
+    z_loss: Float[Array, ""]
+    dropped: Int[Array, ""]
+
+
+def expert_buffer_rows(tokens: int, top_k: int, axis_size: int, buffer_factor: float) -> int:
+    """Rows per source device in one round of the expert-parallel exchange: the balanced share
+    `tokens * top_k / axis_size`, times `buffer_factor`, rounded up. A device receives
+    `axis_size` times this many rows per round.
+
+    ```python
+    from eqpar.nn.experts import expert_buffer_rows
+    assert expert_buffer_rows(64, 2, 4, 1.25) == 40  # balanced 32 per pair, x1.25
+    ```
+    """
+    return max(1, math.ceil(buffer_factor * tokens * top_k / axis_size))
+
+
+def _uniform(key: PRNGKeyArray, shape: tuple[int, ...], fan_in: int, dtype) -> Array:
+    # The same scale `eqx.nn.Linear` uses, so a stacked expert starts as a Linear would.
+    limit = 1 / math.sqrt(fan_in)
+    return jax.random.uniform(key, shape, dtype, -limit, limit)
+
+
+class MixtureOfExperts(eqx.Module):
+    """A top-k mixture-of-experts MLP over tokens: `y = sum_c w_c * expert_{e_c}(x)`.
+
+    Each token's router logits (`router`, an `eqx.nn.Linear` from features to experts) give
+    softmax probabilities; the token goes to its `top_k` most probable experts, weighted by
+    those probabilities (renormalized to sum to 1 when `normalize_weights`). An expert is an
+    MLP `down(activation(up(x)))`, or with `gated=True` `down(activation(gate(x)) * up(x))`
+    (SwiGLU with `jax.nn.silu`). The weights are stacked over experts in global view:
+    `up`/`gate` are `[E, features, hidden]`, `down` is `[E, hidden, features]`, whatever the
+    parallel layout.
+
+    The layer takes a whole batch of tokens, `[..., features]` (call it on the batch, not
+    under a per-example `jax.vmap`: the grouped matmul batches tokens itself). It returns the
+    output and the `RouterLosses`.
+
+    **Capacity.** By default no assignment is dropped. With `capacity_factor=c`, each expert
+    takes at most `ceil(c * T * top_k / E)` of the `T` tokens of a call on one device (first
+    choices before second choices, then in token order); the rest contribute nothing and
+    `RouterLosses.dropped` counts them.
+
+    **Parallel.** `expert_axis_name` splits the experts over that mesh axis (each device holds
+    `E / n` and routes its own tokens to all of them; see the module docstring for the
+    buffers: `buffer_factor`), and `model_axis_name` splits each expert's hidden features
+    (column-parallel `up`/`gate`, row-parallel `down`). Use `eqpar.ExpertParallel` in a plan
+    rather than setting them by hand. The auxiliary losses are taken over every device's
+    tokens, so they equal the serial layer's on the whole batch.
+
+    **Arguments:**
+
+    - `features`, `hidden`, `num_experts`: sizes; `top_k`: experts per token.
+    - `gated`, `activation`, `use_bias` (the experts' biases), `use_router_bias`,
+      `normalize_weights`, `capacity_factor`: as above.
+    - `key`: the initialization key; `dtype`: the parameters' dtype.
+
+    ```python
+    import jax, jax.numpy as jnp
+    from eqpar.nn import MixtureOfExperts
+
+    moe = MixtureOfExperts(8, 16, num_experts=4, top_k=2, key=jax.random.key(0))
+    y, losses = moe(jnp.ones((2, 5, 8)))
+    assert y.shape == (2, 5, 8) and int(losses.dropped) == 0
+    ```
+    """
+
+    router: eqx.nn.Linear
+    up: Float[Array, "experts features hidden"]
+    down: Float[Array, "experts hidden features"]
+    gate: Float[Array, "experts features hidden"] | None
+    up_bias: Float[Array, "experts hidden"] | None
+    down_bias: Float[Array, "experts features"] | None
+    activation: Callable = eqx.field(static=True)
+    top_k: int = eqx.field(static=True)
+    normalize_weights: bool = eqx.field(static=True)
+    capacity_factor: float | None = eqx.field(static=True)
+    expert_axis_name: Hashable | None = eqx.field(static=True)
+    model_axis_name: Hashable | None = eqx.field(static=True)
+    buffer_factor: float = eqx.field(static=True)
+
+    def __init__(
+        self,
+        features: int,
+        hidden: int,
+        num_experts: int,
+        *,
+        top_k: int = 2,
+        gated: bool = False,
+        activation: Callable = jax.nn.gelu,
+        use_bias: bool = False,
+        use_router_bias: bool = False,
+        normalize_weights: bool = True,
+        capacity_factor: float | None = None,
+        expert_axis_name: Hashable | None = None,
+        model_axis_name: Hashable | None = None,
+        buffer_factor: float = 1.25,
+        key: PRNGKeyArray,
+        dtype=None,
+    ):
+        for name, value in (("features", features), ("hidden", hidden)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"MixtureOfExperts: `{name}` must be a positive int, got {value!r}.")
+        if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
+            raise ValueError(
+                f"MixtureOfExperts: `num_experts` must be a positive int, got {num_experts!r}."
+            )
+        dtype = jnp.float32 if dtype is None else dtype
+        keys = jax.random.split(key, 6)
+        self.router = eqx.nn.Linear(
+            features, num_experts, use_bias=use_router_bias, key=keys[0], dtype=dtype
+        )
+        self.up = _uniform(keys[1], (num_experts, features, hidden), features, dtype)
+        self.down = _uniform(keys[2], (num_experts, hidden, features), hidden, dtype)
+        self.gate = (
+            _uniform(keys[3], (num_experts, features, hidden), features, dtype) if gated else None
+        )
+        self.up_bias = (
+            _uniform(keys[4], (num_experts, hidden), features, dtype) if use_bias else None
+        )
+        self.down_bias = (
+            _uniform(keys[5], (num_experts, features), hidden, dtype) if use_bias else None
+        )
+        self.activation = activation
+        self.top_k = top_k
+        self.normalize_weights = normalize_weights
+        self.capacity_factor = capacity_factor
+        self.expert_axis_name = expert_axis_name
+        self.model_axis_name = model_axis_name
+        self.buffer_factor = buffer_factor
+        self.__check_init__()
+
+    def __check_init__(self) -> None:
+        num_experts = self.up.shape[0]  # built in global view
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int):
+            raise TypeError(f"MixtureOfExperts: `top_k` must be an int, got {self.top_k!r}.")
+        if not 1 <= self.top_k <= num_experts:
+            raise ValueError(
+                f"MixtureOfExperts: `top_k` must be between 1 and num_experts={num_experts}, "
+                f"got {self.top_k}."
+            )
+        if self.capacity_factor is not None and not self.capacity_factor > 0:
+            raise ValueError(
+                f"MixtureOfExperts: `capacity_factor` must be None (dropless) or > 0, got "
+                f"{self.capacity_factor!r}."
+            )
+        if not self.buffer_factor > 0:
+            raise ValueError(
+                f"MixtureOfExperts: `buffer_factor` must be > 0 (1.25 is the default), got "
+                f"{self.buffer_factor!r}."
+            )
+        if self.router.out_features != num_experts:
+            raise ValueError(
+                f"MixtureOfExperts: the router gives {self.router.out_features} logits for "
+                f"{num_experts} experts (`up` is {tuple(self.up.shape)}); they must agree."
+            )
+
+    @property
+    def num_experts(self) -> int:
+        # The router's static size: inside shard_map `up` holds only this device's experts.
+        return self.router.out_features
+
+    def replace(self, **fields) -> "MixtureOfExperts":
+        """A copy with the named fields replaced (parameters or options such as
+        `expert_axis_name`), checked as the constructor checks them.
+
+        ```python
+        import jax
+        from eqpar.nn import MixtureOfExperts
+
+        moe = MixtureOfExperts(8, 16, num_experts=4, key=jax.random.key(0))
+        assert moe.replace(top_k=1).top_k == 1
+        ```
+        """
+        names = {f.name for f in dataclasses.fields(self)}
+        unknown = sorted(set(fields) - names)
+        if unknown:
+            raise TypeError(
+                f"MixtureOfExperts.replace: no field(s) {unknown}; the fields are {sorted(names)}."
+            )
+        values = {name: getattr(self, name) for name in names} | fields
+        new = instance_with(type(self), values)
+        new.__check_init__()
+        return new
+
+    @classmethod
+    def from_experts(
+        cls,
+        router: eqx.nn.Linear,
+        experts: Sequence[eqx.nn.MLP],
+        *,
+        top_k: int,
+        normalize_weights: bool = True,
+        capacity_factor: float | None = None,
+    ) -> "MixtureOfExperts":
+        """The layer from the common hand-written form: a router `eqx.nn.Linear` (features ->
+        experts) and a list of expert `eqx.nn.MLP`s of depth 1 (two `Linear`s, the same
+        activation, no final activation). The weights are the experts' own, stacked.
+
+        **Arguments:** `router`, `experts` as above; `top_k` and the rest as in the class.
+
+        **Returns:** a `MixtureOfExperts` computing what the hand-written layer computes with
+        softmax top-k routing.
+
+        ```python
+        import equinox as eqx, jax, jax.numpy as jnp
+        from eqpar.nn import MixtureOfExperts
+
+        keys = jax.random.split(jax.random.key(0), 5)
+        router = eqx.nn.Linear(8, 4, use_bias=False, key=keys[0])
+        experts = [eqx.nn.MLP(8, 8, 16, 1, key=k) for k in keys[1:]]
+        moe = MixtureOfExperts.from_experts(router, experts, top_k=1)
+        x = jnp.ones((3, 8))
+        best = jnp.argmax(jax.vmap(router)(x), axis=-1)
+        expected = jnp.stack([experts[int(e)](t) for e, t in zip(best, x)])
+        assert jnp.allclose(moe(x)[0], expected, atol=1e-5)
+        ```
+        """
+        if not isinstance(router, eqx.nn.Linear):
+            raise TypeError(
+                f"MixtureOfExperts.from_experts: `router` must be an eqx.nn.Linear, got "
+                f"{type(router).__name__}."
+            )
+        experts = list(experts)
+        if len(experts) != router.out_features:
+            raise ValueError(
+                f"MixtureOfExperts.from_experts: the router gives {router.out_features} logits "
+                f"but {len(experts)} experts were given."
+            )
+        for index, expert in enumerate(experts):
+            if (
+                not isinstance(expert, eqx.nn.MLP)
+                or len(expert.layers) != 2
+                or expert.activation is not experts[0].activation
+                or not _is_identity(expert.final_activation)
+                or expert.layers[0].in_features != router.in_features
+                or expert.layers[1].out_features != router.in_features
+            ):
+                raise TypeError(
+                    f"MixtureOfExperts.from_experts: experts/{index} must be an eqx.nn.MLP of "
+                    f"depth 1 from {router.in_features} to {router.in_features} features, with "
+                    f"the same activation as experts/0 and no final activation; got "
+                    f"{type(expert).__name__}. Write other experts as a MixtureOfExperts."
+                )
+        first, second = experts[0].layers
+        use_bias = first.bias is not None
+        moe = cls(
+            router.in_features,
+            first.out_features,
+            len(experts),
+            top_k=top_k,
+            activation=experts[0].activation,
+            use_bias=use_bias,
+            use_router_bias=router.bias is not None,
+            normalize_weights=normalize_weights,
+            capacity_factor=capacity_factor,
+            key=jax.random.key(0),
+            dtype=first.weight.dtype,
+        )
+        stacked = {
+            "up": jnp.stack([e.layers[0].weight.T for e in experts]),
+            "down": jnp.stack([e.layers[1].weight.T for e in experts]),
+        }
+        if use_bias:
+            stacked["up_bias"] = jnp.stack([e.layers[0].bias for e in experts])
+            stacked["down_bias"] = jnp.stack([e.layers[1].bias for e in experts])
+        return moe.replace(router=router, **stacked)
+
+    def __partition_specs__(self) -> dict[str, P]:
+        expert, model = self.expert_axis_name, self.model_axis_name
+        specs = {"up": P(expert, None, model), "down": P(expert, model, None)}
+        if self.gate is not None:
+            specs["gate"] = P(expert, None, model)
+        if self.up_bias is not None:
+            specs["up_bias"] = P(expert, model)
+        if self.down_bias is not None:
+            specs["down_bias"] = P(expert, None)
+        return specs
+
+    def __call__(
+        self, x: Float[Array, "*tokens features"], *, key: PRNGKeyArray | None = None
+    ) -> tuple[Float[Array, "*tokens features"], RouterLosses]:
+        features = self.router.in_features
+        if x.ndim == 0 or x.shape[-1] != features:
+            raise ValueError(
+                f"MixtureOfExperts: input must be [..., {features}] (tokens, features); got "
+                f"shape {x.shape}."
+            )
+        tokens = x.reshape(-1, features)
+        num_tokens, k, num_experts = tokens.shape[0], self.top_k, self.num_experts
+        logits = jax.vmap(self.router)(tokens).astype(jnp.float32)
+        probs = jax.nn.softmax(logits, axis=-1)
+        top_probs, chosen = lax.top_k(probs, k)
+        weights = top_probs
+        if self.normalize_weights:
+            weights = top_probs / jnp.sum(top_probs, axis=-1, keepdims=True)
+        # Assignments in choice-major order (a = c * T + t): first choices come first in
+        # each expert's group, which is the order a capacity keeps them in.
+        assigned = chosen.T.reshape(-1).astype(jnp.int32)
+        kept = jnp.ones_like(assigned, dtype=bool)
+        if self.capacity_factor is not None:
+            capacity = math.ceil(self.capacity_factor * num_tokens * k / num_experts)
+            kept = _within_capacity(assigned, num_experts, capacity)
+        routed = jnp.where(kept, assigned, num_experts)  # dropped ones sort past every group
+        order = jnp.argsort(routed, stable=True)
+        rows = tokens[order % num_tokens]
+        sorted_experts = routed[order]
+        params = _ExpertParams(self.up, self.gate, self.down, self.up_bias, self.down_bias)
+        if self.expert_axis_name is None:
+            out_sorted = _apply_experts(params, rows, sorted_experts, self._static(1, 0))
+        else:
+            out_sorted = self._exchange(params, rows, sorted_experts, num_tokens)
+        out = jnp.zeros_like(out_sorted).at[order].set(out_sorted)
+        out = out.reshape(k, num_tokens, features)
+        mixed = jnp.einsum("ktf,tk->tf", out, weights.astype(out.dtype))
+        losses = _router_losses(logits, probs, assigned, kept, num_experts, self._token_axes(x))
+        return mixed.reshape(x.shape).astype(x.dtype), losses
+
+    def _token_axes(self, x: Array) -> tuple:
+        # The mesh axes the tokens are split over: where shard_map types them (check_vma),
+        # every axis they vary over; the expert axis always splits them.
+        axes = set(varying_axes(x))
+        if self.expert_axis_name is not None:
+            axes.add(self.expert_axis_name)
+        return tuple(sorted(axes, key=str))
+
+    def _static(self, axis: int, rows_per_pair: int) -> "_Static":
+        return _Static(
+            axis_name=self.expert_axis_name,
+            axis_size=axis,
+            rows_per_pair=rows_per_pair,
+            local_experts=self.num_experts // axis,
+            activation=self.activation,
+            model_axis_name=self.model_axis_name,
+        )
+
+    def _exchange(self, params: "_ExpertParams", rows: Array, sorted_experts: Array, num_tokens: int):
+        axis = self.expert_axis_name
+        n = axis_size(axis, "MixtureOfExperts", argument="expert_axis_name")
+        if self.num_experts % n:
+            raise ValueError(
+                f"MixtureOfExperts: {self.num_experts} experts do not divide over the "
+                f"{n} devices of expert axis {axis!r}. Choose a multiple of {n}."
+            )
+        local = self.num_experts // n
+        if params.up.shape[0] != local:
+            raise ValueError(
+                f"MixtureOfExperts: the local expert block has {params.up.shape[0]} experts; "
+                f"{self.num_experts} over the {n} devices of {axis!r} expects {local}. Pass "
+                f"the layer into shard_map with the specs of `eqpar.partition_specs(model)`."
+            )
+        assignments = rows.shape[0]
+        if self.capacity_factor is not None:
+            # Each source sends at most `capacity` per expert: one round always fits.
+            capacity = math.ceil(self.capacity_factor * num_tokens * self.top_k / self.num_experts)
+            per_pair = min(local * capacity, assignments)
+        else:
+            per_pair = expert_buffer_rows(num_tokens, self.top_k, n, self.buffer_factor)
+            per_pair = min(per_pair, assignments)
+        static = self._static(n, per_pair)
+        meta = _routing_meta(sorted_experts, static, self.num_experts)
+        if self.capacity_factor is not None:
+            return _one_round(static, jnp.int32(0), meta, rows, params)
+        return lax.cond(
+            meta.rounds <= 1,
+            lambda: _one_round(static, jnp.int32(0), meta, rows, params),
+            lambda: _rounds(static, meta, rows, params),
+        )
+
+
+def _is_identity(fn: object) -> bool:
+    if isinstance(fn, eqx.nn.Identity):
+        return True
+    try:
+        probe = jnp.arange(3.0) - 1.0
+        return bool(jnp.array_equal(fn(probe), probe))  # type: ignore[operator]
+    except Exception:
+        return False
+
+
+class _ExpertParams(NamedTuple):
+    up: Array
+    gate: Array | None
+    down: Array
+    up_bias: Array | None
+    down_bias: Array | None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    axis_name: Hashable | None
+    axis_size: int
+    rows_per_pair: int
+    local_experts: int
+    activation: Callable
+    model_axis_name: Hashable | None
+
+
+class _RoutingMeta(NamedTuple):
+    send_counts: Array  # [n] assignments this device sends to each device
+    send_start: Array  # [n] where each destination's run starts in the sorted assignments
+    recv_bounds: Array  # [n, local experts] cumulative counts each source sends per expert
+    recv_counts: Array  # [n] assignments each source sends here
+    rounds: Array  # rounds of the exchange every device of the axis runs
+
+
+def _within_capacity(assigned: Array, num_experts: int, capacity: int) -> Array:
+    """Whether each assignment is among the first `capacity` of its expert (in order)."""
+    order = jnp.argsort(assigned, stable=True)
+    sorted_experts = assigned[order]
+    counts = jnp.zeros(num_experts, jnp.int32).at[assigned].add(1)
+    starts = jnp.cumsum(counts) - counts
+    rank = jnp.arange(assigned.shape[0]) - starts[sorted_experts]
+    return jnp.zeros_like(assigned, dtype=bool).at[order].set(rank < capacity)
+
+
+def _apply_experts(params: _ExpertParams, rows: Array, expert_of_row: Array, static: _Static):
+    """The experts on rows grouped by (local) expert; `expert_of_row` is sorted, and rows
+    with an id past the last expert give zeros."""
+    local = static.local_experts
+    group_sizes = jnp.zeros(local, jnp.int32).at[expert_of_row].add(1, mode="drop")
+    row_expert = jnp.minimum(expert_of_row, local - 1)
+    valid = (expert_of_row < local)[:, None]
+    hidden = lax.ragged_dot(rows, params.up, group_sizes)
+    if params.up_bias is not None:
+        hidden = hidden + params.up_bias[row_expert]
+    if params.gate is not None:
+        hidden = static.activation(lax.ragged_dot(rows, params.gate, group_sizes)) * hidden
+    else:
+        hidden = static.activation(hidden)
+    out = lax.ragged_dot(hidden, params.down, group_sizes)
+    if static.model_axis_name is not None:
+        out = lax.psum(out, static.model_axis_name)
+    if params.down_bias is not None:
+        out = out + params.down_bias[row_expert]
+    return jnp.where(valid, out, 0)
+
+
+def _routing_meta(sorted_experts: Array, static: _Static, num_experts: int) -> _RoutingMeta:
+    n, local = static.axis_size, static.local_experts
+    per_expert = jnp.zeros(num_experts, jnp.int32).at[sorted_experts].add(1, mode="drop")
+    send_by_expert = per_expert.reshape(n, local)
+    recv_by_expert = lax.all_to_all(send_by_expert, static.axis_name, 0, 0, tiled=True)
+    send_counts = jnp.sum(send_by_expert, axis=1)
+    most = lax.pmax(jnp.max(send_counts), static.axis_name)
+    return _RoutingMeta(
+        send_counts=send_counts,
+        send_start=jnp.cumsum(send_counts) - send_counts,
+        recv_bounds=jnp.cumsum(recv_by_expert, axis=1),
+        recv_counts=jnp.sum(recv_by_expert, axis=1),
+        rounds=(most + static.rows_per_pair - 1) // static.rows_per_pair,
+    )
+
+
+def _one_round(
+    static: _Static, round_index: Array, meta: _RoutingMeta, rows: Array, params: _ExpertParams
+) -> Array:
+    """Round `round_index` of the exchange: rows `[r C, (r + 1) C)` of each (source,
+    destination) run go to their experts and back; the result rows of other rounds are 0."""
+    assignments, features = rows.shape
+    position = round_index * static.rows_per_pair + jnp.arange(static.rows_per_pair)
+    send_valid = position[None, :] < meta.send_counts[:, None]  # [n, C]
+    send_index = jnp.where(send_valid, meta.send_start[:, None] + position[None, :], assignments)
+    send = jnp.where(send_valid[..., None], rows[jnp.minimum(send_index, assignments - 1)], 0)
+    received = lax.all_to_all(send, static.axis_name, 0, 0, tiled=True)  # [n sources, C, f]
+    # The local expert of each received row, from the counts its source announced.
+    expert = jax.vmap(lambda bounds: jnp.searchsorted(bounds, position, side="right"))(
+        meta.recv_bounds
+    )
+    expert = jnp.where(position[None, :] < meta.recv_counts[:, None], expert, static.local_experts)
+    expert = expert.reshape(-1)
+    order = jnp.argsort(expert, stable=True)
+    out_sorted = _apply_experts(params, received.reshape(-1, features)[order], expert[order], static)
+    out = jnp.zeros_like(out_sorted).at[order].set(out_sorted)
+    back = lax.all_to_all(out.reshape(received.shape), static.axis_name, 0, 0, tiled=True)
+    return jnp.zeros_like(rows).at[send_index].add(back, mode="drop")
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _rounds(static: _Static, meta: _RoutingMeta, rows: Array, params: _ExpertParams) -> Array:
+    """Every round of the exchange, for a step whose routing overflows one round's buffers.
+    A loop with a trip count known only at run time has no reverse-mode rule, so the backward
+    pass runs its own loop, recomputing each round's forward (as remat would)."""
+    return lax.fori_loop(
+        0,
+        meta.rounds,
+        lambda r, total: total + _one_round(static, r, meta, rows, params),
+        jnp.zeros_like(rows),
+    )
+
+
+def _rounds_forward(static, meta, rows, params):
+    return _rounds(static, meta, rows, params), (meta, rows, params)
+
+
+def _rounds_backward(static, residuals, cotangent):
+    meta, rows, params = residuals
+
+    def accumulate(round_index, grads):
+        _, pullback = jax.vjp(
+            lambda rows, params: _one_round(static, round_index, meta, rows, params), rows, params
+        )
+        step = pullback(cotangent)
+        return jax.tree.map(jnp.add, grads, step)
+
+    zeros = jax.tree.map(jnp.zeros_like, (rows, params))
+    grad_rows, grad_params = lax.fori_loop(0, meta.rounds, accumulate, zeros)
+    return None, grad_rows, grad_params
+
+
+_rounds.defvjp(_rounds_forward, _rounds_backward)
+
+
+def _router_losses(
+    logits: Array, probs: Array, assigned: Array, kept: Array, num_experts: int, axes: tuple
+) -> RouterLosses:
+    """The auxiliary losses over the tokens of every device in `axes` (global means)."""
+
+    def total(value: Array) -> Array:
+        return lax.psum(value, axes) if axes else value
+
+    num_tokens = logits.shape[0]
+    count = total(jnp.float32(num_tokens))
+    per_expert = jnp.zeros(num_experts, jnp.float32).at[assigned].add(1.0)
+    share = total(per_expert) / total(jnp.float32(assigned.shape[0]))
+    mean_prob = total(jnp.sum(probs, axis=0)) / count
+    z = jax.nn.logsumexp(logits, axis=-1)
+    return RouterLosses(
+        load_balancing=num_experts * jnp.sum(share * mean_prob),
+        z_loss=total(jnp.sum(z**2)) / count,
+        dropped=total(jnp.sum(~kept).astype(jnp.int32)),
+    )
