@@ -39,6 +39,7 @@ from .mesh import list_devices as list_devices
 from .nn.pipelined import value_and_grad as value_and_grad
 from .plan import ColumnParallel as ColumnParallel
 from .plan import ContextParallel as ContextParallel
+from .plan import ExpertParallel as ExpertParallel
 from .plan import FeatureParallel as FeatureParallel
 from .plan import HeadParallel as HeadParallel
 from .plan import Pipeline as Pipeline
@@ -64,6 +65,7 @@ __all__ = [
     "FSDP",
     "ColumnParallel",
     "ContextParallel",
+    "ExpertParallel",
     "DataParallel",
     "DeclaresPartitionSpecs",
     "DeviceMesh",

@@ -35,6 +35,7 @@ from .nn._plan_blocks import (
 from .nn.attention import ContextParallelAttention, HeadParallelAttention
 from .nn.dropout import ParallelDropout
 from .nn.embedding import FeatureParallelEmbedding, VocabParallelEmbedding
+from .nn.experts import MixtureOfExperts, experts_layer, serial_experts
 from .nn.linear import ColumnParallelLinear, RowParallelLinear
 from .nn.parallel_layers import PARALLEL_LAYERS, to_serial_layer
 from .nn.pipelined import PipelinedBlocks
@@ -45,6 +46,7 @@ from .nn.stacks import remat_policy
 __all__ = [
     "ColumnParallel",
     "ContextParallel",
+    "ExpertParallel",
     "FeatureParallel",
     "HeadParallel",
     "Pipeline",
@@ -566,7 +568,88 @@ class Pipeline(Style):
         )
 
 
-_BLOCK_STYLES = (Remat, SplitSequence)
+@dataclasses.dataclass(frozen=True)
+class ExpertParallel(Style):
+    """Split a mixture of experts over `axis_name`: each device of the axis holds
+    `E / n` experts and routes its own tokens to every expert, each (token, expert)
+    assignment sent to the device that holds the expert and its result sent back. The key is
+    the path of an `eqpar.nn.MixtureOfExperts`, or of the common hand-written form: a module
+    with a `router` (`eqx.nn.Linear`, features -> experts) and `experts` (a list of depth-1
+    `eqx.nn.MLP`s), which becomes a `MixtureOfExperts` with the same weights, top-`top_k`
+    softmax routing, and the author's return value (the output alone; `unparallelize` gives
+    the author's module back).
+
+    The tokens are split over `axis_name` as over a data axis (put it in the batch's spec,
+    with the data axis: `P(("data", "expert"))`, or use the data axis itself); the layers
+    outside the experts stay replicated over it. Dropless by default: one round of the
+    exchange carries `buffer_factor` times each device pair's balanced share, and a step whose
+    routing overflows that runs more rounds instead of dropping tokens. With
+    `capacity_factor`, each expert takes at most `ceil(c * T * top_k / E)` of a device's `T`
+    tokens and `RouterLosses.dropped` counts the rest. With `model_axis_name`, each expert's
+    hidden features are split over that axis too (tensor parallelism inside each expert).
+
+    **Arguments:**
+
+    - `axis_name`: the mesh axis the experts are split over (`"expert"`, or the data axis).
+    - `model_axis_name`: an axis to split each expert's hidden features over, or `None`.
+    - `buffer_factor`: one round's buffer, in multiples of the balanced share (>= 1 keeps
+      balanced routing to one round).
+    - `capacity_factor`: `None` (dropless) or a capacity per expert, as above.
+    - `top_k`: experts per token, for the hand-written form when the author's module has
+      no int `top_k` field of its own (a `MixtureOfExperts` keeps its own).
+
+    ```python
+    import jax, eqpar
+    from jax.sharding import PartitionSpec as P
+    from eqpar.nn import MixtureOfExperts
+
+    moe = MixtureOfExperts(8, 16, num_experts=8, key=jax.random.key(0))
+    parallel = eqpar.parallelize(moe, {"": eqpar.ExpertParallel(axis_name="expert")})
+    assert eqpar.partition_specs(parallel).up == P("expert", None, None)
+    assert eqpar.unparallelize(parallel).expert_axis_name is None
+    ```
+    """
+
+    axis_name: Hashable = "expert"
+    model_axis_name: Hashable | None = None
+    buffer_factor: float = 1.25
+    capacity_factor: float | None = None
+    top_k: int | None = None
+    accepts = (eqx.Module,)
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.buffer_factor, int | float) and self.buffer_factor > 0):
+            raise ValueError(
+                f"ExpertParallel: `buffer_factor` must be a positive number, got "
+                f"{self.buffer_factor!r}."
+            )
+        if self.capacity_factor is not None and not (
+            isinstance(self.capacity_factor, int | float) and self.capacity_factor > 0
+        ):
+            raise ValueError(
+                f"ExpertParallel: `capacity_factor` must be None (dropless) or a positive "
+                f"number, got {self.capacity_factor!r}."
+            )
+        if self.axis_name == self.model_axis_name:
+            raise ValueError(
+                f"ExpertParallel: `axis_name` and `model_axis_name` are both "
+                f"{self.axis_name!r}; the experts and their hidden features need two axes."
+            )
+
+    def convert(self, layer: PyTree) -> PyTree:
+        moe = experts_layer(layer, top_k=self.top_k)
+        return moe.replace(
+            expert_axis_name=self.axis_name,
+            model_axis_name=self.model_axis_name,
+            buffer_factor=float(self.buffer_factor),
+            capacity_factor=self.capacity_factor,
+        )
+
+    def split_sizes(self, layer: PyTree) -> dict[str, int]:
+        return {"num_experts": experts_layer(layer, top_k=self.top_k).num_experts}
+
+
+_BLOCK_STYLES = (Remat, SplitSequence, ExpertParallel)
 
 
 def _is_plannable(node: object) -> bool:
@@ -586,7 +669,8 @@ def _check_plan(plan: object) -> dict[str, Any]:
             raise TypeError(
                 f"parallelize: plan[{key!r}] must be a style (ColumnParallel(), RowParallel(), "
                 f"HeadParallel(), ContextParallel(), VocabParallel(), FeatureParallel(), "
-                f"SequenceParallel(), Replicated(), Remat(), SplitSequence(), Sharded(spec)); got "
+                f"SequenceParallel(), Replicated(), Remat(), SplitSequence(), ExpertParallel(), "
+                f"Sharded(spec)); got "
                 f"{type(style).__name__}."
             )
     return patterns
@@ -771,7 +855,8 @@ def parallelize(
             f"parallelize: plan keys that match no layer: {hints}. Keys are "
             f"matched against the paths of Linear, MultiheadAttention, Embedding, LayerNorm, "
             f"RMSNorm, Dropout and RotaryPositionalEmbedding layers, Remat / SplitSequence "
-            f"keys against the paths of blocks (modules) and lists of them, Pipeline keys "
+            f"keys against the paths of blocks (modules) and lists of them, ExpertParallel "
+            f"keys against the paths of mixtures of experts, Pipeline keys "
             f"against the paths of lists of blocks, and Sharded keys against the paths of "
             f"array leaves "
             f"(`eqpar.leaf_paths(model)` lists leaf paths; drop the last part such as "
@@ -962,8 +1047,8 @@ def _plan_axes(plan: Mapping[str, Style]) -> tuple[tuple, tuple]:
     split_axes: dict = {}
     sequence_axes: dict = {}
     for style in plan.values():
-        if isinstance(style, Pipeline):  # each device holds whole activations of its stage
-            continue
+        if isinstance(style, Pipeline | ExpertParallel):
+            continue  # whole activations per device (a stage's; tokens as over a data axis)
         for axis in (style.axis, getattr(style, "head_axis_name", None)):
             if axis is not None:  # a tuple of axes splits over their product: kept whole
                 split_axes[axis] = None
@@ -1034,6 +1119,8 @@ def unparallelize(model: PyTree) -> PyTree:
     """
 
     def serial(node: PyTree) -> PyTree:
+        if isinstance(node, MixtureOfExperts):
+            return serial_experts(node)
         if isinstance(node, PipelinedBlocks):
             return unparallelize(node.serial())
         if block_options(node) is not None:
@@ -1044,6 +1131,7 @@ def unparallelize(model: PyTree) -> PyTree:
         serial,
         model,
         is_leaf=lambda node: (
-            isinstance(node, (*PARALLEL_LAYERS, PipelinedBlocks)) or block_options(node) is not None
+            isinstance(node, (*PARALLEL_LAYERS, PipelinedBlocks, MixtureOfExperts))
+            or block_options(node) is not None
         ),
     )

@@ -9,6 +9,8 @@ from .dropout import ParallelDropout as ParallelDropout
 from .embedding import FeatureParallelEmbedding as FeatureParallelEmbedding
 from .embedding import VocabParallelEmbedding as VocabParallelEmbedding
 from .embedding import vocab_parallel_cross_entropy as vocab_parallel_cross_entropy
+from .experts import MixtureOfExperts as MixtureOfExperts
+from .experts import RouterLosses as RouterLosses
 from .linear import ColumnParallelLinear as ColumnParallelLinear
 from .linear import RowParallelLinear as RowParallelLinear
 from .linear import TPAsyncDense as TPAsyncDense
@@ -30,11 +32,13 @@ __all__ = [
     "ContextParallelAttention",
     "FeatureParallelEmbedding",
     "HeadParallelAttention",
+    "MixtureOfExperts",
     "ModelParallelismWrapper",
     "ParallelDropout",
     "ParallelRotaryEmbedding",
     "PipelineModule",
     "PipelinedBlocks",
+    "RouterLosses",
     "RowParallelLinear",
     "ScannedLayers",
     "SequenceParallelDropout",

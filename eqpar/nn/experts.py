@@ -32,7 +32,13 @@ from .._axes import axis_size
 from .._vma import varying_axes
 from ._twins import instance_with
 
-__all__ = ["MixtureOfExperts", "RouterLosses", "expert_buffer_rows"]
+__all__ = [
+    "MixtureOfExperts",
+    "RouterLosses",
+    "expert_buffer_rows",
+    "experts_layer",
+    "serial_experts",
+]
 
 
 class RouterLosses(NamedTuple):
@@ -128,6 +134,7 @@ class MixtureOfExperts(eqx.Module):
     expert_axis_name: Hashable | None = eqx.field(static=True)
     model_axis_name: Hashable | None = eqx.field(static=True)
     buffer_factor: float = eqx.field(static=True)
+    origin: eqx.Module | None = eqx.field(static=True)
 
     def __init__(
         self,
@@ -178,6 +185,7 @@ class MixtureOfExperts(eqx.Module):
         self.expert_axis_name = expert_axis_name
         self.model_axis_name = model_axis_name
         self.buffer_factor = buffer_factor
+        self.origin = None
         self.__check_init__()
 
     def __check_init__(self) -> None:
@@ -363,8 +371,11 @@ class MixtureOfExperts(eqx.Module):
         out = jnp.zeros_like(out_sorted).at[order].set(out_sorted)
         out = out.reshape(k, num_tokens, features)
         mixed = jnp.einsum("ktf,tk->tf", out, weights.astype(out.dtype))
+        mixed = mixed.reshape(x.shape).astype(x.dtype)
+        if self.origin is not None:
+            return mixed  # the author's layer returned its output alone  # type: ignore[return-value]
         losses = _router_losses(logits, probs, assigned, kept, num_experts, self._token_axes(x))
-        return mixed.reshape(x.shape).astype(x.dtype), losses
+        return mixed, losses
 
     def _token_axes(self, x: Array) -> tuple:
         # The mesh axes the tokens are split over: where shard_map types them (check_vma),
@@ -579,4 +590,78 @@ def _router_losses(
         load_balancing=num_experts * jnp.sum(share * mean_prob),
         z_loss=total(jnp.sum(z**2)) / count,
         dropped=total(jnp.sum(~kept).astype(jnp.int32)),
+    )
+
+
+def experts_layer(layer: object, *, top_k: int | None) -> MixtureOfExperts:
+    """`layer` as a `MixtureOfExperts`: itself, or built from the hand-written form (a
+    module with `router` and a list `experts` of depth-1 MLPs; see `from_experts`) with the
+    author's module (weights removed) kept as `origin`."""
+    if isinstance(layer, MixtureOfExperts):
+        return layer
+    router = getattr(layer, "router", None)
+    experts = getattr(layer, "experts", None)
+    if not isinstance(layer, eqx.Module) or router is None or not isinstance(experts, list | tuple):
+        raise TypeError(
+            f"expected an eqpar.nn.MixtureOfExperts, or a module with a `router` "
+            f"(eqx.nn.Linear) and a list of `experts` (eqx.nn.MLP of depth 1); got "
+            f"{type(layer).__name__}."
+        )
+    own = getattr(layer, "top_k", None)
+    own = own if isinstance(own, int) and not isinstance(own, bool) else None
+    if top_k is None and own is None:
+        raise TypeError(
+            f"{type(layer).__name__} has no int `top_k` field: pass the number of experts per "
+            f"token, ExpertParallel(top_k=...)."
+        )
+    if top_k is not None and own is not None and top_k != own:
+        raise ValueError(
+            f"ExpertParallel(top_k={top_k}) disagrees with {type(layer).__name__}.top_k="
+            f"{own}; leave top_k out to use the layer's own."
+        )
+    moe = MixtureOfExperts.from_experts(router, experts, top_k=own if top_k is None else top_k)
+    skeleton = eqx.tree_at(lambda m: (m.router, m.experts), layer, (None, None))
+    left = [leaf for leaf in jax.tree.leaves(skeleton) if eqx.is_array(leaf)]
+    if left:
+        raise TypeError(
+            f"{type(layer).__name__} holds arrays besides `router` and `experts`; "
+            f"MixtureOfExperts would not use them. Write the layer as a MixtureOfExperts."
+        )
+    return moe.replace(origin=skeleton)
+
+
+def serial_experts(moe: MixtureOfExperts) -> eqx.Module:
+    """The serial form of `moe`: no mesh axes, and the author's module where `moe` was
+    converted from one."""
+    serial = moe.replace(expert_axis_name=None, model_axis_name=None)
+    if moe.origin is None:
+        return serial
+    features, hidden = moe.up.shape[1:]
+    experts = []
+    for index in range(moe.num_experts):
+        mlp = eqx.nn.MLP(
+            features,
+            features,
+            hidden,
+            1,
+            activation=moe.activation,
+            use_bias=moe.up_bias is not None,
+            key=jax.random.key(0),
+            dtype=moe.up.dtype,
+        )
+        weights = [moe.up[index].T, moe.down[index].T]
+        mlp = eqx.tree_at(lambda m: (m.layers[0].weight, m.layers[1].weight), mlp, tuple(weights))
+        if moe.up_bias is not None and moe.down_bias is not None:
+            mlp = eqx.tree_at(
+                lambda m: (m.layers[0].bias, m.layers[1].bias),
+                mlp,
+                (moe.up_bias[index], moe.down_bias[index]),
+            )
+        experts.append(mlp)
+    original = moe.origin
+    return eqx.tree_at(
+        lambda m: (m.router, m.experts),
+        original,
+        (moe.router, experts),
+        is_leaf=lambda node: node is None,
     )
