@@ -100,6 +100,10 @@ class Style:
         """The sizes that must divide by the axis size, by name."""
         return {}
 
+    def axis_splits(self, layer: PyTree) -> dict[Hashable, dict[str, int]]:
+        """`split_sizes` by the mesh axis that splits them (one axis for most styles)."""
+        return {self.axis: self.split_sizes(layer)}
+
     def convert_list(self, layers: list | tuple) -> list | tuple:
         """A key naming a list (of blocks) converts each (`SplitSequence` also marks the
         first and the last)."""
@@ -648,6 +652,13 @@ class ExpertParallel(Style):
     def split_sizes(self, layer: PyTree) -> dict[str, int]:
         return {"num_experts": experts_layer(layer, top_k=self.top_k).num_experts}
 
+    def axis_splits(self, layer: PyTree) -> dict[Hashable, dict[str, int]]:
+        splits: dict[Hashable, dict[str, int]] = {self.axis_name: self.split_sizes(layer)}
+        if self.model_axis_name is not None:
+            hidden = experts_layer(layer, top_k=self.top_k).up.shape[-1]
+            splits[self.model_axis_name] = {"hidden": hidden}
+        return splits
+
 
 _BLOCK_STYLES = (Remat, SplitSequence, ExpertParallel)
 
@@ -788,6 +799,8 @@ def parallelize(
             if key is not None:
                 used.add(key)
                 style = plan[key]
+                if isinstance(style, ExpertParallel) and axis_sizes is not None:
+                    _check_axis(style, node, where, axis_sizes)
                 try:
                     if isinstance(node, list | tuple):
                         node = style.convert_list(node)
@@ -1080,7 +1093,11 @@ def _split_aware(node: PyTree, split_axes: tuple, sequence_axes: tuple) -> PyTre
 
 
 def _check_axis(style: Style, layer: PyTree, where: str, axis_sizes: dict) -> None:
-    axis = style.axis
+    for axis, sizes in style.axis_splits(layer).items():
+        _check_one_axis(style, axis, sizes, where, axis_sizes)
+
+
+def _check_one_axis(style: Style, axis: Hashable, sizes: dict, where: str, axis_sizes: dict) -> None:
     # A tuple of axes splits over all of them at once (their product), as in a PartitionSpec.
     names = axis if isinstance(axis, tuple) else (axis,)
     missing = [name for name in names if name not in axis_sizes]
@@ -1090,7 +1107,7 @@ def _check_axis(style: Style, layer: PyTree, where: str, axis_sizes: dict) -> No
             f"{missing[0]!r}, which the mesh {tuple(axis_sizes)} does not have."
         )
     n = math.prod(axis_sizes[name] for name in names)
-    for label, size in style.split_sizes(layer).items():
+    for label, size in sizes.items():
         if size % n:
             raise ValueError(
                 f"parallelize: the layer at {where!r} has {label}={size}, which does not "

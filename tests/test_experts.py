@@ -1,0 +1,390 @@
+"""Mixture of experts: the layer against a dense reference, and expert parallelism against
+the serial layer (outputs, auxiliary losses, gradients, one plain-SGD step), alone and with
+data, FSDP, tensor and pipeline parallelism, under balanced and skewed routing.
+
+The reference runs every expert on every token and picks the chosen ones: no sorting, no
+grouped matmul, no exchange, so it shares no code with the layer.
+"""
+
+import math
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import PartitionSpec as P
+from numerics import assert_arrays_close, assert_tree_close
+from test_any_model import mesh_of, serial_step, sgd
+
+import eqpar
+from eqpar.nn import MixtureOfExperts
+
+FEATURES, HIDDEN = 8, 16
+
+
+def make_moe(num_experts=8, *, top_k=2, skew=0.0, **options) -> MixtureOfExperts:
+    """A layer whose router bias adds `skew` to the logits of experts 0 and 1 (0: balanced
+    routing at random; large: nearly every token picks experts 0 and 1)."""
+    moe = MixtureOfExperts(
+        FEATURES,
+        HIDDEN,
+        num_experts,
+        top_k=top_k,
+        use_router_bias=True,
+        key=jax.random.key(0),
+        **options,
+    )
+    bias = jnp.zeros(num_experts).at[:2].set(skew)
+    return eqx.tree_at(lambda m: m.router.bias, moe, bias)
+
+
+def tokens(count=64, key=1):
+    return jax.random.normal(jax.random.key(key), (count, FEATURES))
+
+
+def reference(moe: MixtureOfExperts, x, kept=None):
+    """Every expert on every token; the output mixes the chosen ones (`kept`: [k, T] mask of
+    the assignments a capacity keeps)."""
+    logits = jax.vmap(moe.router)(x)
+    probs = jax.nn.softmax(logits)
+    top, chosen = lax.top_k(probs, moe.top_k)
+    weights = top / top.sum(-1, keepdims=True) if moe.normalize_weights else top
+
+    def expert(e, v):
+        h = v @ moe.up[e] + (0 if moe.up_bias is None else moe.up_bias[e])
+        h = moe.activation(v @ moe.gate[e]) * h if moe.gate is not None else moe.activation(h)
+        return h @ moe.down[e] + (0 if moe.down_bias is None else moe.down_bias[e])
+
+    every = jax.vmap(lambda e: jax.vmap(lambda v: expert(e, v))(x))(jnp.arange(moe.num_experts))
+    picked = every[chosen, jnp.arange(x.shape[0])[:, None]]  # [T, k, features]
+    if kept is not None:
+        weights = weights * kept.T
+    return jnp.einsum("tk,tkf->tf", weights, picked), logits, probs, chosen
+
+
+def reference_losses(moe, x):
+    _, logits, probs, chosen = reference(moe, x)
+    share = jnp.bincount(chosen.reshape(-1), length=moe.num_experts) / chosen.size
+    balance = moe.num_experts * jnp.sum(share * probs.mean(0))
+    z = jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2)
+    return balance, z
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"gated": True, "activation": jax.nn.silu},
+        {"use_bias": True, "top_k": 1, "normalize_weights": False},  # Switch-style weights
+    ],
+    ids=["plain", "gated", "bias-top1"],
+)
+def test_layer_equals_every_expert_on_every_token(options):
+    moe = make_moe(**options)
+    x = tokens().reshape(4, 16, FEATURES)  # any leading shape
+    y, losses = moe(x)
+    expected, *_ = reference(moe, x.reshape(-1, FEATURES))
+    assert_arrays_close(y, expected.reshape(x.shape))
+    balance, z = reference_losses(moe, x.reshape(-1, FEATURES))
+    assert_tree_close((losses.load_balancing, losses.z_loss), (balance, z), what="aux")
+    assert int(losses.dropped) == 0
+    # The gradients of the grouped matmuls equal the dense reference's.
+    grad = jax.grad(lambda m: jnp.sum(m(x)[0] ** 2))(moe)
+    dense = jax.grad(lambda m: jnp.sum(reference(m, x.reshape(-1, FEATURES))[0] ** 2))(moe)
+    assert_arrays_close(grad, dense)
+
+
+def capacity_reference(chosen, num_experts, capacity):
+    """Which assignments a capacity keeps: first choices first, then token order."""
+    kept = np.zeros(chosen.T.shape, bool)  # [k, T]
+    seen = np.zeros(num_experts, int)
+    for c in range(chosen.shape[1]):
+        for t in range(chosen.shape[0]):
+            e = int(chosen[t, c])
+            kept[c, t] = seen[e] < capacity
+            seen[e] += 1
+    return kept
+
+
+@pytest.mark.parametrize("factor", [0.5, 1.0])
+def test_capacity_drops_exactly_the_assignments_past_it_and_counts_them(factor):
+    moe = make_moe(skew=1.5, capacity_factor=factor)
+    x = tokens()
+    y, losses = moe(x)
+    _, _, _, chosen = reference(moe, x)
+    capacity = math.ceil(factor * 64 * 2 / 8)
+    kept = capacity_reference(np.asarray(chosen), 8, capacity)
+    assert int(losses.dropped) == int((~kept).sum()) > 0
+    assert_arrays_close(y, reference(moe, x, jnp.asarray(kept))[0])
+
+
+def loss_fn(model, x):
+    y, losses = model(x)
+    return jnp.mean(y**2) + 0.01 * losses.load_balancing + 0.001 * losses.z_loss
+
+
+def check_expert_parallel_step(model, x, mesh, *, token_axes, fsdp=None):
+    """One SGD step of the expert-parallel layer equals the serial step; returns the
+    parallel outputs and losses."""
+    serial_loss, serial_model = serial_step(loss_fn, eqpar.unparallelize(model), x)
+    specs = eqpar.partition_specs(model)
+    stored = None
+    if fsdp is not None:
+        specs, stored = fsdp.compute_specs(model), (fsdp.partition_specs(model), P(token_axes))
+    sharded = eqpar.shard_map(
+        lambda m, x: lax.pmean(loss_fn(m, x), token_axes),
+        mesh=mesh,
+        in_specs=(specs, P(token_axes)),
+        out_specs=P(),
+        stored_specs=stored,
+    )
+    value, grads = eqx.filter_jit(eqx.filter_value_and_grad(sharded))(model, x)
+    assert_tree_close(value, serial_loss, what="loss")
+    assert_arrays_close(eqpar.unparallelize(sgd(model, grads)), serial_model)
+    forward = eqpar.shard_map(
+        lambda m, x: m(x),
+        mesh=mesh,
+        in_specs=(eqpar.partition_specs(model), P(token_axes)),
+        out_specs=(P(token_axes), P()),
+    )
+    y, losses = eqx.filter_jit(forward)(model, x)
+    serial_y, serial_losses = eqpar.unparallelize(model)(x)
+    assert_arrays_close(y, serial_y)
+    assert_tree_close(losses, serial_losses, what="router losses")
+    return grads
+
+
+def rounds_needed(moe, x, devices, n, buffer_factor):
+    """The rounds of the exchange the layer runs over an expert axis of size `n` with `x`
+    split over `devices`: the largest (source, destination) count over one round's rows."""
+    _, _, _, chosen = reference(moe, x)
+    per_device = np.asarray(chosen).reshape(devices, -1)  # each device's tokens, all choices
+    owner = per_device // (moe.num_experts // n)
+    most = max(int(np.sum(row == d)) for row in owner for d in range(n))
+    rows = math.ceil(buffer_factor * per_device.shape[1] / n)
+    return math.ceil(most / rows)
+
+
+@pytest.mark.parametrize(
+    ("shape", "names", "skew", "buffer_factor", "rounds"),
+    [
+        ((8,), ("expert",), 0.0, 4.0, 1),
+        ((2, 4), ("data", "expert"), 0.0, 2.0, 1),
+        ((8,), ("expert",), 0.0, 1.25, 2),
+        ((4, 2), ("data", "expert"), 6.0, 1.25, 2),
+        ((2, 4), ("data", "expert"), 6.0, 1.25, 4),
+    ],
+    ids=["expert8", "data2-expert4", "expert8-2rounds", "data4-expert2-skewed", "data2-expert4-skewed"],
+)
+def test_expert_parallel_step_equals_serial(shape, names, skew, buffer_factor, rounds):
+    mesh = mesh_of(shape, names)
+    moe = make_moe(skew=skew, gated=True)
+    x = tokens()
+    # The cases run one round (the plain autodiff path) or several (the loop's own VJP).
+    assert rounds_needed(moe, x, math.prod(shape), shape[-1], buffer_factor) == rounds
+    style = eqpar.ExpertParallel(buffer_factor=buffer_factor)
+    parallel = eqpar.parallelize(moe, {"": style}, mesh=mesh)
+    assert eqpar.partition_specs(parallel).up == P("expert", None, None)
+    check_expert_parallel_step(parallel, x, mesh, token_axes=names)
+
+
+def test_the_data_axis_can_hold_the_experts():
+    mesh = mesh_of((8,), ("data",))
+    moe = make_moe(skew=3.0)
+    parallel = eqpar.parallelize(moe, {"": eqpar.ExpertParallel(axis_name="data")}, mesh=mesh)
+    check_expert_parallel_step(parallel, tokens(), mesh, token_axes=("data",))
+
+
+def test_expert_parallel_with_tensor_parallel_experts():
+    """Each expert's hidden features split over `model` (column `up`/`gate`, row `down`)."""
+    mesh = mesh_of((4, 2), ("expert", "model"))
+    moe = make_moe(skew=2.0, gated=True, use_bias=True)
+    style = eqpar.ExpertParallel(model_axis_name="model")
+    parallel = eqpar.parallelize(moe, {"": style}, mesh=mesh)
+    specs = eqpar.partition_specs(parallel)
+    assert (specs.up, specs.down, specs.up_bias) == (
+        P("expert", None, "model"),
+        P("expert", "model", None),
+        P("expert", "model"),
+    )
+    check_expert_parallel_step(parallel, tokens(), mesh, token_axes=("expert",))
+
+
+def test_expert_parallel_with_fsdp_splits_expert_weights_over_data_too():
+    mesh = mesh_of((2, 4), ("data", "expert"))
+    moe = make_moe(skew=1.0)
+    parallel = eqpar.parallelize(moe, {"": eqpar.ExpertParallel()}, mesh=mesh)
+    fsdp = eqpar.FSDP(mesh, axis="data", min_size_bytes=0)
+    stored = fsdp.partition_specs(parallel)
+    assert stored.up == P("expert", None, "data") and stored.down == P("expert", "data", None)
+    placed = eqx.filter_shard(parallel, eqpar.named_shardings(stored, mesh))
+    grads = check_expert_parallel_step(
+        placed, tokens(), mesh, token_axes=("data", "expert"), fsdp=fsdp
+    )
+    assert grads.up.sharding.spec == P("expert", None, "data")  # reduce-scattered
+
+
+@pytest.mark.parametrize("factor", [0.5, 1.0])
+def test_expert_parallel_capacity_counts_drops_as_the_serial_layer_per_device(factor):
+    """A capacity applies to each device's tokens: the parallel layer equals the serial one
+    run on each device's share, dropped counts summed."""
+    mesh = mesh_of((8,), ("expert",))
+    moe = make_moe(skew=1.5, capacity_factor=factor)
+    x = tokens()
+    style = eqpar.ExpertParallel(capacity_factor=factor)
+    parallel = eqpar.parallelize(moe, {"": style}, mesh=mesh)
+    forward = eqpar.shard_map(
+        lambda m, x: m(x),
+        mesh=mesh,
+        in_specs=(eqpar.partition_specs(parallel), P("expert")),
+        out_specs=(P("expert"), P()),
+    )
+    y, losses = eqx.filter_jit(forward)(parallel, x)
+    shares = [moe(share) for share in x.reshape(8, -1, FEATURES)]
+    assert_arrays_close(y, jnp.concatenate([share[0] for share in shares]))
+    assert int(losses.dropped) == sum(int(share[1].dropped) for share in shares) > 0
+
+
+class HandWrittenExperts(eqx.Module):
+    """The common hand-written form: a router and a list of expert MLPs, every expert run
+    on every token (no eqpar in mind)."""
+
+    router: eqx.nn.Linear
+    experts: list
+    top_k: int = eqx.field(static=True)
+
+    def __init__(self, key, top_k=2):
+        keys = jax.random.split(key, 9)
+        self.router = eqx.nn.Linear(FEATURES, 8, use_bias=False, key=keys[0])
+        self.experts = [
+            eqx.nn.MLP(FEATURES, FEATURES, HIDDEN, 1, activation=jax.nn.relu, key=k)
+            for k in keys[1:]
+        ]
+        self.top_k = top_k
+
+    def __call__(self, x):
+        probs = jax.nn.softmax(jax.vmap(self.router)(x))
+        weights, chosen = lax.top_k(probs, self.top_k)
+        weights = weights / weights.sum(-1, keepdims=True)
+        every = jnp.stack([jax.vmap(expert)(x) for expert in self.experts], axis=1)
+        return jnp.einsum("tk,tkf->tf", weights, jnp.take_along_axis(every, chosen[..., None], 1))
+
+
+class HandWrittenModel(eqx.Module):
+    moe: HandWrittenExperts
+    head: eqx.nn.Linear
+
+    def __init__(self, key):
+        k1, k2 = jax.random.split(key)
+        self.moe, self.head = HandWrittenExperts(k1), eqx.nn.Linear(FEATURES, 4, key=k2)
+
+    def __call__(self, x):
+        return jax.vmap(self.head)(x + self.moe(x))
+
+
+def test_the_hand_written_form_is_converted_and_given_back():
+    model = HandWrittenModel(jax.random.key(2))
+    mesh = mesh_of((2, 4), ("data", "expert"))
+    parallel = eqpar.parallelize(model, {"moe": eqpar.ExpertParallel()}, mesh=mesh)
+    assert isinstance(parallel.moe, MixtureOfExperts) and parallel.moe.top_k == 2
+    x = tokens()
+
+    def loss(m, x):
+        return jnp.mean(m(x) ** 2)
+
+    serial_loss, serial_model = serial_step(loss, model, x)
+    sharded = eqpar.shard_map(
+        lambda m, x: lax.pmean(loss(m, x), ("data", "expert")),
+        mesh=mesh,
+        in_specs=(eqpar.partition_specs(parallel), P(("data", "expert"))),
+        out_specs=P(),
+    )
+    value, grads = eqx.filter_jit(eqx.filter_value_and_grad(sharded))(parallel, x)
+    assert_tree_close(value, serial_loss, what="loss")
+    updated = eqpar.unparallelize(sgd(parallel, grads))
+    assert type(updated.moe) is HandWrittenExperts
+    assert_arrays_close(updated, serial_model)
+    assert eqx.tree_equal(eqpar.unparallelize(parallel), model)
+
+
+class MoEBlock(eqx.Module):
+    """A residual block with experts, taking the whole batch `[batch, features]`."""
+
+    norm: eqx.nn.LayerNorm
+    moe: MixtureOfExperts
+
+    def __init__(self, key):
+        self.norm = eqx.nn.LayerNorm(FEATURES)
+        self.moe = MixtureOfExperts(FEATURES, HIDDEN, 8, top_k=2, key=key)
+
+    def __call__(self, x):
+        y, _ = self.moe(jax.vmap(self.norm)(x))
+        return x + y
+
+
+class MoEStack(eqx.Module):
+    blocks: tuple
+
+    def __call__(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_pipeline_stages_holding_experts():
+    """Two pipeline stages over `pipe`, each block's experts split over `expert` inside them
+    (the auxiliary losses stay inside the blocks here: a pipeline carries activations)."""
+    keys = jax.random.split(jax.random.key(5), 4)
+    model = MoEStack(tuple(MoEBlock(k) for k in keys))
+    x = tokens(32)
+
+    def loss(m, x):
+        return jnp.mean(m(x) ** 2)
+
+    serial_loss, serial_model = serial_step(loss, model, x)
+    mesh = mesh_of((2, 4), ("pipe", "expert"))
+    plan = {
+        "blocks": eqpar.Pipeline(stages=2, microbatches=2, batch_axis=0),
+        "blocks/\\d+/moe": eqpar.ExpertParallel(),
+    }
+    parallel = eqpar.parallelize(model, plan, mesh=mesh)
+    sharded = eqpar.shard_map(
+        lambda m, x: lax.pmean(loss(m, x), "expert"),
+        mesh=mesh,
+        in_specs=(eqpar.partition_specs(parallel), P("expert")),
+        out_specs=P(),
+    )
+    value, grads = eqx.filter_jit(eqx.filter_value_and_grad(sharded))(parallel, x)
+    assert_tree_close(value, serial_loss, what="loss")
+    assert_arrays_close(eqpar.unparallelize(sgd(parallel, grads)), serial_model)
+
+
+def test_bad_inputs_name_the_argument_and_the_fix():
+    with pytest.raises(ValueError, match="top_k` must be between 1 and num_experts=4"):
+        MixtureOfExperts(8, 16, 4, top_k=5, key=jax.random.key(0))
+    with pytest.raises(ValueError, match="capacity_factor"):
+        MixtureOfExperts(8, 16, 4, capacity_factor=0.0, key=jax.random.key(0))
+    moe = make_moe()
+    with pytest.raises(ValueError, match=r"input must be \[\.\.\., 8\]"):
+        moe(jnp.ones((4, 3)))
+    with pytest.raises(TypeError, match="no field"):
+        moe.replace(experts=3)
+    with pytest.raises(ValueError, match="buffer_factor"):
+        eqpar.ExpertParallel(buffer_factor=0.0)
+    with pytest.raises(ValueError, match="two axes"):
+        eqpar.ExpertParallel(axis_name="x", model_axis_name="x")
+    mesh = mesh_of((8,), ("expert",))
+    six = MixtureOfExperts(8, 16, 6, key=jax.random.key(0))
+    with pytest.raises(ValueError, match=r"num_experts=6, which does not divide by the size of axis .expert. \(8\)"):
+        eqpar.parallelize(six, {"": eqpar.ExpertParallel()}, mesh=mesh)
+    with pytest.raises(TypeError, match="router"):
+        eqpar.parallelize(eqx.nn.MLP(4, 4, 8, 1, key=jax.random.key(0)), {"": eqpar.ExpertParallel()})
+    three = HandWrittenExperts(jax.random.key(0), top_k=3)
+    with pytest.raises(ValueError, match=r"top_k=2\) disagrees"):
+        eqpar.parallelize(three, {"": eqpar.ExpertParallel(top_k=2)})
+    keys = jax.random.split(jax.random.key(0), 3)
+    deep = [eqx.nn.MLP(8, 8, 16, 2, key=k) for k in keys[1:]]
+    with pytest.raises(TypeError, match="experts/0 must be an eqx.nn.MLP of depth 1"):
+        MixtureOfExperts.from_experts(eqx.nn.Linear(8, 2, key=keys[0]), deep, top_k=1)
