@@ -1097,7 +1097,9 @@ def _check_axis(style: Style, layer: PyTree, where: str, axis_sizes: dict) -> No
         _check_one_axis(style, axis, sizes, where, axis_sizes)
 
 
-def _check_one_axis(style: Style, axis: Hashable, sizes: dict, where: str, axis_sizes: dict) -> None:
+def _check_one_axis(
+    style: Style, axis: Hashable, sizes: dict, where: str, axis_sizes: dict
+) -> None:
     # A tuple of axes splits over all of them at once (their product), as in a PartitionSpec.
     names = axis if isinstance(axis, tuple) else (axis,)
     missing = [name for name in names if name not in axis_sizes]

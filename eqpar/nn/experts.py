@@ -25,8 +25,8 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jaxtyping import Array, Float, Int, PRNGKeyArray
 from jax.sharding import PartitionSpec as P
+from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .._axes import axis_size
 from .._vma import varying_axes
@@ -157,7 +157,9 @@ class MixtureOfExperts(eqx.Module):
     ):
         for name, value in (("features", features), ("hidden", hidden)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"MixtureOfExperts: `{name}` must be a positive int, got {value!r}.")
+                raise ValueError(
+                    f"MixtureOfExperts: `{name}` must be a positive int, got {value!r}."
+                )
         if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
             raise ValueError(
                 f"MixtureOfExperts: `num_experts` must be a positive int, got {num_experts!r}."
@@ -216,7 +218,7 @@ class MixtureOfExperts(eqx.Module):
     @property
     def num_experts(self) -> int:
         # The router's static size: inside shard_map `up` holds only this device's experts.
-        return self.router.out_features
+        return int(self.router.out_features)
 
     def replace(self, **fields) -> "MixtureOfExperts":
         """A copy with the named fields replaced (parameters or options such as
@@ -300,29 +302,32 @@ class MixtureOfExperts(eqx.Module):
                     f"the same activation as experts/0 and no final activation; got "
                     f"{type(expert).__name__}. Write other experts as a MixtureOfExperts."
                 )
-        first, second = experts[0].layers
-        use_bias = first.bias is not None
-        moe = cls(
-            router.in_features,
-            first.out_features,
-            len(experts),
-            top_k=top_k,
-            activation=experts[0].activation,
-            use_bias=use_bias,
-            use_router_bias=router.bias is not None,
-            normalize_weights=normalize_weights,
-            capacity_factor=capacity_factor,
-            key=jax.random.key(0),
-            dtype=first.weight.dtype,
-        )
-        stacked = {
+        biases = [(e.layers[0].bias, e.layers[1].bias) for e in experts]
+        use_bias = all(b is not None for pair in biases for b in pair)
+        fields = {
+            "router": router,
             "up": jnp.stack([e.layers[0].weight.T for e in experts]),
             "down": jnp.stack([e.layers[1].weight.T for e in experts]),
+            "gate": None,
+            "up_bias": jnp.stack([pair[0] for pair in biases]) if use_bias else None,  # type: ignore[misc]
+            "down_bias": jnp.stack([pair[1] for pair in biases]) if use_bias else None,  # type: ignore[misc]
+            "activation": experts[0].activation,
+            "top_k": top_k,
+            "normalize_weights": normalize_weights,
+            "capacity_factor": capacity_factor,
+            "expert_axis_name": None,
+            "model_axis_name": None,
+            "buffer_factor": 1.25,
+            "origin": None,
         }
-        if use_bias:
-            stacked["up_bias"] = jnp.stack([e.layers[0].bias for e in experts])
-            stacked["down_bias"] = jnp.stack([e.layers[1].bias for e in experts])
-        return moe.replace(router=router, **stacked)
+        if not use_bias and any(b is not None for pair in biases for b in pair):
+            raise TypeError(
+                "MixtureOfExperts.from_experts: some experts' Linears have biases and some do "
+                "not; give every expert the same form."
+            )
+        moe = instance_with(cls, fields)
+        moe.__check_init__()
+        return moe
 
     def __partition_specs__(self) -> dict[str, P]:
         expert, model = self.expert_axis_name, self.model_axis_name
@@ -395,7 +400,9 @@ class MixtureOfExperts(eqx.Module):
             model_axis_name=self.model_axis_name,
         )
 
-    def _exchange(self, params: "_ExpertParams", rows: Array, sorted_experts: Array, num_tokens: int):
+    def _exchange(
+        self, params: "_ExpertParams", rows: Array, sorted_experts: Array, num_tokens: int
+    ):
         axis = self.expert_axis_name
         n = axis_size(axis, "MixtureOfExperts", argument="expert_axis_name")
         if self.num_experts % n:
@@ -531,7 +538,9 @@ def _one_round(
     expert = jnp.where(position[None, :] < meta.recv_counts[:, None], expert, static.local_experts)
     expert = expert.reshape(-1)
     order = jnp.argsort(expert, stable=True)
-    out_sorted = _apply_experts(params, received.reshape(-1, features)[order], expert[order], static)
+    out_sorted = _apply_experts(
+        params, received.reshape(-1, features)[order], expert[order], static
+    )
     out = jnp.zeros_like(out_sorted).at[order].set(out_sorted)
     back = lax.all_to_all(out.reshape(received.shape), static.axis_name, 0, 0, tiled=True)
     return jnp.zeros_like(rows).at[send_index].add(back, mode="drop")
@@ -619,7 +628,9 @@ def experts_layer(layer: object, *, top_k: int | None) -> MixtureOfExperts:
             f"ExpertParallel(top_k={top_k}) disagrees with {type(layer).__name__}.top_k="
             f"{own}; leave top_k out to use the layer's own."
         )
-    moe = MixtureOfExperts.from_experts(router, experts, top_k=own if top_k is None else top_k)
+    chosen = own if top_k is None else top_k
+    assert chosen is not None  # one of them was checked above
+    moe = MixtureOfExperts.from_experts(router, experts, top_k=chosen)
     skeleton = eqx.tree_at(lambda m: (m.router, m.experts), layer, (None, None))
     left = [leaf for leaf in jax.tree.leaves(skeleton) if eqx.is_array(leaf)]
     if left:
