@@ -220,6 +220,16 @@ def test_expert_parallel_with_tensor_parallel_experts():
     check_expert_parallel_step(parallel, tokens(), mesh, token_axes=("expert",))
 
 
+def test_sequence_parallel_tokens_with_tensor_parallel_experts():
+    """Tokens split over `model` too (sequence parallelism between blocks): the experts,
+    whose hidden features `model` splits, gather the axis's tokens and keep their own rows."""
+    mesh = mesh_of((4, 2), ("expert", "model"))
+    moe = make_moe(skew=2.0, gated=True)
+    style = eqpar.ExpertParallel(model_axis_name="model")
+    parallel = eqpar.parallelize(moe, {"": style}, mesh=mesh)
+    check_expert_parallel_step(parallel, tokens(), mesh, token_axes=("expert", "model"))
+
+
 def test_expert_parallel_with_fsdp_splits_expert_weights_over_data_too():
     mesh = mesh_of((2, 4), ("data", "expert"))
     moe = make_moe(skew=1.0)
@@ -396,6 +406,8 @@ def test_bad_inputs_name_the_argument_and_the_fix():
     three = HandWrittenExperts(jax.random.key(0), top_k=3)
     with pytest.raises(ValueError, match=r"top_k=2\) disagrees"):
         eqpar.parallelize(three, {"": eqpar.ExpertParallel(top_k=2)})
+    with pytest.raises(TypeError, match=r"under `jax.vmap`.*whole batch"):
+        jax.vmap(moe)(jnp.ones((2, 4, 8)))
     keys = jax.random.split(jax.random.key(0), 3)
     deep = [eqx.nn.MLP(8, 8, 16, 2, key=k) for k in keys[1:]]
     with pytest.raises(TypeError, match=r"experts/0 must be an eqx\.nn\.MLP of depth 1"):

@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .._axes import axis_size
-from .._vma import varying_axes
+from .._vma import varies_over, varying_axes
 from ._twins import instance_with
 
 __all__ = [
@@ -101,8 +101,11 @@ class MixtureOfExperts(eqx.Module):
     `E / n` and routes its own tokens to all of them; see the module docstring for the
     buffers: `buffer_factor`), and `model_axis_name` splits each expert's hidden features
     (column-parallel `up`/`gate`, row-parallel `down`). Use `eqpar.ExpertParallel` in a plan
-    rather than setting them by hand. The auxiliary losses are taken over every device's
-    tokens, so they equal the serial layer's on the whole batch.
+    rather than setting them by hand. Tokens split over the model axis as well (sequence
+    parallelism between blocks) are gathered over it on entry and split again on exit. The
+    auxiliary losses are taken over every device's tokens (the axes `shard_map` types them
+    as varying over, with its default `check_vma=True`), so they equal the serial layer's
+    on the whole batch.
 
     **Arguments:**
 
@@ -350,6 +353,15 @@ class MixtureOfExperts(eqx.Module):
                 f"shape {x.shape}."
             )
         tokens = x.reshape(-1, features)
+        model = self.model_axis_name
+        split_over_model = model is not None and bool(varies_over(tokens, model))
+        if split_over_model:
+            # Sequence parallelism: this device holds its own tokens, but its experts hold
+            # only a block of the hidden features, which every token needs. Gather the
+            # axis's tokens (the experts act token by token, so their order is free), and
+            # keep this device's rows of the result (the gather's transpose sums the
+            # gradients back, a reduce-scatter).
+            tokens = lax.all_gather(tokens, model, axis=0, tiled=True)
         num_tokens, k, num_experts = tokens.shape[0], self.top_k, self.num_experts
         logits = jax.vmap(self.router)(tokens).astype(jnp.float32)
         probs = jax.nn.softmax(logits, axis=-1)
@@ -376,10 +388,14 @@ class MixtureOfExperts(eqx.Module):
         out = jnp.zeros_like(out_sorted).at[order].set(out_sorted)
         out = out.reshape(k, num_tokens, features)
         mixed = jnp.einsum("ktf,tk->tf", out, weights.astype(out.dtype))
+        if split_over_model:
+            own = num_tokens // lax.axis_size(model)
+            mixed = lax.dynamic_slice_in_dim(mixed, lax.axis_index(model) * own, own)
         mixed = mixed.reshape(x.shape).astype(x.dtype)
         if self.origin is not None:
             return mixed  # the author's layer returned its output alone
-        losses = _router_losses(logits, probs, assigned, kept, num_experts, self._token_axes(x))
+        axes = self._token_axes(tokens)
+        losses = _router_losses(logits, probs, assigned, kept, num_experts, axes)
         return mixed, losses
 
     def _token_axes(self, x: Array) -> tuple:
@@ -485,6 +501,18 @@ def _within_capacity(assigned: Array, num_experts: int, capacity: int) -> Array:
 def _apply_experts(params: _ExpertParams, rows: Array, expert_of_row: Array, static: _Static):
     """The experts on rows grouped by (local) expert; `expert_of_row` is sorted, and rows
     with an id past the last expert give zeros."""
+    try:
+        return _grouped_experts(params, rows, expert_of_row, static)
+    except NotImplementedError as error:  # lax.ragged_dot's batching rule
+        raise TypeError(
+            "MixtureOfExperts: called under `jax.vmap` (e.g. a model run per example). The "
+            "grouped matmul has no batching rule: call the layer on the whole batch "
+            "[..., features] outside the vmap (it routes every token on its own, so the "
+            "result is the same)."
+        ) from error
+
+
+def _grouped_experts(params: _ExpertParams, rows: Array, expert_of_row: Array, static: _Static):
     local = static.local_experts
     group_sizes = jnp.zeros(local, jnp.int32).at[expert_of_row].add(1, mode="drop")
     row_expert = jnp.minimum(expert_of_row, local - 1)
