@@ -395,6 +395,8 @@ class MixtureOfExperts(eqx.Module):
         if self.origin is not None:
             return mixed  # the author's layer returned its output alone
         axes = self._token_axes(tokens)
+        if split_over_model:  # the gathered tokens are the axis's, counted once
+            axes = tuple(axis for axis in axes if axis != model)
         losses = _router_losses(logits, probs, assigned, kept, num_experts, axes)
         return mixed, losses
 
