@@ -581,7 +581,9 @@ class ExpertParallel(Style):
     with a `router` (`eqx.nn.Linear`, features -> experts) and `experts` (a list of depth-1
     `eqx.nn.MLP`s), which becomes a `MixtureOfExperts` with the same weights, top-`top_k`
     softmax routing, and the author's return value (the output alone; `unparallelize` gives
-    the author's module back).
+    the author's module back). The conversion runs the author's layer and the converted one
+    on a few tokens and refuses if they differ (e.g. routing weights not renormalized:
+    `normalize_weights=False`).
 
     The tokens are split over `axis_name` as over a data axis (put it in the batch's spec,
     with the data axis: `P(("data", "expert"))`, or use the data axis itself); the layers
@@ -597,10 +599,14 @@ class ExpertParallel(Style):
     - `axis_name`: the mesh axis the experts are split over (`"expert"`, or the data axis).
     - `model_axis_name`: an axis to split each expert's hidden features over, or `None`.
     - `buffer_factor`: one round's buffer, in multiples of the balanced share (>= 1 keeps
-      balanced routing to one round).
-    - `capacity_factor`: `None` (dropless) or a capacity per expert, as above.
+      balanced routing to one round); `None` keeps the layer's own (1.25 by default).
+    - `capacity_factor`: a capacity per expert, as above; `None` keeps the layer's own
+      (dropless by default).
     - `top_k`: experts per token, for the hand-written form when the author's module has
       no int `top_k` field of its own (a `MixtureOfExperts` keeps its own).
+    - `normalize_weights`: for the hand-written form: whether the author renormalizes the
+      top-k probabilities to sum to 1 (`False`: Switch-style, each output scaled by its
+      probability).
 
     ```python
     import jax, eqpar
@@ -616,47 +622,52 @@ class ExpertParallel(Style):
 
     axis_name: Hashable = "expert"
     model_axis_name: Hashable | None = None
-    buffer_factor: float = 1.25
+    buffer_factor: float | None = None
     capacity_factor: float | None = None
     top_k: int | None = None
+    normalize_weights: bool = True
     accepts = (eqx.Module,)
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.buffer_factor, int | float) and self.buffer_factor > 0):
-            raise ValueError(
-                f"ExpertParallel: `buffer_factor` must be a positive number, got "
-                f"{self.buffer_factor!r}."
-            )
-        if self.capacity_factor is not None and not (
-            isinstance(self.capacity_factor, int | float) and self.capacity_factor > 0
-        ):
-            raise ValueError(
-                f"ExpertParallel: `capacity_factor` must be None (dropless) or a positive "
-                f"number, got {self.capacity_factor!r}."
-            )
+        for name in ("buffer_factor", "capacity_factor"):
+            value = getattr(self, name)
+            if value is not None and not (
+                isinstance(value, int | float) and not isinstance(value, bool) and value > 0
+            ):
+                raise ValueError(
+                    f"ExpertParallel: `{name}` must be None (the layer's own) or a positive "
+                    f"number, got {value!r}."
+                )
         if self.axis_name == self.model_axis_name:
             raise ValueError(
                 f"ExpertParallel: `axis_name` and `model_axis_name` are both "
                 f"{self.axis_name!r}; the experts and their hidden features need two axes."
             )
 
-    def convert(self, layer: PyTree) -> PyTree:
-        moe = experts_layer(layer, top_k=self.top_k)
-        return moe.replace(
-            expert_axis_name=self.axis_name,
-            model_axis_name=self.model_axis_name,
-            buffer_factor=float(self.buffer_factor),
-            capacity_factor=self.capacity_factor,
+    def _layer(self, layer: PyTree, *, check: bool = False) -> MixtureOfExperts:
+        return experts_layer(
+            layer, top_k=self.top_k, normalize_weights=self.normalize_weights, check=check
         )
 
+    def convert(self, layer: PyTree) -> PyTree:
+        moe = self._layer(layer, check=True)
+        options: dict[str, Any] = {
+            "expert_axis_name": self.axis_name,
+            "model_axis_name": self.model_axis_name,
+        }
+        if self.buffer_factor is not None:
+            options["buffer_factor"] = float(self.buffer_factor)
+        if self.capacity_factor is not None:
+            options["capacity_factor"] = float(self.capacity_factor)
+        return moe.replace(**options)
+
     def split_sizes(self, layer: PyTree) -> dict[str, int]:
-        return {"num_experts": experts_layer(layer, top_k=self.top_k).num_experts}
+        return {"num_experts": self._layer(layer).num_experts}
 
     def axis_splits(self, layer: PyTree) -> dict[Hashable, dict[str, int]]:
         splits: dict[Hashable, dict[str, int]] = {self.axis_name: self.split_sizes(layer)}
         if self.model_axis_name is not None:
-            hidden = experts_layer(layer, top_k=self.top_k).up.shape[-1]
-            splits[self.model_axis_name] = {"hidden": hidden}
+            splits[self.model_axis_name] = {"hidden": self._layer(layer).up.shape[-1]}
         return splits
 
 
@@ -742,8 +753,8 @@ def parallelize(
     - `plan`: `{path or regex: style}`; the styles are `ColumnParallel`, `RowParallel`,
       `HeadParallel`, `ContextParallel` (attention over a split sequence), `VocabParallel`,
       `FeatureParallel`, `SequenceParallel` (dropout), `Replicated`, for blocks `Remat`
-      and `SplitSequence`, for a list of blocks `Pipeline`, and for raw array leaves
-      `Sharded` (the compiled route).
+      and `SplitSequence`, for mixtures of experts `ExpertParallel`, for a list of blocks
+      `Pipeline`, and for raw array leaves `Sharded` (the compiled route).
     - `mesh`: optional; when given, the styles' axes must be mesh axes and every size the
       plan splits must divide by its axis size (checked here rather than at trace time).
     - `strict`: a plan key that matches no layer raises (`True`) or warns (`False`).

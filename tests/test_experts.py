@@ -198,6 +198,18 @@ def test_expert_parallel_step_equals_serial(shape, names, skew, buffer_factor, r
     check_expert_parallel_step(parallel, x, mesh, token_axes=names)
 
 
+def test_data_groups_that_need_different_rounds_do_not_wait_on_each_other():
+    """One data group's tokens all go to expert 0 (several rounds), the other's are spread
+    (one round): the weights' gradients are summed over `data` outside the rounds, so
+    neither group waits on a sum the other never reaches."""
+    mesh = mesh_of((2, 4), ("data", "expert"))
+    moe = make_moe(num_experts=4, top_k=1)
+    x = tokens(32).reshape(8, 4, FEATURES)
+    x = x.at[4:].set(jnp.broadcast_to(moe.router.weight[0] * 10, (4, 4, FEATURES)))
+    parallel = eqpar.parallelize(moe, {"": eqpar.ExpertParallel()}, mesh=mesh)
+    check_expert_parallel_step(parallel, x, mesh, token_axes=("data", "expert"))
+
+
 def test_the_data_axis_can_hold_the_experts():
     mesh = mesh_of((8,), ("data",))
     moe = make_moe(skew=3.0)
@@ -379,6 +391,31 @@ def test_pipeline_stages_holding_experts():
     assert_arrays_close(eqpar.unparallelize(sgd(parallel, grads)), serial_model)
 
 
+class SwitchExperts(HandWrittenExperts):
+    """Top-1, each output scaled by its probability (not renormalized)."""
+
+    def __call__(self, x):
+        probs = jax.nn.softmax(jax.vmap(self.router)(x))
+        weight, chosen = lax.top_k(probs, 1)
+        every = jnp.stack([jax.vmap(expert)(x) for expert in self.experts], axis=1)
+        return weight * jnp.take_along_axis(every, chosen[..., None], 1)[:, 0]
+
+
+def test_a_conversion_that_would_compute_something_else_is_refused():
+    switch = SwitchExperts(jax.random.key(3), top_k=1)
+    with pytest.raises(ValueError, match=r"differ on 8 tokens.*normalize_weights=False"):
+        eqpar.parallelize(switch, {"": eqpar.ExpertParallel()})
+    parallel = eqpar.parallelize(switch, {"": eqpar.ExpertParallel(normalize_weights=False)})
+    x = tokens(8)
+    forward = eqx.filter_jit(lambda m, x: m(x))
+    assert_arrays_close(forward(eqpar.unparallelize(parallel), x), forward(switch, x))
+    # A MixtureOfExperts keeps its own options where the style leaves them out.
+    own = make_moe(capacity_factor=1.5, buffer_factor=2.0)
+    kept = eqpar.parallelize(own, {"": eqpar.ExpertParallel()})
+    assert (kept.capacity_factor, kept.buffer_factor) == (1.5, 2.0)
+    assert eqpar.unparallelize(kept).capacity_factor == 1.5
+
+
 def test_bad_inputs_name_the_argument_and_the_fix():
     with pytest.raises(ValueError, match="top_k` must be between 1 and num_experts=4"):
         MixtureOfExperts(8, 16, 4, top_k=5, key=jax.random.key(0))
@@ -406,8 +443,19 @@ def test_bad_inputs_name_the_argument_and_the_fix():
     three = HandWrittenExperts(jax.random.key(0), top_k=3)
     with pytest.raises(ValueError, match=r"top_k=2\) disagrees"):
         eqpar.parallelize(three, {"": eqpar.ExpertParallel(top_k=2)})
-    with pytest.raises(TypeError, match=r"under `jax.vmap`.*whole batch"):
+    with pytest.raises(TypeError, match=r"under `jax.vmap`.*on the batch"):
         jax.vmap(moe)(jnp.ones((2, 4, 8)))
+    # The batch not split over the expert axis: every device would bring the same tokens.
+    mesh = mesh_of((2, 4), ("data", "expert"))
+    parallel = eqpar.parallelize(moe, {"": eqpar.ExpertParallel()}, mesh=mesh)
+    forward = eqpar.shard_map(
+        lambda m, x: m(x)[0],
+        mesh=mesh,
+        in_specs=(eqpar.partition_specs(parallel), P("data")),
+        out_specs=P("data"),
+    )
+    with pytest.raises(ValueError, match=r"Split the batch over it.*P\(\('data', 'expert'\)\)"):
+        forward(parallel, tokens())
     keys = jax.random.split(jax.random.key(0), 3)
     deep = [eqx.nn.MLP(8, 8, 16, 2, key=k) for k in keys[1:]]
     with pytest.raises(TypeError, match=r"experts/0 must be an eqx\.nn\.MLP of depth 1"):

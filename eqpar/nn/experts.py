@@ -18,6 +18,7 @@ rounds of the same exchange instead of dropping tokens (the result stays exact).
 import dataclasses
 import functools
 import math
+import warnings
 from collections.abc import Callable, Hashable, Sequence
 from typing import NamedTuple
 
@@ -25,20 +26,16 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.core import Tracer
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .._axes import axis_size
-from .._vma import varies_over, varying_axes
+from .._batching import under_vmap
+from .._vma import cast_varying, varies_over, varying_axes
 from ._twins import instance_with
 
-__all__ = [
-    "MixtureOfExperts",
-    "RouterLosses",
-    "expert_buffer_rows",
-    "experts_layer",
-    "serial_experts",
-]
+__all__ = ["MixtureOfExperts", "RouterLosses", "expert_buffer_rows"]
 
 
 class RouterLosses(NamedTuple):
@@ -352,6 +349,8 @@ class MixtureOfExperts(eqx.Module):
                 f"MixtureOfExperts: input must be [..., {features}] (tokens, features); got "
                 f"shape {x.shape}."
             )
+        if under_vmap(x):
+            raise TypeError(_UNDER_VMAP)
         tokens = x.reshape(-1, features)
         model = self.model_axis_name
         split_over_model = model is not None and bool(varies_over(tokens, model))
@@ -389,15 +388,21 @@ class MixtureOfExperts(eqx.Module):
         out = out.reshape(k, num_tokens, features)
         mixed = jnp.einsum("ktf,tk->tf", out, weights.astype(out.dtype))
         if split_over_model:
+            # Keep this device's rows, and count only them in the router losses (summed
+            # over every axis the tokens are split over, the model axis included).
             own = num_tokens // lax.axis_size(model)
-            mixed = lax.dynamic_slice_in_dim(mixed, lax.axis_index(model) * own, own)
+            start = lax.axis_index(model) * own
+
+            def mine(rows: Array, axis: int = 0) -> Array:
+                return lax.dynamic_slice_in_dim(rows, start, own, axis=axis)
+
+            mixed, logits, probs = mine(mixed), mine(logits), mine(probs)
+            assigned = mine(assigned.reshape(k, num_tokens), 1).reshape(-1)
+            kept = mine(kept.reshape(k, num_tokens), 1).reshape(-1)
         mixed = mixed.reshape(x.shape).astype(x.dtype)
         if self.origin is not None:
             return mixed  # the author's layer returned its output alone
-        axes = self._token_axes(tokens)
-        if split_over_model:  # the gathered tokens are the axis's, counted once
-            axes = tuple(axis for axis in axes if axis != model)
-        losses = _router_losses(logits, probs, assigned, kept, num_experts, axes)
+        losses = _router_losses(logits, probs, assigned, kept, num_experts, self._token_axes(x))
         return mixed, losses
 
     def _token_axes(self, x: Array) -> tuple:
@@ -435,6 +440,16 @@ class MixtureOfExperts(eqx.Module):
                 f"{self.num_experts} over the {n} devices of {axis!r} expects {local}. Pass "
                 f"the layer into shard_map with the specs of `eqpar.partition_specs(model)`."
             )
+        if varies_over(rows, axis) is False:
+            raise ValueError(
+                f"MixtureOfExperts: the tokens are the same on every device of expert axis "
+                f"{axis!r}; each device must bring its own. Split the batch over it as over a "
+                f"data axis: in_specs P(('data', {axis!r})) for the batch (or P({axis!r}))."
+            )
+        # Typed as varying wherever the tokens are, the weights' gradients are summed over
+        # the data axes here, outside the rounds below: a sum inside them would wait on
+        # devices of another data group, which may run another number of rounds.
+        params = jax.tree.map(lambda leaf: cast_varying(leaf, varying_axes(rows)), params)
         assignments = rows.shape[0]
         if self.capacity_factor is not None:
             # Each source sends at most `capacity` per expert: one round always fits.
@@ -462,6 +477,14 @@ def _is_identity(fn: object) -> bool:
         return bool(jnp.array_equal(fn(probe), probe))  # type: ignore[operator]
     except Exception:
         return False
+
+
+_UNDER_VMAP = (
+    "MixtureOfExperts: called under `jax.vmap` (e.g. a model run one example at a time). "
+    "The layer groups the tokens of a whole batch itself (lax.ragged_dot, which has no "
+    "batching rule): call it on the batch, [..., features], outside the vmap. It routes "
+    "every token on its own, so the result is the same."
+)
 
 
 class _ExpertParams(NamedTuple):
@@ -503,18 +526,6 @@ def _within_capacity(assigned: Array, num_experts: int, capacity: int) -> Array:
 def _apply_experts(params: _ExpertParams, rows: Array, expert_of_row: Array, static: _Static):
     """The experts on rows grouped by (local) expert; `expert_of_row` is sorted, and rows
     with an id past the last expert give zeros."""
-    try:
-        return _grouped_experts(params, rows, expert_of_row, static)
-    except NotImplementedError as error:  # lax.ragged_dot's batching rule
-        raise TypeError(
-            "MixtureOfExperts: called under `jax.vmap` (e.g. a model run per example). The "
-            "grouped matmul has no batching rule: call the layer on the whole batch "
-            "[..., features] outside the vmap (it routes every token on its own, so the "
-            "result is the same)."
-        ) from error
-
-
-def _grouped_experts(params: _ExpertParams, rows: Array, expert_of_row: Array, static: _Static):
     local = static.local_experts
     group_sizes = jnp.zeros(local, jnp.int32).at[expert_of_row].add(1, mode="drop")
     row_expert = jnp.minimum(expert_of_row, local - 1)
@@ -632,10 +643,13 @@ def _router_losses(
     )
 
 
-def experts_layer(layer: object, *, top_k: int | None) -> MixtureOfExperts:
+def experts_layer(
+    layer: object, *, top_k: int | None, normalize_weights: bool = True, check: bool = False
+) -> MixtureOfExperts:
     """`layer` as a `MixtureOfExperts`: itself, or built from the hand-written form (a
     module with `router` and a list `experts` of depth-1 MLPs; see `from_experts`) with the
-    author's module (weights removed) kept as `origin`."""
+    author's module (weights removed) kept as `origin`. With `check`, the author's layer and
+    the converted one are run on a few tokens, and a difference is refused."""
     if isinstance(layer, MixtureOfExperts):
         return layer
     router = getattr(layer, "router", None)
@@ -660,7 +674,9 @@ def experts_layer(layer: object, *, top_k: int | None) -> MixtureOfExperts:
         )
     chosen = own if top_k is None else top_k
     assert chosen is not None  # one of them was checked above
-    moe = MixtureOfExperts.from_experts(router, experts, top_k=chosen)
+    moe = MixtureOfExperts.from_experts(
+        router, experts, top_k=chosen, normalize_weights=normalize_weights
+    )
     skeleton = eqx.tree_at(lambda m: (m.router, m.experts), layer, (None, None))
     left = [leaf for leaf in jax.tree.leaves(skeleton) if eqx.is_array(leaf)]
     if left:
@@ -668,7 +684,47 @@ def experts_layer(layer: object, *, top_k: int | None) -> MixtureOfExperts:
             f"{type(layer).__name__} holds arrays besides `router` and `experts`; "
             f"MixtureOfExperts would not use them. Write the layer as a MixtureOfExperts."
         )
-    return moe.replace(origin=skeleton)
+    moe = moe.replace(origin=skeleton)
+    if check:
+        _check_conversion(layer, moe)
+    return moe
+
+
+def _check_conversion(layer: object, moe: MixtureOfExperts) -> None:
+    """Refuse a conversion of a hand-written layer that computes something else (another
+    weighting of the chosen experts, say): both run on a few tokens, compiled."""
+    leaves = jax.tree.leaves(eqx.filter(moe, eqx.is_array))
+    if any(isinstance(leaf, Tracer) for leaf in leaves):
+        return  # converted inside a trace: nothing concrete to run
+    features = int(moe.router.in_features)
+    probe = jax.random.normal(jax.random.key(0), (8, features), moe.up.dtype)
+    try:
+        expected, got = eqx.filter_jit(lambda a, b, x: (a(x), b(x)))(layer, moe, probe)
+    except Exception as error:  # the author's layer may want other arguments
+        warnings.warn(
+            f"ExpertParallel: could not run {type(layer).__name__} on 8 tokens to check the "
+            f"conversion ({type(error).__name__}: {error}); it computes softmax top-"
+            f"{moe.top_k} routing with normalize_weights={moe.normalize_weights}.",
+            stacklevel=4,
+        )
+        return
+    if not isinstance(expected, jax.Array) or expected.shape != got.shape:
+        raise TypeError(
+            f"{type(layer).__name__}(tokens [8, {features}]) returned "
+            f"{type(expected).__name__} {getattr(expected, 'shape', '')}; the conversion "
+            f"keeps a layer that returns its output alone, shaped as its input."
+        )
+    error = float(jnp.max(jnp.abs(expected - got)))
+    scale = float(jnp.max(jnp.abs(expected))) + 1e-6
+    if error > 1e-4 * scale:
+        raise ValueError(
+            f"{type(layer).__name__} and its conversion (softmax top-{moe.top_k} routing, "
+            f"normalize_weights={moe.normalize_weights}) differ on 8 tokens by {error:.3g} "
+            f"(outputs of size {scale:.3g}). If the author scales each chosen expert by its "
+            f"probability without renormalizing, pass ExpertParallel(normalize_weights="
+            f"{not moe.normalize_weights}); other routing rules: write the layer as a "
+            f"MixtureOfExperts."
+        )
 
 
 def serial_experts(moe: MixtureOfExperts) -> eqx.Module:

@@ -34,6 +34,7 @@ from jax.extend.core import Literal
 from jaxtyping import PyTree
 
 from .._axes import bound_axis_size
+from .._batching import under_vmap
 from .._paths import path_to_str
 from .._typing import AxisName
 from .._vma import varying_axes
@@ -240,7 +241,7 @@ class PipelinedBlocks(eqx.Module):
                     f"instead of differentiating the loss (or calling the model) directly."
                 )
             return recorder.mark(self, layout, x, per_layer_values, shared_values)
-        if not _under_vmap((x, per_layer_values, shared_values)):
+        if not under_vmap((x, per_layer_values, shared_values)):
             if self.batch_axis is None:
                 raise _no_vmap_error()
             try:
@@ -276,29 +277,6 @@ class PipelinedBlocks(eqx.Module):
             return out, jax.tree.map(lambda _: True, out)
 
         return pipelined(params, x, per_layer_values, shared_values)
-
-
-def _under_vmap(tree: PyTree) -> bool:
-    """Whether some array leaf of `tree` is batched by a `jax.vmap` around this call (read
-    off a `custom_vmap` probe whose batching rule runs, at trace time, only under one)."""
-    # Without gradients: the probe is only read for its batching, and a `custom_vmap`
-    # function cannot be differentiated in reverse mode.
-    leaves = [jax.lax.stop_gradient(leaf) for leaf in jax.tree.leaves(tree) if eqx.is_array(leaf)]
-    if not leaves:
-        return False
-    seen: list[bool] = []
-
-    @custom_vmap
-    def probe(leaves: list) -> jax.Array:
-        return jnp.zeros((), jnp.int32)
-
-    @probe.def_vmap
-    def rule(size: int, in_batched: list, leaves: list) -> tuple[jax.Array, bool]:
-        seen.append(any(jax.tree.leaves(in_batched)))
-        return jnp.zeros((), jnp.int32), False
-
-    probe(leaves)
-    return any(seen)
 
 
 class _BlockCall:
@@ -779,7 +757,7 @@ class _Recorder:
                 f"again."
             )
         self.blocks, self.layout = blocks, layout
-        if not _under_vmap((x, per_layer, shared)):
+        if not under_vmap((x, per_layer, shared)):
             if blocks.batch_axis is None:
                 raise _no_vmap_error()
             flags = (
