@@ -411,11 +411,13 @@ def measure_memory(exchange_rows: list[dict]) -> list[dict]:
         for r in exchange_rows:
             if r["mesh"] == mesh_name:
                 name = f"MoE EP {mesh_name}, dropless, buffer_factor {r['buffer_factor']}"
-                rows.append({"name": name, "temp": r["temp"]})
+                row = {"name": name, "temp": r["temp"], "mesh": mesh_name}
+                rows.append(row | {"buffer_factor": r["buffer_factor"]})
         capped = _layer(EXPERTS, 1.25, capacity_factor=1.25)
         compiled, _ = _compiled_step(_moe_loss(capped, mesh, names), capped, mesh, x)
         name = f"MoE EP {mesh_name}, capacity_factor 1.25 (same C, one round, may drop)"
-        rows.append({"name": name, "temp": memory_figures(compiled)["temp"]})
+        row = {"name": name, "temp": memory_figures(compiled)["temp"], "mesh": mesh_name}
+        rows.append(row | {"capacity_factor": 1.25})
     return rows
 
 
@@ -424,13 +426,9 @@ def memory_table(rows: list[dict]) -> str:
     lines = ["| program | temp KiB/device | ratio to dense |", "|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['name']} | {r['temp'] / 1024:.1f} | {r['temp'] / base:.2f} |")
-    dropless = {
-        r["name"].split(",")[0]: r["temp"] for r in rows if "buffer_factor 1.25" in r["name"]
-    }
-    capped = {r["name"].split(",")[0]: r["temp"] for r in rows if "capacity_factor" in r["name"]}
-    fallback = ", ".join(
-        f"{name.removeprefix('MoE EP ')} {dropless[name] / capped[name]:.2f}x" for name in capped
-    )
+    dropless = {r["mesh"]: r["temp"] for r in rows if r.get("buffer_factor") == 1.25}
+    capped = {r["mesh"]: r["temp"] for r in rows if r.get("capacity_factor") == 1.25}
+    fallback = ", ".join(f"{mesh} {dropless[mesh] / capped[mesh]:.2f}x" for mesh in capped)
     return (
         f"Temp per device (`memory_analysis`) of the training step on T = {TOKENS} tokens "
         f"per device, as ratios to a dense MLP with the active parameters of one token's "
@@ -442,7 +440,7 @@ def memory_table(rows: list[dict]) -> str:
         "ragged-dot instruction), so temp grows with E / n (the last table's temp column) "
         "and the serial layer, with all its experts on one device, holds the most. "
         "(b) The dropless layer picks one round or the fallback loop with a `lax.cond`: "
-        "dropless over capacity factor at the same C is " + fallback + ".\n"
+        "dropless over capacity factor at the same C: " + fallback + ".\n"
     )
 
 
