@@ -439,8 +439,10 @@ def memory_table(rows: list[dict]) -> str:
         "into a [rows, F, G] copy for G local experts (on GPU and TPU it becomes XLA's "
         "ragged-dot instruction), so temp grows with E / n (the last table's temp column) "
         "and the serial layer, with all its experts on one device, holds the most. "
-        "(b) The dropless layer picks one round or the fallback loop with a `lax.cond`: "
-        "dropless over capacity factor at the same C: " + fallback + ".\n"
+        "(b) The dropless layer also compiles the fallback loop (behind a `lax.cond`), whose "
+        "buffers add to the one-round path's: dropless over capacity factor at the same C: "
+        + fallback
+        + ".\n"
     )
 
 
