@@ -1,11 +1,11 @@
-"""Mixture of experts under expert parallelism: exchange bytes, receive buffers, memory and
-compile time of `eqpar.nn.MixtureOfExperts` split by `eqpar.ExpertParallel`.
+"""Mixture of experts under expert parallelism: exchange bytes, buffers, memory, compiling.
 
-On 8 devices, with the experts over an `expert` axis of n devices (mesh `data=2,expert=4`,
-n = 4, and `expert=8`, n = 8) and the tokens split over every axis (`P(("data",
-"expert"))`, `T` tokens per device), one training step: `value_and_grad` of a loss through
-the layer inside `eqpar.shard_map` (in_specs from `eqpar.partition_specs`), with respect to
-the layer and its input (in a model the layer's input has a gradient). Four tables:
+`eqpar.nn.MixtureOfExperts` split by `eqpar.ExpertParallel` on 8 devices, with the experts
+over an `expert` axis of n devices (mesh `data=2,expert=4`, n = 4, and `expert=8`, n = 8)
+and the tokens split over every axis (`P(("data", "expert"))`, `T` tokens per device), in
+one training step: `value_and_grad` of a loss through the layer inside `eqpar.shard_map`
+(in_specs from `eqpar.partition_specs`), with respect to the layer and its input (in a
+model the layer's input has a gradient). Four tables:
 
 1. **All-to-all bytes** per device, read from the compiled HLO (`_hlo.collective_ops`),
    against the ideal: each (token, choice) assignment's hidden state sent to its expert's
@@ -117,9 +117,9 @@ def _dense_loss(mlp, mesh, names):
     return lambda mlp, x: jnp.mean(forward(mlp, x) ** 2)
 
 
-def _compiled_step(loss, model, mesh, x, specs=None):
+def _compiled_step(loss, model, mesh, x):
     """The training step (gradients for the model and its input), compiled, and seconds."""
-    specs = eqpar.partition_specs(model) if specs is None else specs
+    specs = eqpar.partition_specs(model)
     placed = eqx.filter_shard(model, eqpar.named_shardings(specs, mesh))
     step = eqx.filter_jit(eqx.filter_value_and_grad(lambda both: loss(*both)))
     return compile_timed(step, (placed, x))
