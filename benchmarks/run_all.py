@@ -72,6 +72,12 @@ BENCHMARKS: list[tuple[str, str, list[str], list[str]]] = [
         [],
         ["--quick"],
     ),
+    (
+        "moe",
+        "Mixture of experts: expert-parallel exchange, buffers, memory, compile time",
+        [],
+        ["--quick"],
+    ),
 ]
 
 CAVEAT = (
