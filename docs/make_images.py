@@ -1,6 +1,6 @@
 """Draw the pictures of the tutorials into `docs/images/`: the pipeline schedules of
-`docs/tutorials/pipeline.md` and `docs/tutorials/zero_bubble.md`, and the parameter layout
-of `docs/tutorials/distributions.md`.
+`docs/tutorials/pipeline.md` and `docs/tutorials/zero_bubble.md`, the parameter layout
+of `docs/tutorials/distributions.md`, and the routing of `docs/tutorials/experts.md`.
 
 Run from anywhere: `python docs/make_images.py`. Needs matplotlib (the `plot` extra).
 """
@@ -15,8 +15,12 @@ import jax
 jax.config.update("jax_num_cpu_devices", 8)
 
 import equinox as eqx  # noqa: E402 - after the device count is set
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 
 import eqpar  # noqa: E402
+from eqpar.nn import MixtureOfExperts  # noqa: E402
+from eqpar.nn.experts import expert_buffer_rows  # noqa: E402
 from eqpar.schedule import (  # noqa: E402
     CircularSchedule,
     GPipeSchedule,
@@ -79,9 +83,88 @@ def layouts() -> list[Path]:
     return [path]
 
 
+def tokens_per_expert(moe: MixtureOfExperts, x: jax.Array, devices: int) -> np.ndarray:
+    """[devices, experts]: how many of each device's (token, choice) pairs go to each expert,
+    the batch split over the devices as `P(("data", "expert"))` splits it."""
+    per_device = x.reshape(devices, -1, x.shape[-1])
+    logits = jax.vmap(jax.vmap(moe.router))(per_device)
+    chosen = jax.lax.top_k(logits, moe.top_k)[1]
+    counts = jax.vmap(lambda c: jnp.bincount(c.reshape(-1), length=moe.num_experts))(chosen)
+    return np.asarray(counts)
+
+
+def routing() -> list[Path]:
+    # The layer and tokens of "Where the tokens go" in experts.md, on its data=2 x expert=4
+    # mesh: even routing, and the same tokens shifted towards expert 0.
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Rectangle
+
+    data, expert, dim = 2, 4, 32
+    devices = data * expert
+    moe = MixtureOfExperts(dim, 2 * dim, num_experts=8, top_k=2, key=jax.random.key(2))
+    x = jax.random.normal(jax.random.key(3), (32, 16, dim))
+    hot = moe.router.weight[0] / jnp.linalg.norm(moe.router.weight[0])
+    tokens = x.shape[0] * x.shape[1] // devices
+    rows = expert_buffer_rows(tokens, moe.top_k, expert, 1.25)
+    per_device = moe.num_experts // expert
+    cases = {"even routing": x, "expert 0 popular": x + hot}
+    counts = {name: tokens_per_expert(moe, inputs, devices) for name, inputs in cases.items()}
+    top = max(int(c.max()) for c in counts.values())
+
+    figure = Figure(figsize=(10.5, 4.6), layout="constrained")
+    axes = figure.subplots(1, len(cases), sharey=True)
+    for ax, (name, count) in zip(axes, counts.items()):
+        image = ax.imshow(count, cmap="Blues", vmin=0, vmax=top, aspect="auto")
+        for (device, e), value in np.ndenumerate(count):
+            colour = "white" if value > 0.6 * top else "black"
+            ax.text(e, device, str(value), ha="center", va="center", fontsize=8, color=colour)
+        for boundary in range(1, expert):  # the experts each device of the expert axis holds
+            ax.axvline(boundary * per_device - 0.5, color="black", linewidth=1.5)
+        pairs = count.reshape(devices, expert, per_device).sum(-1)
+        rounds = -(-int(pairs.max()) // rows)
+        ax.set_title(
+            f"{name}: busiest device pair {int(pairs.max())} rows\n"
+            f"({rows} per round at buffer_factor=1.25: {rounds} round{'s' * (rounds > 1)})",
+            fontsize=10,
+        )
+        device, group = np.unravel_index(int(pairs.argmax()), pairs.shape)
+        ax.add_patch(
+            Rectangle(
+                (group * per_device - 0.5, device - 0.5),
+                per_device,
+                1,
+                fill=False,
+                edgecolor="red",
+                linewidth=2,
+            )
+        )
+        ax.set_xticks(range(moe.num_experts), [f"e{e}" for e in range(moe.num_experts)])
+        ax.set_xlabel("expert (red: the busiest pair of devices)")
+        holder = ax.secondary_xaxis("top")
+        holder.set_xticks(
+            [g * per_device + (per_device - 1) / 2 for g in range(expert)],
+            [f"on expert {g}" for g in range(expert)],
+            fontsize=8,
+        )
+        holder.tick_params(length=0)
+        ax.set_yticks(
+            range(devices), [f"data {d // expert}, expert {d % expert}" for d in range(devices)]
+        )
+    axes[0].set_ylabel(f"device (its {tokens} tokens x {moe.top_k} choices)")
+    figure.colorbar(image, ax=axes, label="assignments sent", shrink=0.9)
+    figure.suptitle(
+        f"Tokens per expert per device: top-{moe.top_k} of {moe.num_experts} experts, "
+        f"{tokens} tokens per device, data={data} x expert={expert} mesh",
+        fontsize=11,
+    )
+    path = IMAGES / "moe_routing.png"
+    figure.savefig(path, format="png", dpi=DPI)
+    return [path]
+
+
 def main() -> list[Path]:
     IMAGES.mkdir(exist_ok=True)
-    written = schedules() + layouts()
+    written = schedules() + layouts() + routing()
     for path in written:
         print(f"wrote {path}")
     return written
