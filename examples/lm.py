@@ -3,8 +3,10 @@ it parallel.
 
 Shared by `train_lm.py` (one host) and `multihost.py` (several processes). The model is
 written the way Equinox's documentation writes one: `eqx.nn` layers, a block that works on
-one example and a `jax.vmap` over the batch. The only eqpar piece inside it is `body`, an
-`eqpar.nn.PipelineModule` holding the `num_layers` blocks as one stack in model order.
+one example and a `jax.vmap` over the batch (a mixture-of-experts block runs its experts on
+the whole batch: routing groups the tokens of every example). The only eqpar pieces inside
+it are `body`, an `eqpar.nn.PipelineModule` holding the `num_layers` blocks as one stack in
+model order, and with experts the blocks' `eqpar.nn.MixtureOfExperts`.
 
 `PLAN` says how the layers split over the `model` mesh axis (Megatron style: heads of the
 attention, hidden units of the MLP) and the vocabulary of the embedding and of the output
@@ -22,7 +24,10 @@ head over `model` and `pipe` together (`VOCAB`); `build` applies it with
   `eqpar.context.balance_sequence` order, and the position embedding takes each token's
   global position (`LM.next_token_loss(inputs, targets, positions)`); with `pipe` as well
   the attention all-gathers the keys and values instead (see `plan_for`);
-- `model`: each converted layer computes its block and hands on whole activations.
+- `model`: each converted layer computes its block and hands on whole activations;
+- `expert` (with `LMConfig.num_experts`, where each block's MLP is an
+  `eqpar.nn.MixtureOfExperts`): the experts are split over it by `eqpar.ExpertParallel`,
+  each expert's hidden units over `model`, and the batch rows over `data` and `expert`.
 
 `model_order` gives the serial form (plain `eqx.nn` layers, the block stack `[L, ...]`),
 which is the same for every layout.
@@ -36,6 +41,7 @@ in float32.
 """
 
 import dataclasses
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -48,11 +54,13 @@ import eqpar
 from eqpar.nn import (
     ColumnParallelLinear,
     ContextParallelAttention,
+    MixtureOfExperts,
     PipelineModule,
     vocab_parallel_cross_entropy,
 )
 
 DATA, PIPE, CONTEXT, MODEL = "data", "pipe", "context", "model"
+EXPERT = "expert"  # the mesh axis the experts are split over (`eqpar.ExpertParallel`)
 SCHEDULES = ("gpipe", "circular", "1f1b", "zb-h1")
 PRECISIONS = ("float32", "bfloat16")  # names of `eqpar.Precision` presets
 
@@ -67,6 +75,10 @@ class LMConfig:
     num_heads: int = 8
     d_hidden: int = 256
     num_layers: int = 8
+    # Mixture of experts: with `num_experts > 0` each block's MLP is `num_experts` MLPs of
+    # `d_hidden` units, each token routed to `top_k` of them (`eqpar.nn.MixtureOfExperts`).
+    num_experts: int = 0
+    top_k: int = 2
 
 
 # --- data ----------------------------------------------------------------------------------
@@ -116,14 +128,29 @@ class Batches:
 # --- model ---------------------------------------------------------------------------------
 
 
+# The auxiliary losses of a mixture of experts, added to the loss for every MoE block.
+LOAD_BALANCING_WEIGHT = 0.01
+Z_LOSS_WEIGHT = 0.001
+# What an MoE block adds to each row's `[3]` of router statistics (see `Block.__call__`).
+ROUTER_STATS = ("load_balancing", "z_loss", "dropped")
+
+
 class Block(eqx.Module):
-    """A pre-norm transformer block: causal self-attention, then a gelu MLP."""
+    """A pre-norm transformer block: causal self-attention, then a gelu MLP, or with
+    `config.num_experts` a mixture of gelu MLPs (`moe`; `up` and `down` are then `None`).
+
+    A dense block maps a batch `[batch, seq, d_model]` to the same. An MoE block maps
+    `(h, stats)` to the same, `stats` being `[batch, 3]` float32 router statistics to which
+    it adds its own (`ROUTER_STATS`: load-balancing loss, z-loss, dropped assignments), the
+    same in every row: so they pass through a pipeline or a layer scan as part of the
+    activations, and `LM` reads them from any row."""
 
     norm1: eqx.nn.LayerNorm
     attention: eqx.nn.MultiheadAttention
     norm2: eqx.nn.LayerNorm
-    up: eqx.nn.Linear
-    down: eqx.nn.Linear
+    up: eqx.nn.Linear | None
+    down: eqx.nn.Linear | None
+    moe: MixtureOfExperts | None
 
     def __init__(self, config: LMConfig, *, key: PRNGKeyArray):
         attention_key, up_key, down_key = jax.random.split(key, 3)
@@ -132,11 +159,26 @@ class Block(eqx.Module):
             config.num_heads, config.d_model, key=attention_key
         )
         self.norm2 = eqx.nn.LayerNorm(config.d_model)
-        self.up = eqx.nn.Linear(config.d_model, config.d_hidden, key=up_key)
-        self.down = eqx.nn.Linear(config.d_hidden, config.d_model, key=down_key)
+        if config.num_experts:
+            # The dense MLP's kind (gelu, not gated, with biases), once per expert.
+            self.up = self.down = None
+            self.moe = MixtureOfExperts(
+                config.d_model,
+                config.d_hidden,
+                config.num_experts,
+                top_k=config.top_k,
+                activation=jax.nn.gelu,
+                use_bias=True,
+                key=up_key,
+            )
+        else:
+            self.up = eqx.nn.Linear(config.d_model, config.d_hidden, key=up_key)
+            self.down = eqx.nn.Linear(config.d_hidden, config.d_model, key=down_key)
+            self.moe = None
 
-    def example(self, x: Float[Array, "seq d_model"]) -> Float[Array, "seq d_model"]:
-        """One sequence (this device's tokens of it under context parallelism)."""
+    def attend(self, x: Float[Array, "seq d_model"]) -> Float[Array, "seq d_model"]:
+        """The attention half of the block on one sequence (this device's tokens of it under
+        context parallelism), with its residual."""
         if isinstance(self.attention, ContextParallelAttention):
             # A [seq, seq] mask cannot be cut into per-device blocks: the converted attention
             # is causal over the whole split sequence by its own option (`causal=True`).
@@ -145,13 +187,28 @@ class Block(eqx.Module):
             seq = x.shape[0]
             causal = jnp.tril(jnp.ones((seq, seq), bool))
         y = jax.vmap(self.norm1)(x)
-        x = x + self.attention(y, y, y, causal)
-        y = jax.vmap(self.norm2)(x)
-        return x + jax.vmap(lambda t: self.down(jax.nn.gelu(self.up(t))))(y)
+        return x + self.attention(y, y, y, causal)
 
-    def __call__(self, x: Float[Array, "batch seq d_model"]) -> Float[Array, "batch seq d_model"]:
-        """A batch of sequences (what a pipeline stage gets: one microbatch)."""
-        return jax.vmap(self.example)(x)
+    def example(self, x: Float[Array, "seq d_model"]) -> Float[Array, "seq d_model"]:
+        """One sequence through a dense block."""
+        assert self.up is not None and self.down is not None, "an MoE block takes the batch"
+        up, down = self.up, self.down
+        x = self.attend(x)
+        y = jax.vmap(self.norm2)(x)
+        return x + jax.vmap(lambda t: down(jax.nn.gelu(up(t))))(y)
+
+    def __call__(self, x: Any) -> Any:
+        """A batch of sequences (what a pipeline stage gets: one microbatch); `(h, stats)`
+        for an MoE block."""
+        if self.moe is None:
+            return jax.vmap(self.example)(x)
+        h, stats = x
+        h = jax.vmap(self.attend)(h)
+        # The experts take the whole batch of tokens: routing groups them across sequences
+        # (`lax.ragged_dot` has no rule for a per-example `vmap`).
+        y, losses = self.moe(jax.vmap(jax.vmap(self.norm2))(h))
+        own = jnp.stack([losses.load_balancing, losses.z_loss, losses.dropped.astype(jnp.float32)])
+        return h + y, stats + own
 
 
 class Head(eqx.Module):
@@ -180,7 +237,8 @@ class LM(eqx.Module):
     """Token and position embeddings, `num_layers` blocks, final norm, output head.
 
     `body` is a `PipelineModule` over the `pipe` axis (the serial form from `model_order`
-    holds the stacked blocks `[L, ...]` there instead).
+    holds the stacked blocks `[L, ...]` there instead). With `config.num_experts` the blocks
+    are mixtures of experts and the loss adds their auxiliary losses (`loss_and_stats`).
     """
 
     embed: eqx.nn.Embedding
@@ -188,6 +246,8 @@ class LM(eqx.Module):
     body: PipelineModule | Block
     norm: eqx.nn.LayerNorm
     unembed: eqx.nn.Linear
+    num_experts: int = eqx.field(static=True)
+    num_layers: int = eqx.field(static=True)
 
     def __init__(
         self,
@@ -214,6 +274,8 @@ class LM(eqx.Module):
         )
         self.norm = eqx.nn.LayerNorm(config.d_model)
         self.unembed = eqx.nn.Linear(config.d_model, config.vocab_size, use_bias=False, key=keys[3])
+        self.num_experts = config.num_experts
+        self.num_layers = config.num_layers
 
     @property
     def head(self) -> Head:
@@ -228,12 +290,15 @@ class LM(eqx.Module):
         positions = jnp.arange(ids.shape[1]) if positions is None else positions
         return jax.vmap(jax.vmap(self.embed))(ids) + jax.vmap(self.position)(positions)
 
-    def blocks(self, h: Float[Array, "batch seq d_model"]) -> Float[Array, "batch seq d_model"]:
+    def blocks(self, h: Float[Array, "batch seq d_model"]) -> Any:
+        """The blocks on `h`; with experts `(h, stats)`, `stats` `[batch, 3]` the router
+        statistics summed over the blocks (see `Block`)."""
+        x = (h, jnp.zeros((h.shape[0], len(ROUTER_STATS)), jnp.float32)) if self.num_experts else h
         if isinstance(self.body, PipelineModule):
-            return self.body(h)  # inside shard_map
+            return self.body(x)  # inside shard_map
         arrays, static = eqx.partition(self.body, eqx.is_array)  # serial form: scan the stack
-        h, _ = lax.scan(lambda h, layer: (eqx.combine(layer, static)(h), None), h, arrays)
-        return h
+        x, _ = lax.scan(lambda x, layer: (eqx.combine(layer, static)(x), None), x, arrays)
+        return x
 
     def loss(self, tokens: Int[Array, "batch seq_plus_1"]) -> Float[Array, ""]:
         """Mean next-token cross entropy of this batch (this data shard inside shard_map)."""
@@ -247,8 +312,35 @@ class LM(eqx.Module):
     ) -> Float[Array, ""]:
         """Mean cross entropy of predicting `targets` from `inputs` (the token after each
         input), the inputs at `positions` (see `embed_tokens`). Under context parallelism
-        these are this device's tokens: each pair stays together, so any order works."""
-        return self.head(self.blocks(self.embed_tokens(inputs, positions)), targets)
+        these are this device's tokens: each pair stays together, so any order works.
+        With experts, the auxiliary losses are added (`loss_and_stats`)."""
+        return self.loss_and_stats(inputs, targets, positions)[0]
+
+    def loss_and_stats(
+        self,
+        inputs: Int[Array, "batch seq"],
+        targets: Int[Array, "batch seq"],
+        positions: Int[Array, " seq"] | None = None,
+    ) -> tuple[Float[Array, ""], dict[str, Float[Array, ""]]]:
+        """`next_token_loss` and, with experts, what it is made of: the cross entropy and the
+        router statistics (`ROUTER_STATS`), the losses as means over the blocks and the
+        dropped assignments as a sum. The loss is the cross entropy plus
+        `LOAD_BALANCING_WEIGHT` and `Z_LOSS_WEIGHT` times each block's auxiliary losses.
+        Without experts the statistics are `{}`."""
+        out = self.blocks(self.embed_tokens(inputs, positions))
+        if not self.num_experts:
+            return self.head(out, targets), {}
+        h, stats = out
+        cross_entropy = self.head(h, targets)
+        # Every row holds the same sums (the losses are over all tokens): their mean is it.
+        balance, z, dropped = jnp.mean(stats, axis=0)
+        loss = cross_entropy + LOAD_BALANCING_WEIGHT * balance + Z_LOSS_WEIGHT * z
+        return loss, {
+            "cross_entropy": cross_entropy,
+            "load_balancing": balance / self.num_layers,
+            "z_loss": z / self.num_layers,
+            "dropped": dropped,
+        }
 
 
 # --- parallelization -----------------------------------------------------------------------
@@ -268,22 +360,33 @@ PLAN = {
 }
 
 
-def plan_for(mesh: eqpar.DeviceMesh) -> dict[str, eqpar.Style]:
+MOE = "body/stages/layers/moe"  # the plan key of the blocks' mixture of experts
+
+
+def plan_for(mesh: eqpar.DeviceMesh, *, experts: bool = False) -> dict[str, eqpar.Style]:
     """`PLAN`, with the attention made context parallel where `mesh` has a `context` axis
     of more than one device: causal attention over the whole sequence in the balanced
-    layout, its heads still split over `model`.
+    layout, its heads still split over `model`. With `experts` (MoE blocks), the experts
+    are split over the `expert` axis where `mesh` has one, each expert's hidden units over
+    `model` (`eqpar.ExpertParallel`); without an `expert` axis every device holds every
+    expert.
 
     The attention is ring attention, except with a `pipe` axis too: the 1F1B and ZB-H1
     schedules run each stage inside a `lax.switch` whose branch differs by device, where a
     `ppermute` (the ring's) gives wrong values, so `execute_schedule` refuses it; the
     all-gather strategy has none and serves every schedule."""
+    plan = dict(PLAN)
+    if experts:
+        del plan["body/stages/layers/up"], plan["body/stages/layers/down"]
+        if EXPERT in mesh.axis_names:
+            plan[MOE] = eqpar.ExpertParallel(axis_name=EXPERT, model_axis_name=MODEL)
     if CONTEXT not in mesh.axis_names or mesh.axis_size(CONTEXT) == 1:
-        return PLAN
+        return plan
     strategy = "all_gather" if mesh.axis_size(PIPE) > 1 else "ring"
     attention = eqpar.ContextParallel(
         CONTEXT, causal=True, layout="balanced", strategy=strategy, head_axis_name=MODEL
     )
-    return {**PLAN, ATTENTION: attention}
+    return {**plan, ATTENTION: attention}
 
 
 def build(
@@ -306,7 +409,7 @@ def build(
         remat=remat,
         key=key,
     )
-    return eqpar.parallelize(model, plan_for(mesh), mesh=mesh)
+    return eqpar.parallelize(model, plan_for(mesh, experts=config.num_experts > 0), mesh=mesh)
 
 
 def model_order(model: LM) -> LM:

@@ -5,6 +5,7 @@ and context parallelism).
     python examples/train_lm.py --mesh data=2,pipe=2,model=2 --schedule 1f1b
     python examples/train_lm.py --mesh data=8 --fsdp --check     # compare with one device
     python examples/train_lm.py --mesh data=2,context=4 --check  # the sequence split over 4
+    python examples/train_lm.py --experts 8 --top-k 2 --mesh data=2,expert=4 --check  # MoE
     python examples/train_lm.py --precision bfloat16             # float32 params, bf16 compute
     python examples/train_lm.py --ckpt-dir /tmp/ckpt --resume    # continue from the latest
 
@@ -12,7 +13,9 @@ On CPU, 8 devices are simulated; on accelerators the device count comes from JAX
 whose product is the device count works, 1 device included. A `context` axis splits every
 sequence over its devices (ring attention, all-gather attention with a pipe axis; balanced
 causal layout): the sequence length
-(`--seq-len`) must divide by 2 x context. Outputs (loss curve, pipeline
+(`--seq-len`) must divide by 2 x context. With `--experts`, each block's MLP is a mixture of
+experts and an `expert` axis splits the experts over its devices (the batch rows split over
+data and expert), a `model` axis each expert's hidden units. Outputs (loss curve, pipeline
 schedule) go to `--out`. On a terminal a progress bar shows the loss and tokens/s; in a log
 (stdout not a terminal) a line is printed every `--log-every` steps instead.
 """
@@ -75,22 +78,26 @@ class RunConfig:
 
 # The mesh axes in device order. `context` sits next to `model`: the ring attention's
 # key/value blocks and the tensor-parallel reductions are the traffic of every layer.
-AXES = (lm.DATA, lm.PIPE, lm.CONTEXT, lm.MODEL)
+# `expert` (the experts of `--experts` split over it) follows `data`: the batch rows are
+# split over both, as over one data axis.
+AXES = (lm.DATA, lm.EXPERT, lm.PIPE, lm.CONTEXT, lm.MODEL)
+OPTIONAL_AXES = (lm.EXPERT, lm.CONTEXT)  # in a mesh only where `--mesh` names them
 
 
 def parse_mesh(text: str, device_count: int) -> dict[str, int]:
     """`data=2,pipe=2,model=2` -> sizes of the axes in `AXES` order: data, pipe and model
-    always (missing ones are 1), context only where `text` names it."""
+    always (missing ones are 1), expert and context only where `text` names them."""
     given: dict[str, int] = {}
     for part in filter(None, text.split(",")):
         name, _, value = part.partition("=")
         if name not in AXES or not value.isdigit() or int(value) < 1:
             raise SystemExit(
-                f"--mesh: expected entries like data=2,pipe=2,model=2 or data=2,context=4 with "
-                f"axes {sorted(AXES)}; got {part!r}."
+                f"--mesh: expected entries like data=2,pipe=2,model=2, data=2,context=4 or "
+                f"data=2,expert=4 with axes {sorted(AXES)}; got {part!r}."
             )
         given[name] = int(value)
-    sizes = {name: given.get(name, 1) for name in AXES if name in given or name != lm.CONTEXT}
+    names = [name for name in AXES if name in given or name not in OPTIONAL_AXES]
+    sizes = {name: given.get(name, 1) for name in names}
     product = int(np.prod(list(sizes.values())))
     if product != device_count:
         raise SystemExit(
@@ -108,6 +115,23 @@ def format_mesh(sizes: dict[str, int]) -> str:
 def context_size(run: RunConfig) -> int:
     """The devices each sequence is split over (the `context` axis; 1 without one)."""
     return run.mesh.get(lm.CONTEXT, 1)
+
+
+def expert_size(run: RunConfig) -> int:
+    """The devices the experts are split over (the `expert` axis; 1 without one)."""
+    return run.mesh.get(lm.EXPERT, 1)
+
+
+def row_axes(axis_names: Sequence[str]) -> tuple[str, ...]:
+    """The mesh axes the batch rows are split over: data, and expert where the mesh has it
+    (each device of the expert axis routes its own tokens to every expert)."""
+    return (lm.DATA, lm.EXPERT) if lm.EXPERT in axis_names else (lm.DATA,)
+
+
+def row_spec(axis_names: Sequence[str]) -> P:
+    """The `PartitionSpec` of a batch split by rows over `row_axes(axis_names)`."""
+    rows = row_axes(axis_names)
+    return P(rows if len(rows) > 1 else rows[0])
 
 
 def describe(run: RunConfig) -> str:
@@ -145,9 +169,9 @@ def _divisors(n: int) -> str:
 
 
 def make_mesh(sizes: dict[str, int], devices: Sequence[Any] | None = None) -> eqpar.DeviceMesh:
-    """The mesh of `sizes`: axes data, pipe, model (missing sizes 1), and context between
-    pipe and model where `sizes` has it."""
-    names = tuple(name for name in AXES if name in sizes or name != lm.CONTEXT)
+    """The mesh of `sizes`: axes data, pipe, model (missing sizes 1), expert after data and
+    context between pipe and model where `sizes` has them."""
+    names = tuple(name for name in AXES if name in sizes or name not in OPTIONAL_AXES)
     shape = tuple(sizes.get(name, 1) for name in names)
     chosen = list(jax.devices() if devices is None else devices)[: int(np.prod(shape))]
     return eqpar.DeviceMesh(shape, names, devices=chosen)
@@ -156,8 +180,9 @@ def make_mesh(sizes: dict[str, int], devices: Sequence[Any] | None = None) -> eq
 def check_sizes(config: lm.LMConfig, run: RunConfig) -> None:
     """Refuse sizes the mesh cannot split, each problem with the flag that fixes it."""
     pipe, model, data = run.mesh[lm.PIPE], run.mesh[lm.MODEL], run.mesh[lm.DATA]
+    expert = expert_size(run)
     repeats, microbatches = pipeline_repeats(run), pipeline_microbatches(run)
-    problems = []
+    problems = experts_problems(config, run)
     if config.num_layers % (pipe * repeats):
         if repeats > 1:
             what = "pipe x repeats"
@@ -193,9 +218,11 @@ def check_sizes(config: lm.LMConfig, run: RunConfig) -> None:
             f"causal layout gives each context device two equal chunks of every sequence): use "
             f"a --seq-len that is a multiple of {2 * context} (e.g. {multiple}){fits}"
         )
-    rows = data * microbatches
+    rows = data * expert * microbatches
     if run.batch_size % rows:
-        what = "data x microbatches" if pipe > 1 else "data"
+        what = " x ".join(
+            ["data"] + ["expert"] * (lm.EXPERT in run.mesh) + ["microbatches"] * (pipe > 1)
+        )
         fewer = " or fewer --microbatches" if microbatches > 1 else ""
         multiple = -(-run.batch_size // rows) * rows
         problems.append(
@@ -204,6 +231,46 @@ def check_sizes(config: lm.LMConfig, run: RunConfig) -> None:
         )
     if problems:
         raise SystemExit("invalid sizes: " + "; ".join(problems) + ".")
+
+
+def experts_problems(config: lm.LMConfig, run: RunConfig) -> list[str]:
+    """What `check_sizes` refuses about `--experts`, `--top-k` and the `expert` axis."""
+    expert, experts = expert_size(run), config.num_experts
+    if not experts:
+        if expert > 1:
+            return [
+                f"expert={expert} in --mesh splits the experts of a mixture of experts: give "
+                f"--experts E with E a multiple of {expert} (or leave the expert axis out)"
+            ]
+        return []
+    problems = []
+    if experts % expert:
+        problems.append(
+            f"--experts {experts} must divide by expert={expert} (each device of the expert "
+            f"axis holds experts/expert of them): choose --experts "
+            f"{-(-experts // expert) * expert} or expert={_divisors(experts)} in --mesh"
+        )
+    if config.top_k > experts:
+        problems.append(f"--top-k {config.top_k} must be at most --experts {experts}")
+    if run.mesh[lm.PIPE] > 1:
+        # A stage routes one microbatch at a time, so its auxiliary losses would be those of
+        # a microbatch, not of the whole batch as on one device (the load-balancing loss is
+        # not linear in the tokens). Besides, `MixtureOfExperts` totals its statistics over
+        # every mesh axis its input varies over, which inside a stage includes the pipe
+        # axis, where the other devices run other stages on other microbatches. The
+        # pipeline schedules also take their loss from the head alone (`Head`), not from
+        # the blocks' statistics carried beside the activations.
+        problems.append(
+            f"--experts does not run with a pipe axis (pipe={run.mesh[lm.PIPE]}): a pipelined "
+            f"stage routes one microbatch at a time, so its auxiliary losses would not be "
+            f"those of the whole batch; use pipe=1 in --mesh (e.g. data=2,expert=2,model=2)"
+        )
+    elif run.schedule in ("1f1b", "zb-h1"):
+        problems.append(
+            f"--experts trains by autodiff of the loss and its auxiliary losses; --schedule "
+            f"{run.schedule} runs the pipeline's own backward pass: leave --schedule out"
+        )
+    return problems
 
 
 def build_model(config: lm.LMConfig, run: RunConfig, mesh: eqpar.DeviceMesh) -> lm.LM:
@@ -259,16 +326,24 @@ def sequence_loss(
     inputs: Int[Array, "batch seq"],
     targets: Int[Array, "batch seq"],
     context: bool = False,
-) -> Array:
+    *,
+    expert: bool = False,
+    with_stats: bool = False,
+) -> Any:
     """The loss inside `shard_map` (GPipe / circular, or no pipe): the mean over the data
     shards. With `context`, the sequence is split over the context axis (the batches of
     `context_batch`): each device's tokens at their global positions, and the mean over the
-    data and context shards. Every shard holds as many tokens, so that is the mean over the
-    whole batch, as on one device."""
-    if not context:
-        return lax.pmean(model.next_token_loss(inputs, targets), lm.DATA)
-    loss = model.next_token_loss(inputs, targets, context_positions(inputs))
-    return lax.pmean(loss, (lm.DATA, lm.CONTEXT))
+    data and context shards. With `expert` the rows are split over the expert axis too.
+    Every shard holds as many tokens, so that is the mean over the whole batch, as on one
+    device. With `with_stats`, `(loss, stats)`: the loss's parts of `lm.LM.loss_and_stats`
+    (`{}` without experts), of the whole batch too."""
+    axes = (*row_axes([lm.EXPERT] if expert else []), *([lm.CONTEXT] if context else []))
+    positions = context_positions(inputs) if context else None
+    loss, stats = model.loss_and_stats(inputs, targets, positions)
+    loss = lax.pmean(loss, axes)
+    if not with_stats:
+        return loss
+    return loss, {name: lax.pmean(value, axes) for name, value in stats.items()}
 
 
 def loss_and_grads_scheduled(
@@ -327,8 +402,18 @@ def runs_own_backward(run: RunConfig) -> bool:
     return run.schedule in ("1f1b", "zb-h1") or run.mesh[lm.PIPE] > 1
 
 
-def build_step(model: lm.LM, mesh: eqpar.DeviceMesh, run: RunConfig, optimizer: Any) -> Any:
-    """The jitted train step `(tokens, model, opt_state) -> (model, opt_state, loss)`.
+def build_step(
+    model: lm.LM,
+    mesh: eqpar.DeviceMesh,
+    run: RunConfig,
+    optimizer: Any,
+    *,
+    with_stats: bool = False,
+) -> Any:
+    """The jitted train step `(tokens, model, opt_state) -> (model, opt_state, loss)`; with
+    `with_stats`, `(model, opt_state, loss, stats)`, `stats` the parts of the loss of an MoE
+    model (`lm.LM.loss_and_stats`: cross entropy, auxiliary losses, dropped assignments;
+    `{}` for a dense one).
 
     Under a bfloat16 `run.precision` the float32 parameters are cast before they enter
     `shard_map`: everything inside, the gradient reductions over `data` included, runs in
@@ -337,9 +422,12 @@ def build_step(model: lm.LM, mesh: eqpar.DeviceMesh, run: RunConfig, optimizer: 
     specs = eqpar.partition_specs(model)  # what shard_map's body sees (no FSDP split)
     policy = eqpar.Precision.from_name(run.precision)
     context = context_size(run)
+    expert = lm.EXPERT in mesh.axis_names
     param_specs = storage_specs(model, mesh, run.fsdp)
-    # Rows split over `data`; with a context axis the sequence also over `context`.
-    sequence_spec = P(lm.DATA, lm.CONTEXT) if context > 1 else P(lm.DATA)
+    # Rows split over `data` (and `expert`); with a context axis the sequence also over
+    # `context`.
+    rows = row_spec(mesh.axis_names)
+    sequence_spec = P(*rows, lm.CONTEXT) if context > 1 else rows
 
     def inputs_and_targets(tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
         if context > 1:
@@ -363,33 +451,35 @@ def build_step(model: lm.LM, mesh: eqpar.DeviceMesh, run: RunConfig, optimizer: 
             out_specs=(P(), entering),
         )
 
-        def loss_and_grads(model: lm.LM, tokens: jax.Array) -> tuple[jax.Array, lm.LM]:
+        def loss_and_grads(model: lm.LM, tokens: jax.Array) -> tuple[Any, lm.LM]:
             inputs, targets = inputs_and_targets(tokens)
             loss, grads = sharded(policy.cast_to_compute(model), inputs, targets)
-            return policy.cast_to_output(loss), policy.cast_to_param(grads)
+            # No statistics: an MoE model is refused here (`experts_problems`).
+            return (policy.cast_to_output(loss), {}), policy.cast_to_param(grads)
 
     else:
         # Parameters enter split as stored and are gathered inside, so that with `--fsdp`
         # their gradients leave by reduce-scatter (`stored_specs`), the embeddings' and the
         # head's included.
         loss = eqpar.shard_map(
-            functools.partial(sequence_loss, context=context > 1),
+            functools.partial(sequence_loss, context=context > 1, expert=expert, with_stats=True),
             mesh=mesh,
             in_specs=(specs, sequence_spec, sequence_spec),
             out_specs=P(),
             stored_specs=(param_specs, sequence_spec, sequence_spec),
         )
-        loss_and_grads = eqx.filter_value_and_grad(
-            lambda model, tokens: policy.cast_to_output(
-                loss(policy.cast_to_compute(model), *inputs_and_targets(tokens))
-            )
-        )
+
+        def loss_and_stats(model: lm.LM, tokens: jax.Array) -> tuple[jax.Array, Any]:
+            value, stats = loss(policy.cast_to_compute(model), *inputs_and_targets(tokens))
+            return policy.cast_to_output(value), stats
+
+        loss_and_grads = eqx.filter_value_and_grad(loss_and_stats, has_aux=True)
 
     param_shardings = eqpar.named_shardings(param_specs, mesh)
 
     @eqx.filter_jit(donate="all-except-first")
-    def step(tokens: jax.Array, model: lm.LM, opt_state: Any) -> tuple[lm.LM, Any, jax.Array]:
-        loss, grads = loss_and_grads(model, tokens)
+    def step(tokens: jax.Array, model: lm.LM, opt_state: Any) -> tuple[Any, ...]:
+        (loss, stats), grads = loss_and_grads(model, tokens)
         params = eqx.filter(model, eqx.is_inexact_array)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         model = eqx.apply_updates(model, updates)
@@ -397,7 +487,7 @@ def build_step(model: lm.LM, mesh: eqpar.DeviceMesh, run: RunConfig, optimizer: 
         opt_state = eqx.filter_shard(
             opt_state, eqpar.named_shardings(match_param_specs(opt_state, model, param_specs), mesh)
         )
-        return model, opt_state, loss
+        return (model, opt_state, loss, stats) if with_stats else (model, opt_state, loss)
 
     return step
 
@@ -476,8 +566,10 @@ def make_optimizer(run: RunConfig) -> Any:
 
 
 def place_global_batch(batches: lm.Batches, position: int, mesh: eqpar.DeviceMesh) -> jax.Array:
-    """The whole batch at `position` as one array split over the data axis (one process)."""
-    return jax.device_put(batches.batch(position), NamedSharding(mesh.jax_mesh, P(lm.DATA)))
+    """The whole batch at `position` as one array, its rows split over the data axis (and
+    the expert axis where the mesh has one; one process)."""
+    rows = NamedSharding(mesh.jax_mesh, row_spec(mesh.axis_names))
+    return jax.device_put(batches.batch(position), rows)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -546,6 +638,8 @@ class Training:
       checkpoint, then this call's steps.
     - `first_step_seconds`: wall time of this call's first step, compilation included.
     - `tokens_per_second`: throughput of the steps after the first (`None` with fewer than 2).
+    - `router_stats`: with `--experts`, the parts of the last step's loss (see
+      `lm.LM.loss_and_stats`); `{}` otherwise.
     """
 
     losses: list[float]
@@ -554,6 +648,7 @@ class Training:
     curve: tuple[list[int], list[float]]
     first_step_seconds: float | None
     tokens_per_second: float | None
+    router_stats: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 def run_training(
@@ -613,10 +708,11 @@ def run_training(
             history = read_loss_history(checkpoint.directory, start)
     if show_layout:
         print_layout_table(model, mesh=mesh)
-    step = build_step(model, mesh, run, optimizer)
+    step = build_step(model, mesh, run, optimizer, with_stats=True)
     corpus = lm.encode(lm.make_corpus(200_000, seed=run.seed), config.vocab_size)
     batches = lm.Batches(corpus, batch_size=run.batch_size, seq_len=config.seq_len, seed=run.seed)
     losses: list[float] = []
+    stats: dict[str, float] = {}
     reporter = _Reporter(run.steps, enabled=progress, every=log_every)
     tokens_per_step = run.batch_size * config.seq_len
     first_step_seconds: float | None = None
@@ -643,8 +739,9 @@ def run_training(
                 print("compiling the training step (the first step includes it)...", flush=True)
             began = time.perf_counter()
             tokens = place_batch(batches, position, mesh)
-            model, opt_state, loss = step(tokens, model, opt_state)
+            model, opt_state, loss, step_stats = step(tokens, model, opt_state)
             losses.append(float(loss))  # waits for the step to finish
+            stats = {name: float(value) for name, value in step_stats.items()}
             now = time.perf_counter()
             if first_step_seconds is None:
                 first_step_seconds, timed_from = now - began, now
@@ -652,7 +749,7 @@ def run_training(
             else:
                 training_seconds = now - timed_from - saving
                 tokens_per_second = tokens_per_step * (position - start) / training_seconds
-            reporter.update(position + 1, losses[-1], tokens_per_second)
+            reporter.update(position + 1, losses[-1], tokens_per_second, stats)
             save(position + 1, force=position + 1 == run.steps)
             saving += time.perf_counter() - now
     finally:
@@ -667,6 +764,19 @@ def run_training(
         curve=(list(curve), list(curve.values())),
         first_step_seconds=first_step_seconds,
         tokens_per_second=tokens_per_second,
+        router_stats=stats,
+    )
+
+
+def format_router_stats(stats: dict[str, float]) -> str:
+    """The MoE parts of a step's loss in words (`""` without experts), e.g.
+    `load balancing 1.0123  z 0.4512  dropped 0`: the auxiliary losses as means over the
+    blocks, the dropped (token, expert) assignments over all of them (0 when dropless)."""
+    if not stats:
+        return ""
+    return (
+        f"load balancing {stats['load_balancing']:.4f}  z {stats['z_loss']:.4f}  "
+        f"dropped {stats['dropped']:.0f}"
     )
 
 
@@ -728,16 +838,28 @@ class _Reporter:
                 dynamic_ncols=True,
             )
 
-    def update(self, step: int, loss: float, tokens_per_second: float | None) -> None:
+    def update(
+        self,
+        step: int,
+        loss: float,
+        tokens_per_second: float | None,
+        stats: dict[str, float] | None = None,
+    ) -> None:
         if not self.enabled:
             return
         rate = "-" if tokens_per_second is None else f"{tokens_per_second:.0f}"
+        router = format_router_stats(stats or {})
         if self.bar is not None:
-            self.bar.set_postfix(loss=f"{loss:.3f}", tok_s=rate, refresh=False)
+            extra = {}
+            if stats:
+                balance, dropped = stats["load_balancing"], int(stats["dropped"])
+                extra = {"balance": f"{balance:.3f}", "dropped": dropped}
+            self.bar.set_postfix(loss=f"{loss:.3f}", tok_s=rate, **extra, refresh=False)
             self.bar.update(1)
         elif step % self.every == 0 or step == self.total:
             print(
-                f"step {step}/{self.total}  loss {loss:.4f}  tokens/s {rate}",
+                f"step {step}/{self.total}  loss {loss:.4f}  tokens/s {rate}"
+                + (f"  {router}" if router else ""),
                 file=self.stream,
                 flush=True,
             )
@@ -922,6 +1044,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="adam (with warmup and clipping), or plain SGD with momentum (default: adam; "
         "sgd with --check)",
     )
+    parser.add_argument(
+        "--experts",
+        type=positive_int,
+        default=None,
+        help="a mixture of E experts in every block instead of its MLP (eqpar.nn."
+        "MixtureOfExperts, each expert the dense MLP's kind, dropless), with the load-balancing "
+        f"({lm.LOAD_BALANCING_WEIGHT}) and router z ({lm.Z_LOSS_WEIGHT}) auxiliary losses of "
+        "every block added to the loss; an expert axis in --mesh (e.g. data=2,expert=4) splits "
+        "the experts over its devices (eqpar.ExpertParallel; the batch rows split over data "
+        "and expert), a model axis each expert's hidden units; not with a pipe axis "
+        "(default: a dense MLP)",
+    )
+    parser.add_argument(
+        "--top-k", type=positive_int, default=2, help="experts per token (with --experts)"
+    )
     parser.add_argument("--seed", type=int, default=0, help="initialization and data order")
     parser.add_argument(
         "--precision",
@@ -1048,9 +1185,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     config = SIZES[args.size]
     if args.seq_len is not None:
         config = dataclasses.replace(config, seq_len=args.seq_len)
+    if args.experts is not None:
+        config = dataclasses.replace(config, num_experts=args.experts, top_k=args.top_k)
     check_sizes(config, run)  # before any output: a usage error comes first
     platform = jax.devices()[0].platform
-    print(f"{count} {platform} devices; {describe(run)}; optimizer {run.optimizer}")
+    experts = f"; {config.num_experts} experts, top {config.top_k}" if config.num_experts else ""
+    print(f"{count} {platform} devices; {describe(run)}{experts}; optimizer {run.optimizer}")
     started = time.perf_counter()
     training = run_training(
         run,
@@ -1070,6 +1210,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "mesh": run.mesh,
         "curve": {"steps": steps, "losses": curve},
         "parameter_digest": parameter_digest(model),
+        "router_stats": training.router_stats,
     }
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -1085,6 +1226,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         f"{'' if len(losses) == 1 else 's'} ({seconds:.1f} s, "
         f"first step {training.first_step_seconds:.1f} s with the compilation{after})"
     )
+    if training.router_stats:
+        print(f"experts at the last step: {format_router_stats(training.router_stats)}")
     for path in write_pictures(curve, run, args.out, steps=steps, resumed_at=training.start):
         print(f"wrote {path}")
     if args.check:

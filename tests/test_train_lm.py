@@ -415,3 +415,88 @@ def saved_run(tmp_path_factory):
         run, config=TINY, progress=False, show_layout=False, checkpoint=options
     )
     return directory, arrays(model)
+
+
+# --- mixture of experts (`--experts`) --------------------------------------------------------
+
+MOE = dataclasses.replace(TINY, num_experts=8, top_k=2)
+
+
+def test_experts_check_against_one_device(tmp_path, capsys):
+    summary = train_lm.main(
+        [
+            "--experts", "8", "--top-k", "2", "--mesh", "data=2,expert=4", "--check",
+            "--steps", "2", "--batch-size", "8", "--size", "tiny", "--log-every", "1",
+            "--out", str(tmp_path),
+        ]
+    )  # fmt: skip
+    check = summary["check"]
+    assert check["passed"] and check["tolerance"] == 1e-5
+    lines = capsys.readouterr().out.splitlines()
+    assert "mesh data=2,expert=4,pipe=1,model=1; 8 experts, top 2; optimizer sgd" in lines[0]
+    logged = [line for line in lines if line.startswith("step ") and "/" in line.split()[1]]
+    assert len(logged) == 2
+    for line in logged:  # the auxiliary losses and the dropped count, in every log line
+        assert "  load balancing " in line and "  z " in line and line.endswith("  dropped 0")
+    assert lines[-1].endswith(": PASS")
+    stats = summary["router_stats"]
+    assert stats["dropped"] == 0  # dropless
+    assert 0.5 < stats["load_balancing"] < 2 and stats["z_loss"] > 0
+    # The loss is the cross entropy plus each block's weighted auxiliary losses.
+    blocks = MOE.num_layers
+    expected = (
+        stats["cross_entropy"]
+        + lm.LOAD_BALANCING_WEIGHT * blocks * stats["load_balancing"]
+        + lm.Z_LOSS_WEIGHT * blocks * stats["z_loss"]
+    )
+    np.testing.assert_allclose(summary["losses"][-1], expected, rtol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def serial_experts():
+    run = run_config("data=1", microbatches=1)
+    return train_lm.train(
+        run, config=MOE, devices=jax.devices()[:1], progress=False, show_layout=False
+    )
+
+
+def test_experts_in_3d_with_fsdp_train_like_one_device(serial_experts):
+    # The experts over `expert`, each expert's hidden units over `model`, and (FSDP) their
+    # weights over `data` too; the batch rows over data and expert.
+    run = run_config("data=2,expert=2,model=2", fsdp=True)
+    mesh = train_lm.make_mesh(run.mesh)
+    model = train_lm.build_model(MOE, run, mesh)
+    moe = model.body.stages.layers.moe
+    assert (moe.expert_axis_name, moe.model_axis_name) == ("expert", "model")
+    specs = train_lm.storage_specs(model, mesh, fsdp=True).body.stages.layers.moe
+    assert specs.up == P("pipe", None, "expert", "data", "model")  # [S, L/S, E, d, h]
+    assert specs.down == P("pipe", None, "expert", "model", "data")
+    losses, model = train_lm.train(run, config=MOE, progress=False, show_layout=False)
+    serial_losses, serial_model = serial_experts
+    assert lm.model_order(model).body.moe.expert_axis_name is None  # the serial form
+    np.testing.assert_allclose(losses, serial_losses, rtol=1e-5)
+    for got, want in zip(arrays(model), arrays(serial_model), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-6)
+
+
+def test_experts_bad_combinations_are_refused(capsys):
+    def refused(config, mesh, match, **options):
+        with pytest.raises(SystemExit, match=match):
+            train_lm.check_sizes(config, dataclasses.replace(run_config(mesh), **options))
+
+    refused(
+        dataclasses.replace(MOE, num_experts=6),
+        "data=2,expert=4",
+        r"--experts 6 must divide by expert=4 .*: choose --experts 8 or expert=1, 2, 3 or 6 "
+        r"in --mesh\.$",
+    )
+    refused(dataclasses.replace(MOE, top_k=9), "data=2,expert=4", "--top-k 9 must be at most")
+    refused(MOE, "data=2,expert=2,pipe=2", r"--experts does not run with a pipe axis \(pipe=2\)")
+    refused(MOE, "data=2,expert=4", "--schedule 1f1b runs the pipeline's own", schedule="1f1b")
+    refused(TINY, "data=2,expert=4", "expert=4 in --mesh splits the experts .* give --experts")
+    refused(MOE, "data=4,expert=2", r"batch_size=4 must divide by data x expert = 8", batch_size=4)
+    with pytest.raises(SystemExit, match="--experts 6 must divide by expert=4"):
+        train_lm.main(["--experts", "6", "--mesh", "data=2,expert=4", "--size", "tiny"])
+    assert capsys.readouterr().out == ""  # refused before any output
+    text = " ".join(train_lm.build_parser().format_help().split())
+    assert "--experts EXPERTS a mixture of E experts" in text and "--top-k TOP_K" in text

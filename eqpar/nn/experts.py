@@ -191,7 +191,9 @@ class MixtureOfExperts(eqx.Module):
         self.__check_init__()
 
     def __check_init__(self) -> None:
-        num_experts = self.up.shape[0]  # built in global view
+        # Built in global view; `[..., E, features, hidden]`: a stack of layers (say the
+        # `[L, ...]` of a scanned stack that a plan converts) has the same E.
+        num_experts = self.up.shape[-3]
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int):
             raise TypeError(f"MixtureOfExperts: `top_k` must be an int, got {self.top_k!r}.")
         if not 1 <= self.top_k <= num_experts:
