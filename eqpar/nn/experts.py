@@ -31,7 +31,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .._axes import axis_size
-from .._batching import under_vmap
+from .._tracing import pipeline_axes, under_vmap
 from .._vma import cast_varying, varies_over, varying_axes
 from ._twins import instance_with
 
@@ -63,9 +63,12 @@ def expert_buffer_rows(tokens: int, top_k: int, axis_size: int, buffer_factor: f
     ```python
     from eqpar.nn.experts import expert_buffer_rows
     assert expert_buffer_rows(64, 2, 4, 1.25) == 40  # balanced 32 per pair, x1.25
+    assert expert_buffer_rows(50, 4, 4, 1.1) == 55
     ```
     """
-    return max(1, math.ceil(buffer_factor * tokens * top_k / axis_size))
+    # Rounded before the ceiling: 1.1 * 50 * 4 / 4 is 55.00000000000001 in binary floating
+    # point, which is 55 rows, not 56.
+    return max(1, math.ceil(round(buffer_factor * tokens * top_k / axis_size, 6)))
 
 
 def _uniform(key: PRNGKeyArray, shape: tuple[int, ...], fan_in: int, dtype) -> Array:
@@ -409,8 +412,9 @@ class MixtureOfExperts(eqx.Module):
 
     def _token_axes(self, x: Array) -> tuple:
         # The mesh axes the tokens are split over: where shard_map types them (check_vma),
-        # every axis they vary over; the expert axis always splits them.
-        axes = set(varying_axes(x))
+        # every axis they vary over but a pipeline's (its stages hold other microbatches,
+        # at other steps); the expert axis always splits them.
+        axes = set(varying_axes(x)) - pipeline_axes()
         if self.expert_axis_name is not None:
             axes.add(self.expert_axis_name)
         return tuple(sorted(axes, key=str))
@@ -460,7 +464,10 @@ class MixtureOfExperts(eqx.Module):
         else:
             per_pair = expert_buffer_rows(num_tokens, self.top_k, n, self.buffer_factor)
             per_pair = min(per_pair, assignments)
-        static = self._static(n, per_pair)
+        static = dataclasses.replace(
+            self._static(n, per_pair),
+            operand_axes=tuple(varying_axes(leaf) for leaf in jax.tree.leaves((rows, params))),
+        )
         meta = _routing_meta(sorted_experts, static, self.num_experts)
         if self.capacity_factor is not None:
             return _one_round(static, jnp.int32(0), meta, rows, params)
@@ -505,6 +512,10 @@ class _Static:
     local_experts: int
     activation: Callable
     model_axis_name: Hashable | None
+    # The replication types of the loop's operands (rows, then each parameter leaf), for
+    # its backward, whose residuals may come back typed otherwise (read from a pipeline
+    # schedule's buffer, say).
+    operand_axes: tuple = ()
 
 
 class _RoutingMeta(NamedTuple):
@@ -609,14 +620,21 @@ def _rounds_forward(static, meta, rows, params):
 def _rounds_backward(static, residuals, cotangent):
     meta, rows, params = residuals
 
+    def typed(tree: tuple) -> tuple:
+        # Residuals and cotangents typed as the operands were (see `_Static.operand_axes`).
+        leaves, treedef = jax.tree.flatten(tree)
+        typed_leaves = [cast_varying(a, axes) for a, axes in zip(leaves, static.operand_axes)]
+        return jax.tree.unflatten(treedef, typed_leaves)
+
+    rows, params = typed((rows, params))
+
     def accumulate(round_index, grads):
         _, pullback = jax.vjp(
             lambda rows, params: _one_round(static, round_index, meta, rows, params), rows, params
         )
-        step = pullback(cotangent)
-        return jax.tree.map(jnp.add, grads, step)
+        return typed(jax.tree.map(jnp.add, grads, pullback(cotangent)))
 
-    zeros = jax.tree.map(jnp.zeros_like, (rows, params))
+    zeros = typed(jax.tree.map(jnp.zeros_like, (rows, params)))
     grad_rows, grad_params = lax.fori_loop(0, meta.rounds, accumulate, zeros)
     return None, grad_rows, grad_params
 

@@ -34,8 +34,8 @@ from jax.extend.core import Literal
 from jaxtyping import PyTree
 
 from .._axes import bound_axis_size
-from .._batching import under_vmap
 from .._paths import path_to_str
+from .._tracing import under_vmap
 from .._typing import AxisName
 from .._vma import varying_axes
 from ..pipeline._microbatch import Microbatched

@@ -11,6 +11,7 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, PyTree
 
+from .._tracing import pipeline_stage
 from .._typing import AxisName
 from .._vma import cast_varying as _cast_varying
 from .._vma import varies_over as _varies_over
@@ -135,12 +136,14 @@ def run_schedule(
     stage's slice of the stacked weights; with a policy it also skips the stage in each
     device's idle steps (see `StepLoop.skips_bubbles`).
     """
-    loop = StepLoop(
-        program, stages, loss_fn, microbatches, target_microbatches, arguments_at,
-        axis_name=axis_name, loss_dtype=loss_dtype, return_all_grads=return_all_grads,
-        loss_on_every_device=loss_on_every_device, stage_policy=stage_policy, shards=shards,
-    )  # fmt: skip
-    state, _ = typed_scan(loop.step, loop.initial_state(), step_indices(len(program.kind)))
+    with pipeline_stage(axis_name):  # every trace of a stage, its shapes' probes included
+        loop = StepLoop(
+            program, stages, loss_fn, microbatches, target_microbatches, arguments_at,
+            axis_name=axis_name, loss_dtype=loss_dtype, return_all_grads=return_all_grads,
+            loss_on_every_device=loss_on_every_device, stage_policy=stage_policy,
+            shards=shards,
+        )  # fmt: skip
+        state, _ = typed_scan(loop.step, loop.initial_state(), step_indices(len(program.kind)))
     return state
 
 
