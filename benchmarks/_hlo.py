@@ -94,6 +94,9 @@ class CollectiveOp:
     # collective-permute each source-target pair.
     groups: tuple[tuple[int, ...], ...] = dataclasses.field(default=(), compare=False, repr=False)
     in_conditional: bool = False
+    # Whether it sits in the body of a `while` loop whose trip count the compiler does not
+    # state (a `fori_loop` with a bound computed at run time), at any depth: counted once.
+    in_unknown_loop: bool = False
     # The fraction of its `executions` that run: 1, or for a branch counted at the share of
     # its conditional's executions that take it (`collective_ops(shares=...)`).
     share: float = 1.0
@@ -333,7 +336,7 @@ def _parse(text: str):
     partitions = re.search(r"num_partitions=(\d+)", text)
     num_partitions = int(partitions.group(1)) if partitions else 1
     computations: dict[
-        str, tuple[list[CollectiveOp], list[tuple[tuple[str, ...], int, bool]], int]
+        str, tuple[list[CollectiveOp], list[tuple[tuple[str, ...], int, bool, bool]], int]
     ] = {}
     entry = None
     current = None
@@ -368,29 +371,31 @@ def _parse(text: str):
                 received *= _permute_share(line, num_partitions)
             groups = device_groups(line, num_partitions)
             ops.append(CollectiveOp(base, instruction["name"], result, group, received, 1, groups))
-        multiplier = 1
+        multiplier, unknown_trip = 1, False
         if opcode == "while":
             trip = _TRIP_COUNT.search(line)
             if trip:
                 multiplier = int(trip["n"])
             else:
                 unknown += 1
+                unknown_trip = True
         predicated = []  # a conditional on a predicate: its true and false computations
         for match in _CALLEE_SINGLE.finditer(line):
             if match["attr"] in ("true_computation", "false_computation"):
                 predicated.append(match["name"])
             else:
+                body = match["attr"] == "body"
                 callees.append(
-                    ((match["name"],), multiplier if match["attr"] == "body" else 1, False)
+                    ((match["name"],), multiplier if body else 1, False, body and unknown_trip)
                 )
         if predicated:
-            callees.append((tuple(predicated), 1, True))
+            callees.append((tuple(predicated), 1, True, False))
         for match in _CALLEE_LIST.finditer(line):
             names = [n.strip().lstrip("%") for n in match["names"].split(",") if n.strip()]
             if match["attr"] == "branch_computations":
-                callees.append((tuple(names), 1, True))
+                callees.append((tuple(names), 1, True, False))
             else:
-                callees.extend(((name,), 1, False) for name in names)
+                callees.extend(((name,), 1, False, False) for name in names)
         computations[current] = (ops, callees, unknown)
     if entry is None:
         raise ValueError("no ENTRY computation found: pass compiled.as_text() of a program.")
@@ -416,17 +421,26 @@ def collective_ops(
     computations, entry = _parse(_text(compiled_or_text))
 
     def visit(
-        name: str, executions: int, path: tuple[str, ...], in_branch: bool
+        name: str, executions: int, path: tuple[str, ...], in_branch: bool, in_loop: bool
     ) -> list[CollectiveOp]:
         if name not in computations or name in path:
             return []
         ops, callees, _ = computations[name]
         found = [
-            dataclasses.replace(op, executions=executions, in_conditional=in_branch) for op in ops
+            dataclasses.replace(
+                op, executions=executions, in_conditional=in_branch, in_unknown_loop=in_loop
+            )
+            for op in ops
         ]
-        for names, multiplier, branches in callees:
+        for names, multiplier, branches, unknown_loop in callees:
             reached = [
-                visit(n, executions * multiplier, (*path, name), in_branch or branches)
+                visit(
+                    n,
+                    executions * multiplier,
+                    (*path, name),
+                    in_branch or branches,
+                    in_loop or unknown_loop,
+                )
                 for n in names
             ]
             weights = shares(reached) if branches and shares is not None else None
@@ -437,7 +451,7 @@ def collective_ops(
                 found.extend(dataclasses.replace(op, share=op.share * weight) for op in ops)
         return found
 
-    return visit(entry, 1, (), False)
+    return visit(entry, 1, (), False, False)
 
 
 def _moved(ops: list[CollectiveOp]) -> float:

@@ -11,7 +11,7 @@ model the layer's input has a gradient). Four tables:
    against the ideal: each (token, choice) assignment's hidden state sent to its expert's
    device and back, forward and backward, counting the (n-1)/n of the assignments that
    leave the device under balanced routing. The exchange of counts (integers) is reported
-   on its own, and so is one round of the fallback that a step overflowing the buffers runs.
+   on its own, and so is one further round, which a step overflowing the buffers runs.
 2. **Receive buffers** per device (`n * expert_buffer_rows(...)`) against the balanced size
    `T * top_k`, and the rounds the exchange runs at measured routing skews (forward passes
    on more tokens): routers with a bias that balances the experts exactly, plus a bias on
@@ -21,7 +21,7 @@ model the layer's input has a gradient). Four tables:
 3. **Temp memory** per device (`memory_analysis`) of the training step against a dense MLP
    of the same active parameters (hidden `top_k * H`) on the same tokens; also the serial
    layer on one device, and the expert-parallel layer with a capacity factor giving the
-   same buffer (one round, no fallback).
+   same buffer (one round, no loop over further rounds).
 4. **Compile time** against the number of experts (8 to 64): flat, since no Python loop
    runs over experts (grouped matmuls by `lax.ragged_dot`).
 
@@ -146,31 +146,26 @@ def _moved(ops: list[CollectiveOp]) -> float:
     return sum(op.executions * op.share * op.bytes_per_device for op in ops)
 
 
-def _fewest(branches: list[list[CollectiveOp]]) -> list[float]:
-    """The branch of each conditional that moves the fewest bytes: the one-round path."""
-    least = min(range(len(branches)), key=lambda i: _moved(branches[i]))
-    return [float(i == least) for i in range(len(branches))]
-
-
 def exchange_bytes(compiled, rows_per_pair: int) -> dict:
-    """The exchange's collectives in the compiled step: the hidden states' all-to-alls on the
-    one-round path (bytes, count), one round of the fallback loop, the counts exchange (the
-    integer collectives) and the rest (gradient and loss reductions)."""
+    """The exchange's collectives in the compiled step: the hidden states' all-to-alls of
+    round 0 (bytes, count), one round of the loop over further rounds (its body, whose trip
+    count is the run's: counted once), the counts exchange (the integer collectives) and the
+    rest (gradient and loss reductions)."""
     text = _text(compiled)
     integer = lambda op: _dtype(text, op.name)[0] in "spu"  # s32, u32, pred
     hidden = lambda op: op.kind == "all-to-all" and not integer(op)
-    one_round = collective_ops(text, shares=_fewest)
-    # The default counts the busiest branch, the fallback's loop body once: one round.
-    fallback = [op for op in collective_ops(text) if hidden(op) and op.in_conditional]
-    hidden_ops = [op for op in one_round if hidden(op)]
+    ops = collective_ops(text)
+    once = [op for op in ops if not op.in_unknown_loop]
+    further = [op for op in ops if hidden(op) and op.in_unknown_loop]
+    hidden_ops = [op for op in once if hidden(op)]
     assert all(op.array_bytes % (rows_per_pair * FEATURES * ITEMSIZE) == 0 for op in hidden_ops)
     return {
         "hidden": _moved(hidden_ops),
         "hidden_ops": round(sum(op.executions * op.share for op in hidden_ops)),
-        "fallback_round": _moved(fallback),
-        "fallback_ops": len(fallback),
-        "counts": _moved([op for op in one_round if integer(op)]),
-        "other": _moved([op for op in one_round if not hidden(op) and not integer(op)]),
+        "fallback_round": _moved(further),
+        "fallback_ops": len(further),
+        "counts": _moved([op for op in once if integer(op)]),
+        "other": _moved([op for op in once if not hidden(op) and not integer(op)]),
     }
 
 
@@ -206,7 +201,7 @@ def measure_exchange() -> list[dict]:
 def exchange_table(rows: list[dict]) -> str:
     lines = [
         "| mesh | n | buffer_factor | rows/pair C | ideal KiB | all-to-all KiB | ratio "
-        "| all-to-alls | counts exchange B | fallback KiB/round (ratio) | other collectives KiB |",
+        "| all-to-alls | counts exchange B | further round KiB (ratio) | other collectives KiB |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -224,14 +219,15 @@ def exchange_table(rows: list[dict]) -> str:
         "T x k x F x 4 bytes: each (token, choice) assignment's hidden state goes to its "
         "expert's device and back (forward), and both transposes run backward; only the "
         "(n-1)/n share of the assignments that leaves the device under balanced routing "
-        "counts. Measured: the all-to-alls of hidden states on the one-round path (each "
-        "conditional's branch moving the fewest bytes), each receiving (n-1)/n of its "
+        "counts. Measured: the all-to-alls of hidden states of round 0 (outside the loop "
+        "over further rounds), each receiving (n-1)/n of its "
         "[n, C, F] buffer, C = ceil(buffer_factor x T k / n) rows per (source, destination) "
         "pair; so the ratio is n C / (T k) = buffer_factor. Counts exchange: the integer "
-        "collectives (all-to-all of per-expert counts, pmax of the rounds). Fallback: one "
-        f"round of the loop a step runs when its routing overflows C ({'/'.join(map(str, ops))} "
+        "collectives (all-to-all of per-expert counts, pmax of the rounds). Further round: "
+        f"one trip of the loop a step runs when its routing overflows C ({'/'.join(map(str, ops))} "
         "all-to-alls per round: dispatch and combine forward, and in the backward the "
-        "dispatch recomputed plus both transposes). Other collectives: the gradient and "
+        "dispatch recomputed plus both transposes; round 0's backward uses what its forward "
+        "kept). Other collectives: the gradient and "
         "router-loss reductions (not part of the exchange).\n\n" + "\n".join(lines) + "\n"
     )
 
@@ -439,10 +435,9 @@ def memory_table(rows: list[dict]) -> str:
         "into a [rows, F, G] copy for G local experts (on GPU and TPU it becomes XLA's "
         "ragged-dot instruction), so temp grows with E / n (the last table's temp column) "
         "and the serial layer, with all its experts on one device, holds the most. "
-        "(b) The dropless layer also compiles the fallback loop (behind a `lax.cond`), whose "
-        "buffers add to the one-round path's: dropless over capacity factor at the same C: "
-        + fallback
-        + ".\n"
+        "(b) The dropless layer also holds the loop over further rounds (round 0's "
+        "residuals are kept; a further round recomputes its own in the backward): dropless "
+        "over capacity factor at the same C: " + fallback + ".\n"
     )
 
 

@@ -471,11 +471,7 @@ class MixtureOfExperts(eqx.Module):
         meta = _routing_meta(sorted_experts, static, self.num_experts)
         if self.capacity_factor is not None:
             return _one_round(static, jnp.int32(0), meta, rows, params)
-        return lax.cond(
-            meta.rounds <= 1,
-            lambda: _one_round(static, jnp.int32(0), meta, rows, params),
-            lambda: _rounds(static, meta, rows, params),
-        )
+        return _rounds(static, meta, rows, params)
 
 
 def _is_identity(fn: object) -> bool:
@@ -602,11 +598,17 @@ def _one_round(
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _rounds(static: _Static, meta: _RoutingMeta, rows: Array, params: _ExpertParams) -> Array:
-    """Every round of the exchange, for a step whose routing overflows one round's buffers.
-    A loop with a trip count known only at run time has no reverse-mode rule, so the backward
-    pass runs its own loop, recomputing each round's forward (as remat would)."""
+    """Every round of the exchange: round 0, then as many more as the routing needs (a step
+    whose busiest device pair overflows one round's buffers). A loop with a trip count
+    known only at run time has no reverse-mode rule, so the backward pass is this
+    function's own: round 0's pullback from what its forward kept, then a loop over the
+    further rounds that recomputes each one's forward (as remat would)."""
+    return _rounds_forward(static, meta, rows, params)[0]
+
+
+def _further_rounds(static: _Static, meta: _RoutingMeta, rows: Array, params: _ExpertParams):
     return lax.fori_loop(
-        0,
+        1,
         meta.rounds,
         lambda r, total: total + _one_round(static, r, meta, rows, params),
         jnp.zeros_like(rows),
@@ -614,11 +616,15 @@ def _rounds(static: _Static, meta: _RoutingMeta, rows: Array, params: _ExpertPar
 
 
 def _rounds_forward(static, meta, rows, params):
-    return _rounds(static, meta, rows, params), (meta, rows, params)
+    first, pullback = jax.vjp(
+        lambda rows, params: _one_round(static, jnp.int32(0), meta, rows, params), rows, params
+    )
+    out = first + _further_rounds(static, meta, rows, params)
+    return out, (meta, rows, params, pullback)
 
 
 def _rounds_backward(static, residuals, cotangent):
-    meta, rows, params = residuals
+    meta, rows, params, first_pullback = residuals
 
     def typed(tree: tuple) -> tuple:
         # Residuals and cotangents typed as the operands were (see `_Static.operand_axes`).
@@ -634,8 +640,8 @@ def _rounds_backward(static, residuals, cotangent):
         )
         return typed(jax.tree.map(jnp.add, grads, pullback(cotangent)))
 
-    zeros = typed(jax.tree.map(jnp.zeros_like, (rows, params)))
-    grad_rows, grad_params = lax.fori_loop(0, meta.rounds, accumulate, zeros)
+    first = typed(first_pullback(cotangent))
+    grad_rows, grad_params = lax.fori_loop(1, meta.rounds, accumulate, first)
     return None, grad_rows, grad_params
 
 
