@@ -431,7 +431,7 @@ class MixtureOfExperts(eqx.Module):
 
     def _exchange(
         self, params: "_ExpertParams", rows: Array, sorted_experts: Array, num_tokens: int
-    ):
+    ) -> Array:
         axis = self.expert_axis_name
         n = axis_size(axis, "MixtureOfExperts", argument="expert_axis_name")
         if self.num_experts % n:
@@ -471,7 +471,7 @@ class MixtureOfExperts(eqx.Module):
         meta = _routing_meta(sorted_experts, static, self.num_experts)
         if self.capacity_factor is not None:
             return _one_round(static, jnp.int32(0), meta, rows, params)
-        return _rounds(static, meta, rows, params)
+        return _rounds(static, meta, rows, params)  # pyright: ignore[reportReturnType]
 
 
 def _is_identity(fn: object) -> bool:
