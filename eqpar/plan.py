@@ -638,6 +638,13 @@ class ExpertParallel(Style):
                     f"ExpertParallel: `{name}` must be None (the layer's own) or a positive "
                     f"number, got {value!r}."
                 )
+        for name in ("axis_name", "model_axis_name"):
+            if isinstance(getattr(self, name), tuple | list):
+                raise TypeError(
+                    f"ExpertParallel: `{name}` must name one mesh axis, got "
+                    f"{getattr(self, name)!r}; to use more devices, make one axis of their "
+                    f"product (e.g. a mesh axis 'expert' of size 8)."
+                )
         if self.axis_name == self.model_axis_name:
             raise ValueError(
                 f"ExpertParallel: `axis_name` and `model_axis_name` are both "
@@ -651,6 +658,13 @@ class ExpertParallel(Style):
 
     def convert(self, layer: PyTree) -> PyTree:
         moe = self._layer(layer, check=True)
+        if moe.origin is not None and self.capacity_factor is not None:
+            raise ValueError(
+                f"ExpertParallel: capacity_factor={self.capacity_factor} would drop tokens "
+                f"the author's {type(layer).__name__} keeps (and `unparallelize` could not "
+                f"give that back). Convert it dropless, or write the layer as a "
+                f"MixtureOfExperts with its own capacity_factor."
+            )
         options: dict[str, Any] = {
             "expert_axis_name": self.axis_name,
             "model_axis_name": self.model_axis_name,

@@ -255,11 +255,9 @@ def experts_problems(config: lm.LMConfig, run: RunConfig) -> list[str]:
     if run.mesh[lm.PIPE] > 1:
         # A stage routes one microbatch at a time, so its auxiliary losses would be those of
         # a microbatch, not of the whole batch as on one device (the load-balancing loss is
-        # not linear in the tokens). Besides, `MixtureOfExperts` totals its statistics over
-        # every mesh axis its input varies over, which inside a stage includes the pipe
-        # axis, where the other devices run other stages on other microbatches. The
-        # pipeline schedules also take their loss from the head alone (`Head`), not from
-        # the blocks' statistics carried beside the activations.
+        # not linear in the tokens). The pipeline schedules also take their loss from the
+        # head alone (`Head`), not from the blocks' statistics carried beside the
+        # activations.
         problems.append(
             f"--experts does not run with a pipe axis (pipe={run.mesh[lm.PIPE]}): a pipelined "
             f"stage routes one microbatch at a time, so its auxiliary losses would not be "

@@ -210,6 +210,24 @@ def test_data_groups_that_need_different_rounds_do_not_wait_on_each_other():
     check_expert_parallel_step(parallel, x, mesh, token_axes=("data", "expert"))
 
 
+def test_bfloat16_tokens_with_float32_experts_mix_in_float32_as_the_serial_layer():
+    mesh = mesh_of((2, 4), ("data", "expert"))
+    moe = make_moe(skew=2.0)
+    x = tokens().astype(jnp.bfloat16)
+    parallel = eqpar.parallelize(moe, {"": eqpar.ExpertParallel(buffer_factor=0.5)}, mesh=mesh)
+    forward = eqpar.shard_map(
+        lambda m, x: m(x)[0],
+        mesh=mesh,
+        in_specs=(eqpar.partition_specs(parallel), P(("data", "expert"))),
+        out_specs=P(("data", "expert")),
+    )
+    y = eqx.filter_jit(forward)(parallel, x)
+    expected = eqx.filter_jit(lambda m, x: m(x)[0])(moe, x)
+    assert y.dtype == expected.dtype == jnp.bfloat16
+    # Both mix in float32 and round once: equal but for the order of the float32 sums.
+    assert_arrays_close(y.astype(jnp.float32), expected.astype(jnp.float32), rtol=1e-2)
+
+
 def test_the_data_axis_can_hold_the_experts():
     mesh = mesh_of((8,), ("data",))
     moe = make_moe(skew=3.0)
@@ -285,13 +303,13 @@ class HandWrittenExperts(eqx.Module):
     experts: list
     top_k: int = eqx.field(static=True)
 
-    def __init__(self, key, top_k=2):
+    def __init__(self, key, top_k=2, container=list, **biases):
         keys = jax.random.split(key, 9)
         self.router = eqx.nn.Linear(FEATURES, 8, use_bias=False, key=keys[0])
-        self.experts = [
-            eqx.nn.MLP(FEATURES, FEATURES, HIDDEN, 1, activation=jax.nn.relu, key=k)
+        self.experts = container(
+            eqx.nn.MLP(FEATURES, FEATURES, HIDDEN, 1, activation=jax.nn.relu, key=k, **biases)
             for k in keys[1:]
-        ]
+        )
         self.top_k = top_k
 
     def __call__(self, x):
@@ -306,16 +324,25 @@ class HandWrittenModel(eqx.Module):
     moe: HandWrittenExperts
     head: eqx.nn.Linear
 
-    def __init__(self, key):
+    def __init__(self, key, **form):
         k1, k2 = jax.random.split(key)
-        self.moe, self.head = HandWrittenExperts(k1), eqx.nn.Linear(FEATURES, 4, key=k2)
+        self.moe, self.head = HandWrittenExperts(k1, **form), eqx.nn.Linear(FEATURES, 4, key=k2)
 
     def __call__(self, x):
         return jax.vmap(self.head)(x + self.moe(x))
 
 
-def test_the_hand_written_form_is_converted_and_given_back():
-    model = HandWrittenModel(jax.random.key(2))
+@pytest.mark.parametrize(
+    "form",
+    [
+        {},
+        {"container": tuple, "use_bias": False},  # a final bias only
+        {"use_bias": False, "use_final_bias": False},
+    ],
+    ids=["list-biases", "tuple-final-bias", "no-biases"],
+)
+def test_the_hand_written_form_is_converted_and_given_back(form):
+    model = HandWrittenModel(jax.random.key(2), **form)
     mesh = mesh_of((2, 4), ("data", "expert"))
     parallel = eqpar.parallelize(model, {"moe": eqpar.ExpertParallel()}, mesh=mesh)
     assert isinstance(parallel.moe, MixtureOfExperts) and parallel.moe.top_k == 2
@@ -443,7 +470,25 @@ def test_bad_inputs_name_the_argument_and_the_fix():
     )
     with pytest.raises(ValueError, match=r"Split the batch over it.*P\(\('data', 'expert'\)\)"):
         forward(parallel, tokens())
+    with pytest.raises(TypeError, match="must name one mesh axis"):
+        eqpar.ExpertParallel(axis_name=("data", "expert"))
+    with pytest.raises(ValueError, match=r"capacity_factor=0.5 would drop tokens"):
+        eqpar.parallelize(
+            HandWrittenExperts(jax.random.key(0)), {"": eqpar.ExpertParallel(capacity_factor=0.5)}
+        )
+    unchecked = jax.shard_map(
+        lambda m, x: m(x)[0],
+        mesh=jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "expert")),
+        in_specs=(eqpar.partition_specs(parallel), P(("data", "expert"))),
+        out_specs=P(("data", "expert")),
+        check_vma=False,
+    )
+    with pytest.raises(ValueError, match="check_vma=False"):
+        unchecked(parallel, tokens())
     keys = jax.random.split(jax.random.key(0), 3)
+    clipped = [eqx.nn.MLP(8, 8, 16, 1, final_activation=jax.nn.hard_tanh, key=k) for k in keys[1:]]
+    with pytest.raises(TypeError, match="no final activation"):
+        MixtureOfExperts.from_experts(eqx.nn.Linear(8, 2, key=keys[0]), clipped, top_k=1)
     deep = [eqx.nn.MLP(8, 8, 16, 2, key=k) for k in keys[1:]]
     with pytest.raises(TypeError, match=r"experts/0 must be an eqx\.nn\.MLP of depth 1"):
         MixtureOfExperts.from_experts(eqx.nn.Linear(8, 2, key=keys[0]), deep, top_k=1)

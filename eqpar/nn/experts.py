@@ -30,7 +30,7 @@ from jax.core import Tracer
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from .._axes import axis_size
+from .._axes import axis_size, bound_axis_size
 from .._tracing import pipeline_axes, under_vmap
 from .._vma import cast_varying, varies_over, varying_axes
 from ._twins import instance_with
@@ -90,7 +90,11 @@ class MixtureOfExperts(eqx.Module):
 
     The layer takes a whole batch of tokens, `[..., features]` (call it on the batch, not
     under a per-example `jax.vmap`: the grouped matmul batches tokens itself). It returns the
-    output and the `RouterLosses`.
+    output and the `RouterLosses`. Inside a pipeline stage the batch of a call is a
+    microbatch, so the router losses are those of its tokens (the load-balancing loss is not
+    linear in the tokens: a mean over microbatches differs from the whole batch's). Under
+    expert parallelism the layer has a reverse-mode derivative (`jax.grad`) only, not a
+    forward-mode or second one.
 
     **Capacity.** By default no assignment is dropped. With `capacity_factor=c`, each expert
     takes at most `ceil(c * T * top_k / E)` of the `T` tokens of a call on one device (first
@@ -307,15 +311,24 @@ class MixtureOfExperts(eqx.Module):
                     f"the same activation as experts/0 and no final activation; got "
                     f"{type(expert).__name__}. Write other experts as a MixtureOfExperts."
                 )
-        biases = [(e.layers[0].bias, e.layers[1].bias) for e in experts]
-        use_bias = all(b is not None for pair in biases for b in pair)
+        stacked_biases = []
+        for position in (0, 1):  # each Linear's bias: every expert's, or none
+            biases = [e.layers[position].bias for e in experts]
+            present = [b is not None for b in biases]
+            if any(present) and not all(present):
+                raise TypeError(
+                    f"MixtureOfExperts.from_experts: the experts' layers[{position}] have a "
+                    f"bias in some experts and none in others (experts/"
+                    f"{present.index(not present[0])}); give every expert the same form."
+                )
+            stacked_biases.append(jnp.stack(biases) if all(present) else None)  # type: ignore[arg-type]
         fields = {
             "router": router,
             "up": jnp.stack([e.layers[0].weight.T for e in experts]),
             "down": jnp.stack([e.layers[1].weight.T for e in experts]),
             "gate": None,
-            "up_bias": jnp.stack([pair[0] for pair in biases]) if use_bias else None,  # type: ignore[misc]
-            "down_bias": jnp.stack([pair[1] for pair in biases]) if use_bias else None,  # type: ignore[misc]
+            "up_bias": stacked_biases[0],
+            "down_bias": stacked_biases[1],
             "activation": experts[0].activation,
             "top_k": top_k,
             "normalize_weights": normalize_weights,
@@ -325,11 +338,6 @@ class MixtureOfExperts(eqx.Module):
             "buffer_factor": 1.25,
             "origin": None,
         }
-        if not use_bias and any(b is not None for pair in biases for b in pair):
-            raise TypeError(
-                "MixtureOfExperts.from_experts: some experts' Linears have biases and some do "
-                "not; give every expert the same form."
-            )
         moe = instance_with(cls, fields)
         moe.__check_init__()
         return moe
@@ -358,6 +366,19 @@ class MixtureOfExperts(eqx.Module):
             raise TypeError(_UNDER_VMAP)
         tokens = x.reshape(-1, features)
         model = self.model_axis_name
+        for name, axis in (("expert_axis_name", self.expert_axis_name), ("model_axis_name", model)):
+            if (
+                axis is not None
+                and bound_axis_size(axis) is not None
+                and varies_over(x, axis) is None
+            ):
+                raise ValueError(
+                    f"MixtureOfExperts: `{name}={axis!r}` is bound, but shard_map runs with "
+                    f"check_vma=False, so the layer cannot tell which axes split the tokens "
+                    f"(the router losses sum over them; sequence-split tokens are gathered). "
+                    f"Run it under shard_map's default check_vma=True (eqpar.shard_map's "
+                    f"default too)."
+                )
         split_over_model = model is not None and bool(varies_over(tokens, model))
         if split_over_model:
             # Sequence parallelism: this device holds its own tokens, but its experts hold
@@ -478,7 +499,8 @@ def _is_identity(fn: object) -> bool:
     if isinstance(fn, eqx.nn.Identity):
         return True
     try:
-        probe = jnp.arange(3.0) - 1.0
+        # Beyond [-1, 1] too, where clipping activations (hard_tanh) part from the identity.
+        probe = jnp.array([-7.5, -2.0, -1.0, -0.25, 0.0, 0.5, 1.0, 3.0, 11.0])
         return bool(jnp.array_equal(fn(probe), probe))  # type: ignore[operator]
     except Exception:
         return False
@@ -593,7 +615,9 @@ def _one_round(
     )
     out = jnp.zeros_like(out_sorted).at[order].set(out_sorted)
     back = lax.all_to_all(out.reshape(received.shape), static.axis_name, 0, 0, tiled=True)
-    return jnp.zeros_like(rows).at[send_index].add(back, mode="drop")
+    # In the experts' result type (float32 parameters on bfloat16 tokens mix in float32,
+    # as the serial layer does).
+    return jnp.zeros(rows.shape, back.dtype).at[send_index].add(back, mode="drop")
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -607,11 +631,12 @@ def _rounds(static: _Static, meta: _RoutingMeta, rows: Array, params: _ExpertPar
 
 
 def _further_rounds(static: _Static, meta: _RoutingMeta, rows: Array, params: _ExpertParams):
+    dtype = jnp.result_type(rows, params.up)
     return lax.fori_loop(
         1,
         meta.rounds,
         lambda r, total: total + _one_round(static, r, meta, rows, params),
-        jnp.zeros_like(rows),
+        cast_varying(jnp.zeros(rows.shape, dtype), varying_axes(rows)),
     )
 
 
@@ -680,7 +705,7 @@ def experts_layer(
         return layer
     router = getattr(layer, "router", None)
     experts = getattr(layer, "experts", None)
-    if not isinstance(layer, eqx.Module) or router is None or not isinstance(experts, list | tuple):
+    if not isinstance(layer, eqx.Module) or router is None or type(experts) not in (list, tuple):
         raise TypeError(
             f"expected an eqpar.nn.MixtureOfExperts, or a module with a `router` "
             f"(eqx.nn.Linear) and a list of `experts` (eqx.nn.MLP of depth 1); got "
@@ -701,9 +726,13 @@ def experts_layer(
     chosen = own if top_k is None else top_k
     assert chosen is not None  # one of them was checked above
     moe = MixtureOfExperts.from_experts(
-        router, experts, top_k=chosen, normalize_weights=normalize_weights
+        router,
+        experts,  # pyright: ignore[reportArgumentType]  # a list or tuple, checked above
+        top_k=chosen,
+        normalize_weights=normalize_weights,
     )
-    skeleton = eqx.tree_at(lambda m: (m.router, m.experts), layer, (None, None))
+    # The author's module without its weights; `experts` holds the list or tuple type.
+    skeleton = eqx.tree_at(lambda m: (m.router, m.experts), layer, (None, type(experts)))
     left = [leaf for leaf in jax.tree.leaves(skeleton) if eqx.is_array(leaf)]
     if left:
         raise TypeError(
@@ -769,22 +798,22 @@ def serial_experts(moe: MixtureOfExperts) -> eqx.Module:
             1,
             activation=moe.activation,
             use_bias=moe.up_bias is not None,
+            use_final_bias=moe.down_bias is not None,
             key=jax.random.key(0),
             dtype=moe.up.dtype,
         )
         weights = [moe.up[index].T, moe.down[index].T]
         mlp = eqx.tree_at(lambda m: (m.layers[0].weight, m.layers[1].weight), mlp, tuple(weights))
-        if moe.up_bias is not None and moe.down_bias is not None:
-            mlp = eqx.tree_at(
-                lambda m: (m.layers[0].bias, m.layers[1].bias),
-                mlp,
-                (moe.up_bias[index], moe.down_bias[index]),
-            )
+        if moe.up_bias is not None:
+            mlp = eqx.tree_at(lambda m: m.layers[0].bias, mlp, moe.up_bias[index])
+        if moe.down_bias is not None:
+            mlp = eqx.tree_at(lambda m: m.layers[1].bias, mlp, moe.down_bias[index])
         experts.append(mlp)
     original = moe.origin
+    container = original.experts  # type: ignore[attr-defined]  # the list or tuple type
     return eqx.tree_at(
         lambda m: (m.router, m.experts),
         original,
-        (moe.router, experts),
+        (moe.router, container(experts)),
         is_leaf=lambda node: node is None,
     )

@@ -13,6 +13,7 @@ from jaxtyping import Array, Float, PyTree, Scalar
 
 from .._axes import axis_size
 from .._checks import check_int
+from .._tracing import pipeline_stage
 from .._typing import AxisName
 from .._vma import varying_axes
 from ..schedule import CircularSchedule, OneFOneBSchedule, PipelineSchedule
@@ -98,7 +99,8 @@ def execute_pipeline_step(
     num_stages = axis_size(model_axis_name, caller, argument="model_axis_name")
     index = lax.axis_index(model_axis_name)
     stage_input = jax.tree.map(lambda i, s: jnp.where(index == 0, i, s), input, state)
-    out = module(stage_input, *args, **kwargs)
+    with pipeline_stage(model_axis_name):
+        out = module(stage_input, *args, **kwargs)
     new_state = ring_shift_tree(out, model_axis_name, num_stages, +1, wrap=False)
     output = jax.tree.map(lambda o: jnp.where(index == num_stages - 1, o, jnp.zeros_like(o)), out)
     return new_state, output
