@@ -48,6 +48,16 @@ class RouterLosses(NamedTuple):
     - `z_loss`: the mean squared log-sum-exp of the router logits (keeps them small; e.g.
       0.001).
     - `dropped`: how many assignments a capacity factor dropped (0 when dropless).
+
+    ```python
+    import jax, jax.numpy as jnp
+    from eqpar.nn import MixtureOfExperts
+
+    moe = MixtureOfExperts(8, 16, num_experts=4, key=jax.random.key(0))
+    y, losses = moe(jnp.ones((6, 8)))
+    loss = jnp.mean(y**2) + 0.01 * losses.load_balancing + 0.001 * losses.z_loss
+    assert losses.dropped == 0 and loss.shape == ()
+    ```
     """
 
     load_balancing: Float[Array, ""]
