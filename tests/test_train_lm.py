@@ -35,12 +35,17 @@ def run_config(mesh: str, **options) -> train_lm.RunConfig:
     )
 
 
-@pytest.fixture(scope="module")
-def serial():
+def one_device(config):
+    """The example trained on one device: the reference every layout is checked against."""
     run = run_config("data=1", microbatches=1)
     return train_lm.train(
-        run, config=TINY, devices=jax.devices()[:1], progress=False, show_layout=False
+        run, config=config, devices=jax.devices()[:1], progress=False, show_layout=False
     )
+
+
+@pytest.fixture(scope="module")
+def serial():
+    return one_device(TINY)
 
 
 def arrays(model):
@@ -454,10 +459,7 @@ def test_experts_check_against_one_device(tmp_path, capsys):
 
 @pytest.fixture(scope="module")
 def serial_experts():
-    run = run_config("data=1", microbatches=1)
-    return train_lm.train(
-        run, config=MOE, devices=jax.devices()[:1], progress=False, show_layout=False
-    )
+    return one_device(MOE)
 
 
 def test_experts_in_3d_with_fsdp_train_like_one_device(serial_experts):
