@@ -187,7 +187,10 @@ def _orbax() -> PyTree:
     try:
         import orbax.checkpoint as ocp
     except ImportError as error:  # pragma: no cover - depends on the environment
-        raise ImportError("eqpar.checkpoint needs orbax: pip install eqpar[checkpoint]") from error
+        raise ImportError(
+            "eqpar.checkpoint needs orbax: `pip install eqpar[checkpoint]` (from a checkout: "
+            "`pip install -e '.[checkpoint]'`)."
+        ) from error
     return ocp
 
 

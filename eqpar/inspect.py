@@ -461,7 +461,10 @@ def plot_layout(
         from matplotlib.figure import Figure
         from matplotlib.patches import Patch, Rectangle
     except ImportError as error:  # pragma: no cover - matplotlib is a declared extra
-        raise ImportError("plot_layout needs matplotlib: `pip install eqpar[plot]`.") from error
+        raise ImportError(
+            "plot_layout needs matplotlib: `pip install eqpar[plot]` (from a checkout: "
+            "`pip install -e '.[plot]'`)."
+        ) from error
 
     table, jax_mesh = _layout(model, distribution_or_specs, mesh, "plot_layout")
     rows, selected = _selected_rows(table, leaves, max_rows)
@@ -679,7 +682,7 @@ def schedule_figure(schedule: PyTree, *, title: str | None = None) -> PyTree:
     except ImportError as error:  # pragma: no cover - matplotlib is a declared extra
         raise ImportError(
             "PipelineSchedule.figure and .plot (eqpar.inspect.schedule_figure) need "
-            "matplotlib: `pip install eqpar[plot]`."
+            "matplotlib: `pip install eqpar[plot]` (from a checkout: `pip install -e '.[plot]'`)."
         ) from error
 
     s, trips = schedule.num_stages, _num_trips(schedule)
