@@ -8,6 +8,7 @@ grouped matmul, no exchange, so it shares no code with the layer.
 
 import functools
 import math
+import warnings
 
 import equinox as eqx
 import jax
@@ -365,6 +366,23 @@ def test_the_hand_written_form_is_converted_and_given_back(form):
     updated = eqpar.unparallelize(sgd(parallel, grads))
     assert type(updated.moe) is HandWrittenExperts
     assert_arrays_close(updated, serial_model)
+
+
+def test_an_abstract_hand_written_layer_converts_without_running():
+    """`parallelize` takes abstract models (`eqx.filter_eval_shape`): the conversion reshapes
+    the ShapeDtypeStructs as it would the arrays, and has nothing to run to check."""
+    abstract = eqx.filter_eval_shape(HandWrittenExperts, jax.random.key(0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        parallel = eqpar.parallelize(abstract, {"": eqpar.ExpertParallel()})
+    assert parallel.up.shape == (8, FEATURES, HIDDEN) and isinstance(
+        parallel.up, jax.ShapeDtypeStruct
+    )
+    back = eqpar.unparallelize(parallel)
+    shapes = lambda m: [
+        (a.shape, a.dtype) for a in jax.tree.leaves(m) if isinstance(a, jax.ShapeDtypeStruct)
+    ]
+    assert type(back) is HandWrittenExperts and shapes(back) == shapes(abstract)
 
 
 class MoEBlock(eqx.Module):

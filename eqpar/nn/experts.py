@@ -331,11 +331,11 @@ class MixtureOfExperts(eqx.Module):
                     f"bias in some experts and none in others (experts/"
                     f"{present.index(not present[0])}); give every expert the same form."
                 )
-            stacked_biases.append(jnp.stack(biases) if all(present) else None)  # type: ignore[arg-type]
+            stacked_biases.append(_stack(biases) if all(present) else None)
         fields = {
             "router": router,
-            "up": jnp.stack([e.layers[0].weight.T for e in experts]),
-            "down": jnp.stack([e.layers[1].weight.T for e in experts]),
+            "up": _stack([_transposed(e.layers[0].weight) for e in experts]),
+            "down": _stack([_transposed(e.layers[1].weight) for e in experts]),
             "gate": None,
             "up_bias": stacked_biases[0],
             "down_bias": stacked_biases[1],
@@ -503,6 +503,26 @@ class MixtureOfExperts(eqx.Module):
         if self.capacity_factor is not None:
             return _one_round(static, jnp.int32(0), meta, rows, params)
         return _rounds(static, meta, rows, params)  # pyright: ignore[reportReturnType]
+
+
+# Models may be abstract (`eqx.filter_eval_shape`): their leaves are ShapeDtypeStructs, which
+# the conversion to and from the hand-written form reshapes as it would the arrays.
+def _stack(leaves: list) -> Array | jax.ShapeDtypeStruct:
+    if all(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in leaves):
+        return jax.ShapeDtypeStruct((len(leaves), *leaves[0].shape), leaves[0].dtype)
+    return jnp.stack(leaves)
+
+
+def _transposed(leaf: Array | jax.ShapeDtypeStruct) -> Array | jax.ShapeDtypeStruct:
+    if isinstance(leaf, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(leaf.shape[::-1], leaf.dtype)
+    return leaf.T
+
+
+def _row(leaf: Array | jax.ShapeDtypeStruct, index: int) -> Array | jax.ShapeDtypeStruct:
+    if isinstance(leaf, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(leaf.shape[1:], leaf.dtype)
+    return leaf[index]
 
 
 def _is_identity(fn: object) -> bool:
@@ -758,9 +778,9 @@ def experts_layer(
 def _check_conversion(layer: object, moe: MixtureOfExperts) -> None:
     """Refuse a conversion of a hand-written layer that computes something else (another
     weighting of the chosen experts, say): both run on a few tokens, compiled."""
-    leaves = jax.tree.leaves(eqx.filter(moe, eqx.is_array))
-    if any(isinstance(leaf, Tracer) for leaf in leaves):
-        return  # converted inside a trace: nothing concrete to run
+    leaves = jax.tree.leaves(layer)
+    if any(isinstance(leaf, Tracer | jax.ShapeDtypeStruct) for leaf in leaves):
+        return  # converted inside a trace, or an abstract model: nothing concrete to run
     features = int(moe.router.in_features)
     probe = jax.random.normal(jax.random.key(0), (8, features), moe.up.dtype)
     try:
@@ -812,12 +832,12 @@ def serial_experts(moe: MixtureOfExperts) -> eqx.Module:
             key=jax.random.key(0),
             dtype=moe.up.dtype,
         )
-        weights = [moe.up[index].T, moe.down[index].T]
+        weights = [_transposed(_row(moe.up, index)), _transposed(_row(moe.down, index))]
         mlp = eqx.tree_at(lambda m: (m.layers[0].weight, m.layers[1].weight), mlp, tuple(weights))
         if moe.up_bias is not None:
-            mlp = eqx.tree_at(lambda m: m.layers[0].bias, mlp, moe.up_bias[index])
+            mlp = eqx.tree_at(lambda m: m.layers[0].bias, mlp, _row(moe.up_bias, index))
         if moe.down_bias is not None:
-            mlp = eqx.tree_at(lambda m: m.layers[1].bias, mlp, moe.down_bias[index])
+            mlp = eqx.tree_at(lambda m: m.layers[1].bias, mlp, _row(moe.down_bias, index))
         experts.append(mlp)
     original = moe.origin
     container = original.experts  # type: ignore[attr-defined]  # the list or tuple type
