@@ -673,6 +673,12 @@ class ExpertParallel(Style):
             options["buffer_factor"] = float(self.buffer_factor)
         if self.capacity_factor is not None:
             options["capacity_factor"] = float(self.capacity_factor)
+        # The layer's own values, for `unparallelize` (kept from a first conversion).
+        before = dict(moe.options_before)
+        for name in ("buffer_factor", "capacity_factor"):
+            if name in options:
+                before.setdefault(name, getattr(moe, name))
+        options["options_before"] = tuple(sorted(before.items()))
         return moe.replace(**options)
 
     def split_sizes(self, layer: PyTree) -> dict[str, int]:

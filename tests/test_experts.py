@@ -449,6 +449,36 @@ def test_pipeline_stages_holding_experts(schedule):
     assert_arrays_close(eqpar.unparallelize(sgd(parallel, grads)), serial_model)
 
 
+class SwitchExperts(HandWrittenExperts):
+    """Top-1, each output scaled by its probability (not renormalized)."""
+
+    def __call__(self, x):
+        probs = jax.nn.softmax(jax.vmap(self.router)(x))
+        weight, chosen = lax.top_k(probs, 1)
+        every = jnp.stack([jax.vmap(expert)(x) for expert in self.experts], axis=1)
+        return weight * jnp.take_along_axis(every, chosen[..., None], 1)[:, 0]
+
+
+def test_a_conversion_that_would_compute_something_else_is_refused():
+    switch = SwitchExperts(jax.random.key(3), top_k=1)
+    with pytest.raises(ValueError, match=r"differ on 8 tokens.*normalize_weights=False"):
+        eqpar.parallelize(switch, {"": eqpar.ExpertParallel()})
+    parallel = eqpar.parallelize(switch, {"": eqpar.ExpertParallel(normalize_weights=False)})
+    x = tokens(8)
+    forward = eqx.filter_jit(lambda m, x: m(x))
+    assert_arrays_close(forward(eqpar.unparallelize(parallel), x), forward(switch, x))
+    # A MixtureOfExperts keeps its own options where the style leaves them out.
+    own = make_moe(capacity_factor=1.5, buffer_factor=2.0)
+    kept = eqpar.parallelize(own, {"": eqpar.ExpertParallel()})
+    assert (kept.capacity_factor, kept.buffer_factor) == (1.5, 2.0)
+    assert eqpar.unparallelize(kept).capacity_factor == 1.5
+    # Options the style sets belong to the parallel layout: unparallelize gives the layer's.
+    style = eqpar.ExpertParallel(capacity_factor=0.5, buffer_factor=3.0)
+    styled = eqpar.parallelize(own, {"": style})
+    assert (styled.capacity_factor, styled.buffer_factor) == (0.5, 3.0)
+    assert eqx.tree_equal(eqpar.unparallelize(styled), own)
+
+
 def test_bad_inputs_name_the_argument_and_the_fix():
     with pytest.raises(ValueError, match="top_k` must be between 1 and num_experts=4"):
         MixtureOfExperts(8, 16, 4, top_k=5, key=jax.random.key(0))
@@ -491,6 +521,8 @@ def test_bad_inputs_name_the_argument_and_the_fix():
         forward(parallel, tokens())
     with pytest.raises(TypeError, match="must name one mesh axis"):
         eqpar.ExpertParallel(axis_name=("data", "expert"))
+    with pytest.raises(TypeError, match="must name one mesh axis"):
+        moe.replace(expert_axis_name=("data", "expert"))
     with pytest.raises(ValueError, match=r"capacity_factor=0.5 would drop tokens"):
         eqpar.parallelize(
             HandWrittenExperts(jax.random.key(0)), {"": eqpar.ExpertParallel(capacity_factor=0.5)}
@@ -504,10 +536,24 @@ def test_bad_inputs_name_the_argument_and_the_fix():
     )
     with pytest.raises(ValueError, match="check_vma=False"):
         unchecked(parallel, tokens())
+    # Without an expert axis too: the router losses would be each device's alone.
+    data_only = jax.shard_map(
+        lambda m, x: m(x)[1].load_balancing,
+        mesh=jax.sharding.Mesh(np.array(jax.devices()), ("data",)),
+        in_specs=(P(), P("data")),
+        out_specs=P(),
+        check_vma=False,
+    )
+    with pytest.raises(ValueError, match="check_vma=False"):
+        data_only(moe, tokens())
     keys = jax.random.split(jax.random.key(0), 3)
     clipped = [eqx.nn.MLP(8, 8, 16, 1, final_activation=jax.nn.hard_tanh, key=k) for k in keys[1:]]
-    with pytest.raises(TypeError, match="no final activation"):
+    with pytest.raises(TypeError, match="has a final activation"):
         MixtureOfExperts.from_experts(eqx.nn.Linear(8, 2, key=keys[0]), clipped, top_k=1)
+    # Activations that are separate objects but compute the same are one activation.
+    exact = functools.partial(jax.nn.gelu, approximate=False)
+    gelu = [eqx.nn.MLP(8, 8, 16, 1, activation=exact, key=k) for k in keys[1:]]
+    assert MixtureOfExperts.from_experts(eqx.nn.Linear(8, 2, key=keys[0]), gelu, top_k=1).top_k == 1
     deep = [eqx.nn.MLP(8, 8, 16, 2, key=k) for k in keys[1:]]
     with pytest.raises(TypeError, match=r"experts/0 must be an eqx\.nn\.MLP of depth 1"):
         MixtureOfExperts.from_experts(eqx.nn.Linear(8, 2, key=keys[0]), deep, top_k=1)

@@ -30,7 +30,7 @@ from jax.core import Tracer
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from .._axes import axis_size, bound_axis_size
+from .._axes import axis_size
 from .._tracing import pipeline_axes, under_vmap
 from .._vma import cast_varying, varies_over, varying_axes
 from ._twins import instance_with
@@ -152,6 +152,8 @@ class MixtureOfExperts(eqx.Module):
     model_axis_name: Hashable | None = eqx.field(static=True)
     buffer_factor: float = eqx.field(static=True)
     origin: eqx.Module | None = eqx.field(static=True)
+    # What `eqpar.ExpertParallel` replaced (`(name, value)` pairs), for `unparallelize`.
+    options_before: tuple = eqx.field(static=True)
 
     def __init__(
         self,
@@ -205,6 +207,7 @@ class MixtureOfExperts(eqx.Module):
         self.model_axis_name = model_axis_name
         self.buffer_factor = buffer_factor
         self.origin = None
+        self.options_before = ()
         self.__check_init__()
 
     def __check_init__(self) -> None:
@@ -223,6 +226,12 @@ class MixtureOfExperts(eqx.Module):
                 f"MixtureOfExperts: `capacity_factor` must be None (dropless) or > 0, got "
                 f"{self.capacity_factor!r}."
             )
+        for name in ("expert_axis_name", "model_axis_name"):
+            if isinstance(getattr(self, name), tuple | list):
+                raise TypeError(
+                    f"MixtureOfExperts: `{name}` must name one mesh axis, got "
+                    f"{getattr(self, name)!r}; make one mesh axis of the devices' product."
+                )
         if not self.buffer_factor > 0:
             raise ValueError(
                 f"MixtureOfExperts: `buffer_factor` must be > 0 (1.25 is the default), got "
@@ -310,16 +319,24 @@ class MixtureOfExperts(eqx.Module):
             if (
                 not isinstance(expert, eqx.nn.MLP)
                 or len(expert.layers) != 2
-                or expert.activation is not experts[0].activation
-                or not _is_identity(expert.final_activation)
                 or expert.layers[0].in_features != router.in_features
                 or expert.layers[1].out_features != router.in_features
             ):
                 raise TypeError(
                     f"MixtureOfExperts.from_experts: experts/{index} must be an eqx.nn.MLP of "
-                    f"depth 1 from {router.in_features} to {router.in_features} features, with "
-                    f"the same activation as experts/0 and no final activation; got "
-                    f"{type(expert).__name__}. Write other experts as a MixtureOfExperts."
+                    f"depth 1 from {router.in_features} to {router.in_features} features; got "
+                    f"{_describe(expert)}. Write other experts as a MixtureOfExperts."
+                )
+            if not _is_identity(expert.final_activation):
+                raise TypeError(
+                    f"MixtureOfExperts.from_experts: experts/{index} has a final activation "
+                    f"({expert.final_activation!r}); MixtureOfExperts experts have none."
+                )
+            if not _same_function(expert.activation, experts[0].activation):
+                raise TypeError(
+                    f"MixtureOfExperts.from_experts: experts/{index}'s activation "
+                    f"({expert.activation!r}) computes otherwise than experts/0's "
+                    f"({experts[0].activation!r}); MixtureOfExperts experts share one."
                 )
         stacked_biases = []
         for position in (0, 1):  # each Linear's bias: every expert's, or none
@@ -347,6 +364,7 @@ class MixtureOfExperts(eqx.Module):
             "model_axis_name": None,
             "buffer_factor": 1.25,
             "origin": None,
+            "options_before": (),
         }
         moe = instance_with(cls, fields)
         moe.__check_init__()
@@ -376,19 +394,14 @@ class MixtureOfExperts(eqx.Module):
             raise TypeError(_UNDER_VMAP)
         tokens = x.reshape(-1, features)
         model = self.model_axis_name
-        for name, axis in (("expert_axis_name", self.expert_axis_name), ("model_axis_name", model)):
-            if (
-                axis is not None
-                and bound_axis_size(axis) is not None
-                and varies_over(x, axis) is None
-            ):
-                raise ValueError(
-                    f"MixtureOfExperts: `{name}={axis!r}` is bound, but shard_map runs with "
-                    f"check_vma=False, so the layer cannot tell which axes split the tokens "
-                    f"(the router losses sum over them; sequence-split tokens are gathered). "
-                    f"Run it under shard_map's default check_vma=True (eqpar.shard_map's "
-                    f"default too)."
-                )
+        manual = tuple(jax.sharding.get_abstract_mesh().manual_axes)
+        if manual and varies_over(x, manual[0]) is None:
+            raise ValueError(
+                f"MixtureOfExperts: called inside shard_map with check_vma=False (over "
+                f"{manual}), so the layer cannot tell which axes split the tokens (the router "
+                f"losses sum over them; sequence-split tokens are gathered). Run it under "
+                f"shard_map's default check_vma=True (eqpar.shard_map's default too)."
+            )
         split_over_model = model is not None and bool(varies_over(tokens, model))
         if split_over_model:
             # Sequence parallelism: this device holds its own tokens, but its experts hold
@@ -525,12 +538,32 @@ def _row(leaf: Array | jax.ShapeDtypeStruct, index: int) -> Array | jax.ShapeDty
     return leaf[index]
 
 
+_PROBE = (-7.5, -2.0, -1.0, -0.25, 0.0, 0.5, 1.0, 3.0, 11.0)
+
+
+def _describe(expert: object) -> str:
+    if isinstance(expert, eqx.nn.MLP):
+        return f"an eqx.nn.MLP of depth {len(expert.layers) - 1}"
+    return type(expert).__name__
+
+
+def _same_function(fn: object, other: object) -> bool:
+    """Whether two activations agree (the same object, or the same values on a probe)."""
+    if fn is other:
+        return True
+    try:
+        probe = jnp.array(_PROBE)
+        return bool(jnp.array_equal(fn(probe), other(probe)))  # type: ignore[operator]
+    except Exception:
+        return False
+
+
 def _is_identity(fn: object) -> bool:
     if isinstance(fn, eqx.nn.Identity):
         return True
     try:
         # Beyond [-1, 1] too, where clipping activations (hard_tanh) part from the identity.
-        probe = jnp.array([-7.5, -2.0, -1.0, -0.25, 0.0, 0.5, 1.0, 3.0, 11.0])
+        probe = jnp.array(_PROBE)
         return bool(jnp.array_equal(fn(probe), probe))  # type: ignore[operator]
     except Exception:
         return False
@@ -689,14 +722,19 @@ def _rounds_backward(static, residuals, cotangent):
 
     rows, params = typed((rows, params))
 
+    # Summed over the rounds in float32 at least, and rounded to the operands' dtypes once.
+    def wide(tree: tuple) -> tuple:
+        return jax.tree.map(lambda g: g.astype(jnp.promote_types(g.dtype, jnp.float32)), tree)
+
     def accumulate(round_index, grads):
         _, pullback = jax.vjp(
             lambda rows, params: _one_round(static, round_index, meta, rows, params), rows, params
         )
-        return typed(jax.tree.map(jnp.add, grads, pullback(cotangent)))
+        return typed(jax.tree.map(jnp.add, grads, wide(pullback(cotangent))))
 
-    first = typed(first_pullback(cotangent))
-    grad_rows, grad_params = lax.fori_loop(1, meta.rounds, accumulate, first)
+    first = typed(wide(first_pullback(cotangent)))
+    total = lax.fori_loop(1, meta.rounds, accumulate, first)
+    grad_rows, grad_params = jax.tree.map(lambda g, p: g.astype(p.dtype), total, (rows, params))
     return None, grad_rows, grad_params
 
 
@@ -775,6 +813,11 @@ def experts_layer(
     return moe
 
 
+@eqx.filter_jit  # one function, so layers of the same structure share its compilation
+def _run_both(layer: object, moe: MixtureOfExperts, tokens: Array) -> tuple:
+    return layer(tokens), moe(tokens)  # type: ignore[operator]
+
+
 def _check_conversion(layer: object, moe: MixtureOfExperts) -> None:
     """Refuse a conversion of a hand-written layer that computes something else (another
     weighting of the chosen experts, say): both run on a few tokens, compiled."""
@@ -784,7 +827,7 @@ def _check_conversion(layer: object, moe: MixtureOfExperts) -> None:
     features = int(moe.router.in_features)
     probe = jax.random.normal(jax.random.key(0), (8, features), moe.up.dtype)
     try:
-        expected, got = eqx.filter_jit(lambda a, b, x: (a(x), b(x)))(layer, moe, probe)
+        expected, got = _run_both(layer, moe, probe)
     except Exception as error:  # the author's layer may want other arguments
         warnings.warn(
             f"ExpertParallel: could not run {type(layer).__name__} on 8 tokens to check the "
@@ -815,7 +858,9 @@ def _check_conversion(layer: object, moe: MixtureOfExperts) -> None:
 def serial_experts(moe: MixtureOfExperts) -> eqx.Module:
     """The serial form of `moe`: no mesh axes, and the author's module where `moe` was
     converted from one."""
-    serial = moe.replace(expert_axis_name=None, model_axis_name=None)
+    serial = moe.replace(
+        expert_axis_name=None, model_axis_name=None, options_before=(), **dict(moe.options_before)
+    )
     if moe.origin is None:
         return serial
     features, hidden = moe.up.shape[1:]
