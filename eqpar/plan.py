@@ -35,7 +35,7 @@ from .nn._plan_blocks import (
 from .nn.attention import ContextParallelAttention, HeadParallelAttention
 from .nn.dropout import ParallelDropout
 from .nn.embedding import FeatureParallelEmbedding, VocabParallelEmbedding
-from .nn.experts import MixtureOfExperts, experts_layer, serial_experts
+from .nn.experts import MixtureOfExperts, check_single_axes, experts_layer, serial_experts
 from .nn.linear import ColumnParallelLinear, RowParallelLinear
 from .nn.parallel_layers import PARALLEL_LAYERS, to_serial_layer
 from .nn.pipelined import PipelinedBlocks
@@ -638,13 +638,9 @@ class ExpertParallel(Style):
                     f"ExpertParallel: `{name}` must be None (the layer's own) or a positive "
                     f"number, got {value!r}."
                 )
-        for name in ("axis_name", "model_axis_name"):
-            if isinstance(getattr(self, name), tuple | list):
-                raise TypeError(
-                    f"ExpertParallel: `{name}` must name one mesh axis, got "
-                    f"{getattr(self, name)!r}; to use more devices, make one axis of their "
-                    f"product (e.g. a mesh axis 'expert' of size 8)."
-                )
+        check_single_axes(
+            "ExpertParallel", axis_name=self.axis_name, model_axis_name=self.model_axis_name
+        )
         if self.axis_name == self.model_axis_name:
             raise ValueError(
                 f"ExpertParallel: `axis_name` and `model_axis_name` are both "

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
-from test_pipeline import layout
+from test_pipeline import layout, spy_layered_backward
 
 from eqpar.nn.pipeline import PipelineModule, ScannedLayers
 from eqpar.pipeline import Microbatched, _layered
@@ -24,18 +24,6 @@ ROWS = 16  # 2 data shards x 4 microbatches x 2 rows
 def mse(y, t):
     y = y[0] if isinstance(y, tuple) else y
     return jnp.mean((y.astype(jnp.float32) - t) ** 2)
-
-
-def _spy(monkeypatch):
-    calls = []
-    original = _layered.LayeredStage.backward
-
-    def spy(self, *args, **kwargs):
-        calls.append(self)
-        return original(self, *args, **kwargs)
-
-    monkeypatch.setattr(_layered.LayeredStage, "backward", spy)
-    return calls
 
 
 def _compare(
@@ -140,7 +128,7 @@ def _indexed_layers(n=8):
     [("circular", "none"), ("circular", "full"), ("zb-h1", "none"), ("gpipe", "matmuls")],
 )
 def test_layer_index_stacked_per_layer(schedule, remat, monkeypatch):
-    calls = _spy(monkeypatch)
+    calls = spy_layered_backward(monkeypatch)
     module = _pipelined(_indexed_layers(), schedule, remat=remat)
     x, t = _data()
     _compare(module, x, t, schedule=schedule)
@@ -167,7 +155,7 @@ class CountingLayer(eqx.Module):
 
 @pytest.mark.parametrize(("schedule", "remat"), [("1f1b", "none"), ("circular", "full")])
 def test_integer_leaf_in_the_activations(schedule, remat, monkeypatch):
-    calls = _spy(monkeypatch)
+    calls = spy_layered_backward(monkeypatch)
     layers = eqx.filter_vmap(CountingLayer)(jax.random.split(jax.random.key(3), 8))
     module = _pipelined(layers, schedule, remat=remat)
     h, t = _data()
@@ -195,7 +183,7 @@ class MaskedDropoutLayer(eqx.Module):
     ("schedule", "remat"), [("1f1b", "none"), ("1f1b", "full"), ("circular", "full")]
 )
 def test_mask_key_and_keyword_arguments(schedule, remat, monkeypatch):
-    calls = _spy(monkeypatch)
+    calls = spy_layered_backward(monkeypatch)
     layers = eqx.filter_vmap(MaskedDropoutLayer)(jax.random.split(jax.random.key(3), 8))
     module = _pipelined(layers, schedule, remat=remat)
     x, t = _data()
@@ -292,7 +280,7 @@ def test_layered_residuals_no_larger_than_the_whole_stages():
 
 @pytest.mark.parametrize("schedule", ["1f1b", "circular"])
 def test_bfloat16_layers_float32_loss(schedule, monkeypatch):
-    calls = _spy(monkeypatch)
+    calls = spy_layered_backward(monkeypatch)
     layers = eqx.filter_vmap(CountingLayer)(jax.random.split(jax.random.key(3), 8))
     layers = jax.tree.map(
         lambda a: a.astype(jnp.bfloat16) if eqx.is_inexact_array(a) else a, layers
@@ -309,7 +297,7 @@ def test_bfloat16_layers_float32_loss(schedule, monkeypatch):
 
 @pytest.mark.parametrize("schedule", ["zb-h1", "circular"])
 def test_stage_recompute_of_layers(schedule, monkeypatch):
-    calls = _spy(monkeypatch)
+    calls = spy_layered_backward(monkeypatch)
     layers = _indexed_layers()
     stacked = ScannedLayers(
         jax.tree.map(
@@ -354,7 +342,7 @@ def test_vocab_parallel_head_over_a_data_axis(schedule, monkeypatch):
     seed once (not twice, not never)."""
     import eqpar
 
-    calls = _spy(monkeypatch)
+    calls = spy_layered_backward(monkeypatch)
     module = _pipelined(_indexed_layers(), schedule, remat="none")
     k1, k2, k3, k4 = jax.random.split(jax.random.key(5), 4)
     norm = eqx.tree_at(
@@ -424,7 +412,7 @@ class BiasLayer(eqx.Module):
 
 @pytest.mark.parametrize("schedule", ["1f1b", "circular"])
 def test_layers_without_stored_residuals(schedule, monkeypatch):
-    calls = _spy(monkeypatch)
+    calls = spy_layered_backward(monkeypatch)
     layers = BiasLayer(jax.random.normal(jax.random.key(3), (8, F)))
     module = _pipelined(layers, schedule, remat="none")
     x, t = _data()
@@ -458,7 +446,7 @@ def test_layers_without_parameters():
 def test_targets_split_over_data_input_replicated(schedule, monkeypatch):
     """`x` the same on both data shards, the targets split: the loss is the mean of the
     shards' losses and `x`'s gradient is summed over the shards (seeded by 1/(M x 2))."""
-    calls = _spy(monkeypatch)
+    calls = spy_layered_backward(monkeypatch)
     module = PipelineModule.from_layers(_indexed_layers(), num_stages=2, num_microbatches=4)
     x = jax.random.normal(jax.random.key(1), (ROWS // 2, F))
     t = jax.random.normal(jax.random.key(2), (ROWS, F))
@@ -508,7 +496,7 @@ class KeyedLayer(eqx.Module):
 
 @pytest.mark.parametrize(("schedule", "remat"), [("1f1b", "none"), ("circular", "full")])
 def test_prng_key_stacked_per_layer(schedule, remat, monkeypatch):
-    calls = _spy(monkeypatch)
+    calls = spy_layered_backward(monkeypatch)
     layers = eqx.filter_vmap(KeyedLayer)(jax.random.split(jax.random.key(3), 8))
     module = _pipelined(layers, schedule, remat=remat)
     x, t = _data()

@@ -1259,6 +1259,19 @@ def test_1f1b_does_not_store_what_it_keeps_anyway():
     assert stored and all(r.shape != linear.weight.shape for r in stored)  # activations only
 
 
+def spy_layered_backward(monkeypatch) -> list:
+    """The `LayeredStage`s whose layer-by-layer backward runs (one entry per trace)."""
+    calls = []
+    original = _layered.LayeredStage.backward
+
+    def spy(self, *args, **kwargs):
+        calls.append(self)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(_layered.LayeredStage, "backward", spy)
+    return calls
+
+
 @pytest.mark.parametrize(
     ("schedule", "remat", "num_layers"),
     [
@@ -1278,14 +1291,7 @@ def test_every_training_schedule_adds_each_layers_gradient_into_the_sum(
     layer's input kept once, layer 0's being the stage input), and on data=2 x pipe=2 the
     loss, the parameter gradients and the batch's gradients are the serial twin's, whatever
     the layers' remat policy and however many layers a stage holds."""
-    backwards = []
-    layered_backward = _layered.LayeredStage.backward
-
-    def spy(self, *args, **kwargs):
-        backwards.append(self)
-        return layered_backward(self, *args, **kwargs)
-
-    monkeypatch.setattr(_layered.LayeredStage, "backward", spy)
+    backwards = spy_layered_backward(monkeypatch)
     layers = eqx.filter_vmap(Block)(jax.random.split(jax.random.key(3), num_layers))
     module = PipelineModule.from_layers(
         layers,

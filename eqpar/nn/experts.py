@@ -226,12 +226,11 @@ class MixtureOfExperts(eqx.Module):
                 f"MixtureOfExperts: `capacity_factor` must be None (dropless) or > 0, got "
                 f"{self.capacity_factor!r}."
             )
-        for name in ("expert_axis_name", "model_axis_name"):
-            if isinstance(getattr(self, name), tuple | list):
-                raise TypeError(
-                    f"MixtureOfExperts: `{name}` must name one mesh axis, got "
-                    f"{getattr(self, name)!r}; make one mesh axis of the devices' product."
-                )
+        check_single_axes(
+            "MixtureOfExperts",
+            expert_axis_name=self.expert_axis_name,
+            model_axis_name=self.model_axis_name,
+        )
         if not self.buffer_factor > 0:
             raise ValueError(
                 f"MixtureOfExperts: `buffer_factor` must be > 0 (1.25 is the default), got "
@@ -422,7 +421,7 @@ class MixtureOfExperts(eqx.Module):
         assigned = chosen.T.reshape(-1).astype(jnp.int32)
         kept = jnp.ones_like(assigned, dtype=bool)
         if self.capacity_factor is not None:
-            capacity = math.ceil(self.capacity_factor * num_tokens * k / num_experts)
+            capacity = self._capacity(num_tokens)
             kept = _within_capacity(assigned, num_experts, capacity)
         routed = jnp.where(kept, assigned, num_experts)  # dropped ones sort past every group
         order = jnp.argsort(routed, stable=True)
@@ -453,6 +452,11 @@ class MixtureOfExperts(eqx.Module):
             return mixed  # the author's layer returned its output alone
         losses = _router_losses(logits, probs, assigned, kept, num_experts, self._token_axes(x))
         return mixed, losses
+
+    def _capacity(self, num_tokens: int) -> int:
+        """Assignments each expert takes of a device's `num_tokens` (`capacity_factor`)."""
+        assert self.capacity_factor is not None
+        return math.ceil(self.capacity_factor * num_tokens * self.top_k / self.num_experts)
 
     def _token_axes(self, x: Array) -> tuple:
         # The mesh axes the tokens are split over: where shard_map types them (check_vma),
@@ -503,7 +507,7 @@ class MixtureOfExperts(eqx.Module):
         assignments = rows.shape[0]
         if self.capacity_factor is not None:
             # Each source sends at most `capacity` per expert: one round always fits.
-            capacity = math.ceil(self.capacity_factor * num_tokens * self.top_k / self.num_experts)
+            capacity = self._capacity(num_tokens)
             per_pair = min(local * capacity, assignments)
         else:
             per_pair = expert_buffer_rows(num_tokens, self.top_k, n, self.buffer_factor)
@@ -538,6 +542,7 @@ def _row(leaf: Array | jax.ShapeDtypeStruct, index: int) -> Array | jax.ShapeDty
     return leaf[index]
 
 
+# Beyond [-1, 1] too, where clipping activations (hard_tanh) part from the identity.
 _PROBE = (-7.5, -2.0, -1.0, -0.25, 0.0, 0.5, 1.0, 3.0, 11.0)
 
 
@@ -559,14 +564,7 @@ def _same_function(fn: object, other: object) -> bool:
 
 
 def _is_identity(fn: object) -> bool:
-    if isinstance(fn, eqx.nn.Identity):
-        return True
-    try:
-        # Beyond [-1, 1] too, where clipping activations (hard_tanh) part from the identity.
-        probe = jnp.array(_PROBE)
-        return bool(jnp.array_equal(fn(probe), probe))  # type: ignore[operator]
-    except Exception:
-        return False
+    return isinstance(fn, eqx.nn.Identity) or _same_function(fn, lambda values: values)
 
 
 _UNDER_VMAP = (
@@ -760,6 +758,17 @@ def _router_losses(
         z_loss=total(jnp.sum(z**2)) / count,
         dropped=total(jnp.sum(~kept).astype(jnp.int32)),
     )
+
+
+def check_single_axes(owner: str, **axes: Hashable | None) -> None:
+    """Refuse a tuple of mesh axes where the experts (or their hidden features) take one
+    axis; shared by the layer and the `eqpar.ExpertParallel` style."""
+    for name, axis in axes.items():
+        if isinstance(axis, tuple | list):
+            raise TypeError(
+                f"{owner}: `{name}` must name one mesh axis, got {axis!r}; to use more "
+                f"devices, make one mesh axis of their product (e.g. 'expert' of size 8)."
+            )
 
 
 def experts_layer(
