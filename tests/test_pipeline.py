@@ -1325,3 +1325,133 @@ def test_every_training_schedule_adds_each_layers_gradient_into_the_sum(
     assert_tree_close(loss, loss_ref)
     assert_tree_close(grads, grads_ref)
     assert_tree_close(x_grads, x_grads_ref)
+
+
+@pytest.mark.parametrize(("schedule", "remat"), [("gpipe", "full"), ("circular", "none")])
+def test_autodiff_of_a_forward_run_is_the_training_tables_backward(schedule, remat, monkeypatch):
+    """`jax.grad` through `PipelineModule.__call__` runs the training table's backward half
+    (layer by layer for scanned layers) on data=2 x pipe=2, with the serial twin's loss,
+    parameter gradients and batch gradients; and a circular run holds no more temp than
+    `value_and_grad(schedule="circular")` (autodiff of the loop kept the stage's weights
+    at every clock step), beyond the outputs it returns."""
+    backwards = spy_layered_backward(monkeypatch)
+    layers = eqx.filter_vmap(Block)(jax.random.split(jax.random.key(3), 8))
+    module = PipelineModule.from_layers(
+        layers, num_stages=2, num_microbatches=4,
+        num_repeats=2 if schedule == "circular" else 1, remat=remat,
+    )  # fmt: skip
+    x, t, shift = batch(8)
+    _, loss_ref, grads_ref, x_grads_ref = serial_twin(module, x, t, shift)
+    arrays, static, specs = layout(module)
+    last = module.num_stages - 1
+
+    def autodiff(arrays, x, t, shift):
+        def loss(arrays, x):
+            y = eqx.combine(arrays, static)(x, shift, scale=SCALE)
+            value = lax.psum(jnp.where(lax.axis_index("pipe") == last, mse(y, t), 0.0), "pipe")
+            return lax.pmean(value, "data")
+
+        value, (grads, x_grads) = jax.value_and_grad(loss, argnums=(0, 1))(arrays, x)
+        return value, grads, x_grads
+
+    def table(arrays, x, t, shift):
+        value, (grads, _, x_grads) = eqx.combine(arrays, static).value_and_grad(
+            mse, x, t, shift, scale=SCALE, schedule=schedule, return_all_grads=True
+        )
+        return value, eqx.filter(grads, eqx.is_array), x_grads
+
+    mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "pipe"))
+    compiled = {}
+    for name, step in (("autodiff", autodiff), ("table", table)):
+        fn = jax.jit(
+            jax.shard_map(
+                step,
+                mesh=mesh,
+                in_specs=(specs, P("data"), P("data"), P()),
+                out_specs=(P(), specs, P("data")),
+            )
+        )
+        compiled[name] = fn.lower(arrays, x, t, shift).compile()
+        if name == "autodiff":
+            assert backwards, "autodiff differentiated the stage whole"
+            loss, grads, x_grads = fn(arrays, x, t, shift)
+            assert_tree_close(loss, loss_ref)
+            assert_tree_close(grads, grads_ref)
+            assert_tree_close(x_grads, x_grads_ref)
+    temp = {k: c.memory_analysis().temp_size_in_bytes for k, c in compiled.items()}
+    # Beyond the table's: the outputs `__call__` returns and their cotangent, a batch each.
+    assert temp["autodiff"] <= temp["table"] + 2 * x.nbytes, temp
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "circular"])
+def test_autodiff_of_a_forward_run_with_arguments_computed_from_parameters(schedule):
+    """The training table gives extra stage arguments no gradients: a forward run whose
+    floating-point argument is computed from what is differentiated is differentiated by
+    autodiff of the loop, with the serial twin's gradients (the argument's included)."""
+    num_stages = 2
+    module = make_module(schedule, num_stages, 4)
+    x, t, shift = batch(4)
+    arrays, static, specs = layout(module)
+
+    def serial(arrays, shift):
+        y = eqx.combine(arrays, static).apply_serially(x, 2.0 * shift, scale=SCALE)
+        return mse(y, t)
+
+    loss_ref, (grads_ref, shift_grads_ref) = jax.value_and_grad(serial, argnums=(0, 1))(
+        arrays, shift
+    )
+
+    def step(arrays, x, t, shift):
+        def loss(arrays, shift):
+            y = eqx.combine(arrays, static)(x, 2.0 * shift, scale=SCALE)
+            return lax.psum(
+                jnp.where(lax.axis_index("pipe") == num_stages - 1, mse(y, t), 0.0), "pipe"
+            )
+
+        return jax.value_and_grad(loss, argnums=(0, 1))(arrays, shift)
+
+    fn = jax.jit(
+        jax.shard_map(
+            step,
+            mesh=pipe_mesh(num_stages),
+            in_specs=(specs, P(), P(), P()),
+            out_specs=(P(), (specs, P())),
+        )
+    )
+    loss, (grads, shift_grads) = fn(arrays, x, t, shift)
+    assert_tree_close(loss, loss_ref)
+    assert_tree_close(grads, grads_ref)
+    assert_tree_close(shift_grads, shift_grads_ref)
+
+
+def test_autodiff_of_a_circular_run_keeps_no_weights_per_step():
+    """Wide stages, few rows: autodiff of a circular run used to keep the stage's weights
+    (and values derived from them) at every clock step, 2.7x the table's temp here; through
+    the table's backward it holds the table's temp, plus the outputs `__call__` returns
+    (kept, and their cotangent)."""
+    width, num_microbatches = 64, 8
+    module = PipelineModule.from_stage_fn(
+        lambda key: TanhMLP(key, width=width), num_stages=2, num_repeats=2,
+        key=jax.random.key(0), num_microbatches=num_microbatches,
+    )  # fmt: skip
+    x = jax.random.normal(jax.random.key(1), (2 * num_microbatches, width))
+    arrays, static, specs = layout(module)
+
+    def autodiff(arrays, x):
+        def loss(arrays):
+            y = eqx.combine(arrays, static)(x)
+            return lax.psum(jnp.where(lax.axis_index("pipe") == 1, mse(y, x), 0.0), "pipe")
+
+        return jax.value_and_grad(loss)(arrays)
+
+    def table(arrays, x):
+        value, grads = eqx.combine(arrays, static).value_and_grad(mse, x, x, schedule="circular")
+        return value, eqx.filter(grads, eqx.is_array)
+
+    temp = {}
+    for name, step in (("autodiff", autodiff), ("table", table)):
+        fn = jax.jit(
+            jax.shard_map(step, mesh=pipe_mesh(2), in_specs=(specs, P()), out_specs=(P(), specs))
+        )
+        temp[name] = fn.lower(arrays, x).compile().memory_analysis().temp_size_in_bytes
+    assert temp["autodiff"] <= temp["table"] + 3 * x.nbytes, temp

@@ -30,6 +30,7 @@ from ..pipeline import execute_schedule
 from ..pipeline._executors import call_stage, circular_forward, gpipe_forward
 from ..pipeline._layered import LayerStack, stack_of
 from ..pipeline._microbatch import batch_size, unwrap_microbatched
+from ..pipeline._table_grad import TableBackward
 from ..pipeline._tools import typed_scan
 from ..schedule import (
     SCHEDULES,
@@ -489,16 +490,19 @@ class PipelineModule(eqx.Module):
             policy = AROUND_LAYERS[layers_remat]
         else:  # none: the stage is called as it is (a skip would cost memory here)
             policy = None
+        # Differentiated, the run's backward is the training table's (`_table_grad`), which
+        # keeps what `value_and_grad` keeps under the same `remat`.
+        table = _training_table(self.remat)
         if self.num_repeats > 1:
             return circular_forward(
                 stages, x, args, kwargs, num_microbatches=self.num_microbatches,
                 model_axis_name=self.axis_name, broadcast_output=self.broadcast_output,
-                stage_policy=policy,
+                stage_policy=policy, table=table,
             )  # fmt: skip
         return gpipe_forward(
             stages, x, args, kwargs, num_microbatches=self.num_microbatches,
             model_axis_name=self.axis_name, broadcast_output=self.broadcast_output,
-            stage_policy=policy, reduce_in_layers=layers_remat != "none",
+            stage_policy=policy, reduce_in_layers=layers_remat != "none", table=table,
         )  # fmt: skip
 
     def value_and_grad(
@@ -561,9 +565,8 @@ class PipelineModule(eqx.Module):
         """
         caller = "PipelineModule.value_and_grad"
         schedule = _schedule_name(schedule, self.num_repeats, caller)
-        # "full" keeps only each stage's input, which is what `recompute` does by itself
-        recompute = self.remat == "full"
-        local = _StageCall(self._local_stages(caller), "none" if recompute else self.remat)
+        table = _training_table(self.remat)
+        local, recompute = table.stage(self._local_stages(caller)), table.recompute
         loss, result = execute_schedule(
             self.schedule(schedule, include_backward=True),
             local,
@@ -611,6 +614,17 @@ class PipelineModule(eqx.Module):
         return self.value_and_grad(
             loss_fn, x, targets, *args, schedule="1f1b", return_all_grads=return_all_grads, **kwargs
         )
+
+
+def _training_table(remat: RematPolicy) -> TableBackward:
+    """How a training table runs the stages of a model with `remat`: `"full"` keeps only
+    each stage's input, which is what `recompute` does by itself; the other policies run
+    each stage under its checkpoint."""
+    recompute = remat == "full"
+    return TableBackward(
+        stage=lambda stages: _StageCall(stages, "none" if recompute else remat),
+        recompute=recompute,
+    )
 
 
 def _schedule_name(name: str | None, num_repeats: int, owner: str) -> str:

@@ -1,6 +1,5 @@
 """The public executors: GPipe, circular, 1F1B and any schedule table."""
 
-import functools
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -16,7 +15,7 @@ from .._checks import check_int
 from .._tracing import pipeline_stage
 from .._typing import AxisName
 from .._vma import varying_axes
-from ..schedule import CircularSchedule, OneFOneBSchedule, PipelineSchedule
+from ..schedule import OneFOneBSchedule, PipelineSchedule
 from . import _program
 from ._jaxpr import collective_axes, uses_primitive
 from ._loop import LoopState, run_schedule
@@ -30,6 +29,7 @@ from ._microbatch import (
     split_microbatches,
     unwrap_microbatched,
 )
+from ._table_grad import PLAIN_TABLE, TableBackward, forward_outputs
 from ._tools import (
     axes_tree,
     batch_axes,
@@ -184,10 +184,12 @@ def gpipe_forward(
     broadcast_output: bool,
     stage_policy: Callable | None = None,
     reduce_in_layers: bool = False,
+    table: TableBackward | None = PLAIN_TABLE,
 ) -> PyTree:
     """`execute_pipeline`; `stage_policy` is the `jax.checkpoint` policy of each stage call
     (`None`: the stage is called as it is, at every step); `reduce_in_layers`: see
-    `single_step`, which runs a pipeline of one stage and one microbatch."""
+    `single_step`, which runs a pipeline of one stage and one microbatch; `table`: how the
+    training table differentiates the run (`_table_grad`; `None`: autodiff of the loop)."""
     caller = "execute_pipeline"
     num_microbatches = check_int(num_microbatches, name="num_microbatches", owner=caller)
     num_stages = axis_size(model_axis_name, caller, argument="model_axis_name")
@@ -212,12 +214,12 @@ def gpipe_forward(
         caller=caller,
     )
     check_stage_keeps_shape(module, index_tree(microbatches, 0), *arguments_at(0), caller)
-    program = _forward_program(num_stages, num_microbatches, 1)
-    carry = run_schedule(
-        program, module, None, microbatches, None, arguments_at, axis_name=model_axis_name,
-        stage_policy=stage_policy,
+    outputs = forward_outputs(
+        module, microbatches, args, kwargs,
+        _arguments_for(num_microbatches, batch, model_axis_name, caller),
+        axis_name=model_axis_name, num_stages=num_stages, num_repeats=1,
+        stage_policy=stage_policy, table=table,
     )  # fmt: skip
-    outputs = jax.tree.map(lambda o: o[:num_microbatches], carry.outputs)
     return _gather_output(merge_microbatches(outputs), model_axis_name, broadcast_output)
 
 
@@ -266,11 +268,15 @@ def call_varying(stage: PyTree, x: PyTree, *args: PyTree, **kwargs: Any) -> PyTr
     return vary_like_input(stage, x, None)(x, *args, **kwargs)
 
 
-@functools.lru_cache(maxsize=64)
-def _forward_program(num_stages: int, num_microbatches: int, num_repeats: int):
-    """The program of the GPipe (`num_repeats == 1`) or circular forward table."""
-    schedule = CircularSchedule(num_stages, num_microbatches, num_repeats)
-    return _program.compile_schedule(schedule, store_residuals=False)
+def _arguments_for(
+    num_microbatches: int, batch: int, axis_name: AxisName, caller: str
+) -> Callable[[tuple, dict], Callable]:
+    """`microbatch_arguments` for given `(args, kwargs)` (`forward_outputs` builds it for the
+    values of each of its passes)."""
+    return lambda args, kwargs: microbatch_arguments(
+        args, kwargs, num_microbatches=num_microbatches, batch=batch, axis_name=axis_name,
+        caller=caller,
+    )  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------
@@ -367,10 +373,11 @@ def circular_forward(
     model_axis_name: AxisName,
     broadcast_output: bool,
     stage_policy: Callable | None = None,
+    table: TableBackward | None = PLAIN_TABLE,
 ) -> PyTree:
     """`execute_circular_pipeline`; `stage_policy` is the `jax.checkpoint` policy of each
     stage call (`None`: keep everything), which never keeps the stage's slice of the stacked
-    weights."""
+    weights; `table` as for `gpipe_forward`."""
     caller = "execute_circular_pipeline"
     num_microbatches = check_int(num_microbatches, name="num_microbatches", owner=caller)
     num_stages = axis_size(model_axis_name, caller, argument="model_axis_name")
@@ -397,12 +404,12 @@ def circular_forward(
     first = index_tree(microbatches, 0)
     check_stage_keeps_shape(stage_at(0), first, *arguments_at(0), caller)
 
-    program = _forward_program(num_stages, num_microbatches, num_repeats)
-    carry = run_schedule(
-        program, stages, None, microbatches, None, arguments_at, axis_name=model_axis_name,
-        stage_policy=stage_policy,
+    outputs = forward_outputs(
+        stages, microbatches, args, kwargs,
+        _arguments_for(num_microbatches, batch, model_axis_name, caller),
+        axis_name=model_axis_name, num_stages=num_stages, num_repeats=num_repeats,
+        stage_policy=stage_policy, table=table,
     )  # fmt: skip
-    outputs = jax.tree.map(lambda o: o[:num_microbatches], carry.outputs)
     return _gather_output(merge_microbatches(outputs), model_axis_name, broadcast_output)
 
 

@@ -171,6 +171,8 @@ class StepLoop:
         loss_on_every_device: bool,
         stage_policy: Callable | None,
         shards: int = 1,
+        mean: bool = True,
+        steps: tuple[int, int] | None = None,
     ):
         self.program, self.axis_name, self.arguments_at = program, axis_name, arguments_at
         self.training = loss_fn is not None
@@ -227,10 +229,28 @@ class StepLoop:
         # the whole batch's loss 1 / shards (`_executors._results`): the cotangent starts
         # scaled by both, so that every gradient comes out of the loop as the whole batch's
         # (dividing after the loop would write a second buffer the size of the stage).
-        self.seed = jnp.asarray(1.0 / (self.num_microbatches * shards), self.scale.dtype)
+        # (`mean=False`: the loss is a sum over microbatches and shards, as the linear loss
+        # of a forward run's backward is, `_table_backward`.)
+        self.seed = jnp.asarray(
+            1.0 / (self.num_microbatches * shards) if mean else 1.0, self.scale.dtype
+        )
         self.loss_steps = self._loss_steps()
-        # Only the kinds the table uses are traced: one branch each.
-        self.kinds = np.unique(program.kind)
+        # Only the kinds the steps run use are traced: one branch each.
+        start, stop = steps or (0, len(program.kind))
+        kinds = program.kind[start:stop]
+        if self.layout is not None:  # a backward rebuilds its pullback as a forward traced it
+            forwards = np.isin(program.kind, (_program.FORWARD, _program.FORWARD_LAST))
+            kinds = np.concatenate([kinds.ravel(), program.kind[forwards]])
+        self.kinds = np.unique(kinds)
+        # What the steps write: a half of a table that receives no activations, or runs no
+        # forward, leaves those buffers as they are (then the loop only reads them, and the
+        # compiler need not copy what another loop left in them).
+        self.receives_inputs = bool(
+            (program.received_input_slot[start:stop] < program.num_input_slots).any()
+        )
+        self.runs_forwards = bool(
+            np.isin(program.kind[start:stop], (_program.FORWARD, _program.FORWARD_LAST)).any()
+        )
         self.branches = [getattr(self, _ACTIONS[int(k)]) for k in self.kinds]
         columns = (
             program.kind, np.searchsorted(self.kinds, program.kind), program.microbatch,
@@ -533,7 +553,9 @@ class StepLoop:
             kind, branch, microbatch, repeat, input_slot, cotangent_slot, residual_slot,
             got_h, got_cot,
         ) = self.table[t, self.device]  # fmt: skip
-        inputs = _write(state.inputs, got_h, state.received)
+        inputs = state.inputs
+        if self.receives_inputs:
+            inputs = _write(inputs, got_h, state.received)
         cotangents = state.cotangents
         if training:
             cotangents = _write(cotangents, got_cot, state.received_cotangent)
@@ -569,7 +591,7 @@ class StepLoop:
             )
             kept_rest = _write(kept_rest, row, done.kept_rest)
         residuals = state.residuals
-        if self.store:
+        if self.store and self.runs_forwards:
             # A step without a forward writes its slot's rows back as they are: the buffer
             # (a stage's residuals per slot, the largest the loop holds) has no spare row.
             row = jnp.where(is_forward, residual_slot, 0)
@@ -615,9 +637,7 @@ class StepLoop:
             cotangents=buffer(self.zero_cotangent, program.num_cotangent_slots + 1)
             if training
             else None,
-            kept_rest=buffer(self.zero_rest, program.num_cotangent_slots + 1)
-            if training and self.store
-            else None,
+            kept_rest=buffer(self.zero_rest, program.num_cotangent_slots + 1) if training else None,
             residuals=buffer(self.no_residuals, max(program.num_residual_slots, 1)),
             outputs=None if training else buffer(self.zero_h, self.num_microbatches + 1),
             grads=zero_grads(self.params) if training else None,

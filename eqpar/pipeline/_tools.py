@@ -72,7 +72,7 @@ def typed_scan(
 ) -> tuple[PyTree, PyTree]:
     """`lax.scan(body, init, xs, reverse=reverse)` with the carry's replication types
     widened until the body maps them to themselves (as `check_vma` requires of a scan
-    carry)."""
+    carry); a body output narrower than its carry is widened to it."""
     carry = init
     for _ in range(8):
         out_carry, _ = jax.eval_shape(body, carry, index_tree(xs, 0))
@@ -80,7 +80,13 @@ def typed_scan(
         if jax.tree.leaves(wanted) == jax.tree.leaves(axes_tree(carry)):
             break
         carry = cast_tree(carry, wanted)
-    return lax.scan(body, carry, xs, reverse=reverse)
+    types = axes_tree(carry)
+
+    def typed_body(c: PyTree, x: PyTree) -> tuple[PyTree, PyTree]:
+        new, out = body(c, x)
+        return cast_tree(new, types), out
+
+    return lax.scan(typed_body, carry, xs, reverse=reverse)
 
 
 def step_indices(length: int) -> Array:
