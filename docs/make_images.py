@@ -64,6 +64,24 @@ def schedules() -> list[Path]:
     ]
 
 
+def quickstart() -> list[Path]:
+    # The MLP and plan of the home page's quick start (docs/index.md).
+    model = eqx.nn.MLP(64, 64, width_size=256, depth=1, key=jax.random.key(0))
+    mesh = eqpar.DeviceMesh((2, 4), ("data", "model"))
+    plan = {"layers/0": eqpar.ColumnParallel(), "layers/1": eqpar.RowParallel()}
+    parallel = eqpar.parallelize(model, plan, mesh=mesh)
+    figure = eqpar.inspect.plot_layout(
+        parallel,
+        eqpar.partition_specs(parallel),
+        mesh=mesh,
+        title="The quick start's MLP on a data=2 x model=4 mesh: "
+        "layers/0 split by rows (ColumnParallel), layers/1 by columns (RowParallel)",
+    )
+    path = IMAGES / "quickstart_layout.png"
+    figure.savefig(path, format="png", dpi=DPI)
+    return [path]
+
+
 def layouts() -> list[Path]:
     # The Megatron-LM layout of "Model parallel with a layout map" in distributions.md.
     model = eqx.nn.MLP(32, 32, 256, 2, activation=jax.nn.tanh, key=jax.random.key(0))
@@ -164,7 +182,7 @@ def routing() -> list[Path]:
 
 def main() -> list[Path]:
     IMAGES.mkdir(exist_ok=True)
-    written = schedules() + layouts() + routing()
+    written = quickstart() + schedules() + layouts() + routing()
     for path in written:
         print(f"wrote {path}")
     return written
