@@ -1,11 +1,24 @@
-"""Draw the pictures of the tutorials into `docs/images/`: the pipeline schedules of
-`docs/tutorials/pipeline.md` and `docs/tutorials/zero_bubble.md`, the parameter layout
-of `docs/tutorials/distributions.md`, and the routing of `docs/tutorials/experts.md`.
+"""Draw the pictures of the docs into `docs/images/`: the quick start's layout on the home
+page, the pipeline schedules of `docs/tutorials/pipeline.md` and
+`docs/tutorials/zero_bubble.md`, the parameter layout of `docs/tutorials/distributions.md`,
+the routing of `docs/tutorials/experts.md`, and the charts of `docs/performance.md`.
 
 Run from anywhere: `python docs/make_images.py`. Needs matplotlib (the `plot` extra).
+
+The performance page's charts are drawn from data: the scale table of
+`benchmarks/results.md` (memory and collective bytes per device per layout) and eqpar's own
+schedule tables (bubble against microbatches). Each chart carries the SHA-256 of its data in
+its PNG metadata (`Source`), and `python docs/make_images.py --check` (run by
+`tests/test_docs.py`) recomputes the data and fails when a chart was drawn from other data:
+after a new `benchmarks/results.md`, run the script again.
 """
 
+import argparse
+import hashlib
+import json
 import os
+import re
+import sys
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -29,6 +42,7 @@ from eqpar.schedule import (  # noqa: E402
 )
 
 IMAGES = Path(__file__).resolve().parent / "images"
+RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results.md"
 STAGES, MICROBATCHES, REPEATS = 4, 8, 2
 DPI = 110
 
@@ -62,6 +76,24 @@ def schedules() -> list[Path]:
             f"{zero_bubble.max_stored_inputs()} microbatches held per device",
         ),
     ]
+
+
+def quickstart() -> list[Path]:
+    # The MLP and plan of the home page's quick start (docs/index.md).
+    model = eqx.nn.MLP(64, 64, width_size=256, depth=1, key=jax.random.key(0))
+    mesh = eqpar.DeviceMesh((2, 4), ("data", "model"))
+    plan = {"layers/0": eqpar.ColumnParallel(), "layers/1": eqpar.RowParallel()}
+    parallel = eqpar.parallelize(model, plan, mesh=mesh)
+    figure = eqpar.inspect.plot_layout(
+        parallel,
+        eqpar.partition_specs(parallel),
+        mesh=mesh,
+        title="The quick start's MLP on a data=2 x model=4 mesh: "
+        "layers/0 split by rows (ColumnParallel), layers/1 by columns (RowParallel)",
+    )
+    path = IMAGES / "quickstart_layout.png"
+    figure.savefig(path, format="png", dpi=DPI)
+    return [path]
 
 
 def layouts() -> list[Path]:
@@ -162,9 +194,209 @@ def routing() -> list[Path]:
     return [path]
 
 
-def main() -> list[Path]:
+# ---------------------------------------------------------------------------------------------
+# The performance page's charts, drawn from data and stamped with its digest.
+
+SCALE_CHART = IMAGES / "scale_per_device.png"
+BUBBLE_CHART = IMAGES / "bubble_microbatches.png"
+_UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+_SIZE = re.compile(r"([0-9.]+) (B|KiB|MiB|GiB|TiB)")
+# Columns of the scale table that the chart draws: memory held, and bytes moved, per device.
+SCALE_MEMORY = {"params": "params/dev", "optimizer": "optimizer/dev", "temporaries": "temp/dev"}
+SCALE_BYTES = {"data": "data bytes", "pipe": "pipe bytes", "model": "model bytes"}
+
+
+def _size(cell: str) -> int:
+    """`"622.07 MiB (1.00x)"` -> bytes; `"—"` (the layout has no such axis) -> 0."""
+    found = _SIZE.match(cell.strip())
+    return 0 if found is None else round(float(found[1]) * _UNITS[found[2]])
+
+
+def scale_data(results: Path = RESULTS) -> dict[str, dict[str, dict[str, int]]]:
+    """`{config: {layout: {quantity: bytes per device}}}` from the scale tables of
+    `benchmarks/results.md` (the section `## Scale table`, one table after each `**config**`
+    line)."""
+    text = results.read_text()
+    section = text[text.index("## Scale table") :]
+    section = section[: section.find("\n## ", 1) if "\n## " in section[1:] else None]
+    data: dict[str, dict[str, dict[str, int]]] = {}
+    config = None
+    header: list[str] = []
+    for line in section.splitlines():
+        bold = re.match(r"\*\*([^*]+)\*\*:", line)
+        if bold:
+            config, header = bold[1], []
+            continue
+        if config is not None and header and not line.startswith("|"):
+            config = None  # the config's table has ended: later tables are other figures
+        if config is None or not line.startswith("|") or set(line) <= set("|-: "):
+            continue
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if not header:
+            header = [re.sub(r" \(x ideal\)$", "", c) for c in cells]
+            continue
+        row = dict(zip(header, cells, strict=True))
+        columns = {**SCALE_MEMORY, **SCALE_BYTES}
+        data.setdefault(config, {})[row["layout"]] = {
+            name: _size(row[column]) for name, column in columns.items()
+        }
+    if not data:
+        raise ValueError(f"no scale table found in {results}")
+    return data
+
+
+BUBBLE_STAGES = 4
+BUBBLE_MICROBATCHES = (1, 2, 4, 8, 12, 16, 24, 32)
+
+
+def bubble_data() -> dict[str, dict[str, list[float]]]:
+    """`{schedule: {"bubble": [...], "held": [...]}}` over `BUBBLE_MICROBATCHES` on
+    `BUBBLE_STAGES` devices, from eqpar's training schedule tables: the idle share of the
+    table's (step, device) cells, and the most microbatch inputs a device holds."""
+    makers = {
+        "GPipe": lambda m: GPipeSchedule(BUBBLE_STAGES, m, include_backward=True),
+        "circular (2 stages per device)": lambda m: CircularSchedule(
+            BUBBLE_STAGES, m, 2, include_backward=True
+        ),
+        "1F1B": lambda m: OneFOneBSchedule(BUBBLE_STAGES, m),
+        "ZB-H1": lambda m: ZeroBubbleH1Schedule(BUBBLE_STAGES, m),
+    }
+    data = {}
+    for name, make in makers.items():
+        tables = [make(m) for m in BUBBLE_MICROBATCHES]
+        data[name] = {
+            "bubble": [round(t.bubble_fraction, 6) for t in tables],
+            "held": [t.max_stored_inputs() for t in tables],
+        }
+    return data
+
+
+def digest(data: object) -> str:
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
+
+
+def _save_stamped(figure, path: Path, data: object) -> Path:
+    figure.savefig(path, format="png", dpi=DPI, metadata={"Source": f"sha256:{digest(data)}"})
+    return path
+
+
+def stamp(path: Path) -> str | None:
+    """The `Source` digest a chart was drawn from (None: no chart, or no stamp)."""
+    if not path.is_file():
+        return None
+    from PIL import Image  # matplotlib's own dependency
+
+    with Image.open(path) as image:
+        return image.text.get("Source")  # type: ignore[attr-defined]
+
+
+def _gib(n: int) -> float:
+    return n / 2**30
+
+
+def scale_chart() -> list[Path]:
+    from matplotlib.figure import Figure
+
+    data = scale_data()
+    colours = {
+        "params": "#4c72b0",
+        "optimizer": "#8fa9d6",
+        "temporaries": "#dd8452",
+        "data": "#55a868",
+        "pipe": "#c44e52",
+        "model": "#8172b3",
+    }
+    figure = Figure(figsize=(11, 3.2 * len(data) + 0.6), layout="constrained")
+    axes = figure.subplots(len(data), 2, squeeze=False)
+    for row, (config, layouts) in zip(axes, data.items()):
+        names = list(layouts)
+        for ax, parts, what in (
+            (row[0], SCALE_MEMORY, "memory per device"),
+            (row[1], SCALE_BYTES, "collective bytes per device per step"),
+        ):
+            left = [0.0] * len(names)
+            for part in parts:
+                widths = [_gib(layouts[n][part]) for n in names]
+                ax.barh(names, widths, left=left, color=colours[part], label=part)
+                left = [a + b for a, b in zip(left, widths)]
+            for y, total in enumerate(left):
+                ax.text(total, y, f" {total:.2f}", va="center", fontsize=8)
+            ax.set_xlim(0, max(left) * 1.15)
+            ax.invert_yaxis()
+            ax.set_title(f"{config}: {what}", fontsize=10)
+            ax.set_xlabel("GiB")
+            ax.legend(fontsize=8, loc="lower right")
+        row[1].set_yticklabels([])
+    figure.suptitle(
+        "The scale table of benchmarks/results.md: one Adam step of the example LM on 8 "
+        "devices, per device (compiler figures)",
+        fontsize=11,
+    )
+    return [_save_stamped(figure, SCALE_CHART, data)]
+
+
+def bubble_chart() -> list[Path]:
+    from matplotlib.figure import Figure
+
+    data = bubble_data()
+    figure = Figure(figsize=(11, 4.2), layout="constrained")
+    bubble_ax, held_ax = figure.subplots(1, 2)
+    for (name, series), marker in zip(data.items(), "osD^"):
+        style = {"marker": marker, "label": name}
+        if name == "GPipe":  # the same bubble as 1F1B: dashed, so that both lines show
+            style.update(linestyle="--", label="GPipe (bubble: as 1F1B)", zorder=3)
+        bubble_ax.plot(BUBBLE_MICROBATCHES, series["bubble"], **style)
+        held_ax.plot(BUBBLE_MICROBATCHES, series["held"], **style)
+    bubble_ax.set_title("bubble: idle share of the schedule's steps x devices", fontsize=10)
+    bubble_ax.set_ylabel("bubble fraction")
+    bubble_ax.set_ylim(0, None)
+    held_ax.set_title("most microbatch inputs held by one device", fontsize=10)
+    held_ax.set_ylabel("stage inputs held")
+    for ax in (bubble_ax, held_ax):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(BUBBLE_MICROBATCHES, [str(m) for m in BUBBLE_MICROBATCHES])
+        ax.set_xlabel("microbatches M")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    figure.suptitle(
+        f"Training schedules on {BUBBLE_STAGES} pipeline devices, from eqpar's schedule tables "
+        "(every action one step)",
+        fontsize=11,
+    )
+    return [_save_stamped(figure, BUBBLE_CHART, data)]
+
+
+def stale_charts() -> list[str]:
+    """A message for every chart of the performance page not drawn from the current data."""
+    problems = []
+    for path, data in ((SCALE_CHART, scale_data()), (BUBBLE_CHART, bubble_data())):
+        wanted, found = f"sha256:{digest(data)}", stamp(path)
+        if found != wanted:
+            problems.append(
+                f"{path.relative_to(IMAGES.parents[1])} was drawn from other data than "
+                f"{'benchmarks/results.md' if path == SCALE_CHART else 'the schedule tables'} "
+                f"hold now (stamp {found}, data {wanted}): run `python docs/make_images.py`"
+            )
+    return problems
+
+
+def main(argv: list[str] | None = None) -> list[Path]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="draw nothing; exit 1 if a chart of the performance page is stale",
+    )
+    args = parser.parse_args(argv)
+    if args.check:
+        problems = stale_charts()
+        for problem in problems:
+            print(problem, file=sys.stderr)
+        if problems:
+            raise SystemExit(1)
+        return []
     IMAGES.mkdir(exist_ok=True)
-    written = schedules() + layouts() + routing()
+    written = quickstart() + schedules() + layouts() + routing() + scale_chart() + bubble_chart()
     for path in written:
         print(f"wrote {path}")
     return written

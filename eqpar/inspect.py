@@ -69,8 +69,10 @@ class LayoutRow:
 class LayoutTable:
     """The layout of a model, leaf by leaf.
 
-    `print(table)` / `str(table)` give plain text; `rich.print(table)` gives a rich table;
-    `table.rows` and the totals are there for code.
+    `print(table)` / `str(table)` give plain text; `rich.print(table)` gives a rich table
+    that fits the terminal: where the paths do not fit beside the other columns, each path
+    wraps after a `/`, so its end (the leaf's own name) is always shown; `table.rows` and the
+    totals are there for code.
 
     ```python
     import equinox as eqx, jax, eqpar
@@ -131,23 +133,91 @@ class LayoutTable:
         rule = "-" * len(fmt(header))
         return "\n".join([fmt(header), rule, *(fmt(row) for row in body), rule, fmt(footer)])
 
-    def to_rich(self) -> PyTree:
-        """The table as a `rich.table.Table`."""
+    def to_rich(self, width: int | None = None) -> PyTree:
+        """The table as a `rich.table.Table`, `width` characters wide at most (`None`: as
+        wide as its cells).
+
+        A table too wide for `width` leaves out the dtype column when every leaf has the same
+        dtype (the title names it), wraps the shapes and specs at spaces, and wraps each path
+        after a `/`, so that its end, the leaf's own name, is always shown.
+        """
         from rich.table import Table
 
         header, body, footer = self._cells()
-        table = Table(title="parameter layout", show_footer=True)
+        title = "parameter layout"
+        widths: list[int | None] = [None] * len(header)
+        if width is not None and not _fits([header, *body, footer], width):
+            dtypes = {row[2] for row in body}
+            if len(dtypes) == 1:  # one dtype: say it once, in the title
+                title = f"parameter layout (every leaf {dtypes.pop()})"
+                header, footer = [*header[:2], *header[3:]], [*footer[:2], *footer[3:]]
+                body = [[*row[:2], *row[3:]] for row in body]
+            if not _fits([header, *body, footer], width):
+                widths = list(_narrow_widths([header, *body, footer], width))
+                body = [[_wrap_path(row[0], widths[0] or 1), *row[1:]] for row in body]
+        table = Table(title=title, show_footer=True)
         for i, (name, foot) in enumerate(zip(header, footer)):
-            table.add_column(name, footer=foot, justify="right" if i == len(header) - 1 else "left")
+            justify = "right" if i == len(header) - 1 else "left"
+            table.add_column(name, footer=foot, justify=justify, width=widths[i])
         for cells in body:
             table.add_row(*cells)
         return table
 
-    def __rich__(self) -> PyTree:
-        return self.to_rich()
+    def __rich_console__(self, console: Any, options: Any) -> Any:
+        yield self.to_rich(width=options.max_width)
 
     def __str__(self) -> str:
         return self.to_text()
+
+
+# A rich table's frame: one border left of every column and one at the right, and a space of
+# padding on both sides of every cell.
+def _table_frame(columns: int) -> int:
+    return (columns + 1) + 2 * columns
+
+
+def _natural(rows: list[list[str]], column: int) -> int:
+    return max(len(row[column]) for row in rows)
+
+
+def _fits(rows: list[list[str]], width: int) -> bool:
+    columns = len(rows[0])
+    return sum(_natural(rows, i) for i in range(columns)) + _table_frame(columns) <= width
+
+
+# Shapes and specs wrap at spaces down to this many characters (or their longest word).
+_NARROW_COLUMN = 15
+
+
+def _narrow_widths(rows: list[list[str]], width: int) -> list[int]:
+    """Widths of the columns of `rows` (header, body, footer; the path first) in a rich
+    table `width` wide: every other column at its natural width or `_NARROW_COLUMN`, whichever
+    is less (but not under its longest word), and the rest for the paths."""
+    others = [
+        min(_natural(rows, i), max(_NARROW_COLUMN, *(len(w) for r in rows for w in r[i].split())))
+        for i in range(1, len(rows[0]))
+    ]
+    free = width - _table_frame(len(rows[0])) - sum(others)
+    longest_path = max(len(row[0]) for row in rows[1:-1]) if len(rows) > 2 else len(rows[0][0])
+    return [min(longest_path, max(free, 8)), *others]
+
+
+def _wrap_path(path: str, width: int) -> str:
+    """`path` on lines of at most `width` characters, broken after a `/` (a part longer than
+    a line is cut into pieces of `width`)."""
+    parts = path.split("/")
+    pieces = [part + "/" for part in parts[:-1]] + [parts[-1]]
+    lines = [""]
+    for piece in pieces:
+        while len(piece) > width:  # a part longer than a whole line
+            if lines[-1]:
+                lines.append("")
+            lines[-1], piece = piece[:width], piece[width:]
+            lines.append("")
+        if len(lines[-1]) + len(piece) > width and lines[-1]:
+            lines.append("")
+        lines[-1] += piece
+    return "\n".join(line for line in lines if line)
 
 
 def _format_bytes(n: int) -> str:
@@ -314,7 +384,7 @@ def print_layout_table(
     if stream.isatty():
         from rich.console import Console
 
-        Console(file=stream).print(table.to_rich())
+        Console(file=stream).print(table)  # as wide as the terminal
     else:
         stream.write(table.to_text() + "\n")
     return table

@@ -406,6 +406,21 @@ def test_outputs_shown_on_a_page_are_checked(tmp_path):
     assert not output_matches("a\nb", "a\n\nb") and not output_matches("a...b", "ab c")
 
 
+def test_the_charts_of_the_performance_page_are_drawn_from_the_current_data():
+    # docs/make_images.py stamps each chart with the digest of the data it drew (the scale
+    # table of benchmarks/results.md, eqpar's schedule tables); --check recomputes the data.
+    result = subprocess.run(
+        [sys.executable, str(DOCS / "make_images.py"), "--check"],
+        cwd=ROOT,
+        env=laptop_environment(),
+        capture_output=True,
+        text=True,
+        timeout=PAGE_TIMEOUT_SECONDS,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+
+
 # ---------------------------------------------------------------------------------------------
 # Docstring examples, in this process.
 

@@ -122,6 +122,38 @@ def test_print_layout_table_plain_when_piped_rich_in_a_terminal(mlp):
     assert table.to_rich().row_count == 4
 
 
+def test_rich_layout_table_shows_every_whole_path_at_80_columns():
+    # Paths as long as the example LM's: a terminal of 80 columns shows each one whole,
+    # wrapped after a `/`, instead of cutting them all to "body/stages/la…".
+    from rich.console import Console
+
+    leaf = jnp.zeros((2, 2, 32, 32))
+    attention = {name: {"weight": leaf} for name in ("query_proj", "key_proj", "output_proj")}
+    model = {"body": {"stages": {"layers": {"attention": attention}}}, "embed": {"weight": leaf}}
+    mesh = DeviceMesh((2, 4), ("pipe", "model"))
+    specs = jax.tree.map(lambda _: P("pipe", None, "model", None), model)
+    table = layout_table(model, specs, mesh=mesh)
+    paths = [row.path for row in table.rows]
+    assert max(len(p) for p in paths) == len("body/stages/layers/attention/output_proj/weight")
+
+    def rendered(width):
+        out = io.StringIO()
+        Console(file=out, width=width, color_system=None).print(table)
+        return out.getvalue().splitlines()
+
+    narrow = rendered(80)
+    assert max(len(line) for line in narrow) <= 80
+    assert "…" not in "".join(narrow)  # nothing cut
+    assert "parameter layout (every leaf float32)" in narrow[0]  # one dtype: in the title
+    path_column = "".join(line.split("│")[1].strip() for line in narrow if line.startswith("│"))
+    for path in paths:  # every path whole, in order, its lines joined
+        assert path in path_column
+    assert any(line.startswith("│ body/stages/layers/") for line in narrow)
+    wide = rendered(200)  # room enough: one line per leaf, every column
+    assert any("│ body/stages/layers/attention/output_proj/weight " in line for line in wide)
+    assert "dtype" in wide[2] and max(len(line) for line in wide) < 200
+
+
 # --- eqpar/_hlo.py: reading compiled programs ---------------------------------------------
 
 

@@ -33,7 +33,7 @@ def pyproject() -> dict:
 
 
 def requirement_names(requirements: list[str]) -> set[str]:
-    """`["jax>=0.7.1", "eqpar[checkpoint,plot]"]` -> `{"jax", "eqpar"}`."""
+    """`["jax>=0.10.0", "eqpar[checkpoint,plot]"]` -> `{"jax", "eqpar"}`."""
     return {re.match(r"[A-Za-z0-9_.-]+", r).group(0).lower() for r in requirements}
 
 
@@ -83,6 +83,35 @@ def test_version_is_the_same_everywhere():
     assert f"\n## {version}\n" in (ROOT / "CHANGELOG.md").read_text()
     assert "Apache License" in (ROOT / "LICENSE").read_text()
     assert pyproject()["project"]["license"] == {"text": "Apache-2.0"}
+
+
+def test_one_jax_floor_and_one_python_floor_everywhere():
+    # What README.md and the docs say eqpar needs is what pyproject.toml declares, and what
+    # the floor run of CI pins (.ci/constraints-floor.txt).
+    project = pyproject()["project"]
+    (jax_floor,) = re.findall(r"^jax>=(\S+)$", "\n".join(project["dependencies"]), re.M)
+    python_floor = re.fullmatch(r">=(\S+)", project["requires-python"]).group(1)
+    stated = {"jax": [], "python": []}
+    patterns = {
+        "jax": [
+            r"JAX (?:≥|>=) ?(\d[\d.]*\d)",
+            r"floors \(JAX (\d[\d.]*\d)",
+            r"JAX (\d[\d.]*\d) or newer",
+        ],
+        "python": [r"Python (?:≥|>=) ?(\d[\d.]*\d)", r"Python (\d[\d.]*\d) or newer"],
+    }
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    for page in pages:
+        text = page.read_text()
+        for what, regexes in patterns.items():
+            for regex in regexes:
+                stated[what] += [(page.relative_to(ROOT), v) for v in re.findall(regex, text)]
+    assert stated["jax"] and stated["python"]
+    assert {v for _, v in stated["jax"]} == {jax_floor}, stated["jax"]
+    assert {v for _, v in stated["python"]} == {python_floor}, stated["python"]
+    pinned = (ROOT / ".ci" / "constraints-floor.txt").read_text()
+    assert re.search(rf"^jax=={re.escape(jax_floor)}$", pinned, re.M)
+    assert re.search(rf"^jaxlib=={re.escape(jax_floor)}$", pinned, re.M)
 
 
 def test_readme_and_docs_give_the_same_install_line():

@@ -128,8 +128,8 @@ def one_f_one_b(module, mesh):
 
     def step(arrays, x, t, shift):
         model = eqx.combine(arrays, static)
-        value, (grads, _, x_grads) = model.value_and_grad_1f1b(
-            mse, x, t, shift, scale=SCALE, return_all_grads=True
+        value, (grads, _, x_grads) = model.value_and_grad(
+            mse, x, t, shift, scale=SCALE, schedule="1f1b", return_all_grads=True
         )
         return value, eqx.filter(grads, eqx.is_array), x_grads
 
@@ -165,6 +165,30 @@ def test_matches_serial_twin(schedule, num_stages, num_microbatches):
         assert not np.any(np.asarray(y[:-1])), "non-last stages must return zeros"
     assert_tree_close(loss, loss_ref)
     assert_tree_close(grads, grads_ref)
+
+
+def test_value_and_grad_1f1b_is_deprecated_for_value_and_grad_with_schedule():
+    # One name per schedule: the old spelling warns and gives what `schedule="1f1b"` gives.
+    module = make_module("1f1b", 2, 2)
+    x, t, shift = batch(2)
+    arrays, static, specs = layout(module)
+
+    def old(arrays, x, t, shift):
+        with pytest.warns(DeprecationWarning, match=r"value_and_grad_1f1b is deprecated.*'1f1b'"):
+            value, grads = eqx.combine(arrays, static).value_and_grad_1f1b(
+                mse, x, t, shift, scale=SCALE
+            )
+        return value, eqx.filter(grads, eqx.is_array)
+
+    fn = jax.jit(
+        jax.shard_map(
+            old, mesh=pipe_mesh(2), in_specs=(specs, P(), P(), P()), out_specs=(P(), specs)
+        )
+    )
+    loss, grads = fn(arrays, x, t, shift)
+    expected_loss, expected_grads, _ = one_f_one_b(module, pipe_mesh(2))[1](arrays, x, t, shift)
+    assert_tree_close(loss, expected_loss)
+    assert_tree_close(grads, expected_grads)
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "circular"])
@@ -248,7 +272,7 @@ def test_data_by_pipe_mesh(schedule):
     def step(arrays, x, t, shift):
         model = eqx.combine(arrays, static)
         if schedule == "1f1b":
-            value, grads = model.value_and_grad_1f1b(mse, x, t, shift, scale=SCALE)
+            value, grads = model.value_and_grad(mse, x, t, shift, scale=SCALE, schedule="1f1b")
             # The loss of the whole batch (the mean over the `data` shards) and its
             # gradients, as `jax.grad` of a `pmean` of the loss gives (the one gradient rule).
             return value, jnp.zeros_like(x), eqx.filter(grads, eqx.is_array)
@@ -336,7 +360,7 @@ def test_pipe_by_model_mesh_with_tpdense(schedule):
             def loss_fn(y, t):
                 return lax.pmean(mse(y, t), "model")
 
-            value, grads = model.value_and_grad_1f1b(loss_fn, x, t)
+            value, grads = model.value_and_grad(loss_fn, x, t, schedule="1f1b")
             return value, jnp.zeros_like(x)[None], eqx.filter(grads, eqx.is_array)
 
         def loss(arrays):
@@ -453,8 +477,8 @@ def test_1f1b_loss_fn_parameters_get_gradients():
 
     def step(arrays, head, x, t, shift):
         model = eqx.combine(arrays, static)
-        value, (grads, head_grads, x_grads) = model.value_and_grad_1f1b(
-            head, x, t, shift, scale=SCALE, return_all_grads=True
+        value, (grads, head_grads, x_grads) = model.value_and_grad(
+            head, x, t, shift, scale=SCALE, schedule="1f1b", return_all_grads=True
         )
         return value, (eqx.filter(grads, eqx.is_array), head_grads, x_grads)
 
@@ -687,7 +711,9 @@ def test_1f1b_rejects_circular_modules_and_bad_losses():
     arrays, static, specs = layout(module)
     x, t, shift = batch(2)
     fn = _in_pipe(
-        lambda a, x, t, s: eqx.combine(a, static).value_and_grad_1f1b(mse, x, t, s, scale=SCALE)[0],
+        lambda a, x, t, s: eqx.combine(a, static).value_and_grad(
+            mse, x, t, s, scale=SCALE, schedule="1f1b"
+        )[0],
         size=2,
         in_specs=(specs, P(), P(), P()),
     )
@@ -952,8 +978,8 @@ def test_microbatched_arguments_follow_their_rows(schedule):
         model = eqx.combine(arrays, static)
         extra = dict(weight=Microbatched(weight), scale=SCALE)
         if schedule == "1f1b":
-            value, (grads, _, x_grads) = model.value_and_grad_1f1b(
-                mse, x, t, Microbatched(mask), return_all_grads=True, **extra
+            value, (grads, _, x_grads) = model.value_and_grad(
+                mse, x, t, Microbatched(mask), schedule="1f1b", return_all_grads=True, **extra
             )
             return value, jnp.zeros_like(x), eqx.filter(grads, eqx.is_array), x_grads
 
@@ -1130,8 +1156,13 @@ def test_pipeline_inside_a_user_model_trains_like_the_serial_model(schedule):
 
         def one_f_one_b_step(net, tokens, mask, labels):
             h, embed_pullback = eqx.filter_vjp(lambda e: jax.vmap(jax.vmap(e))(tokens), net.embed)
-            loss, (body_grads, head_grads, h_grads) = net.body.value_and_grad_1f1b(
-                HeadLoss(net.head), h, (labels, mask), Microbatched(mask), return_all_grads=True
+            loss, (body_grads, head_grads, h_grads) = net.body.value_and_grad(
+                HeadLoss(net.head),
+                h,
+                (labels, mask),
+                Microbatched(mask),
+                schedule="1f1b",
+                return_all_grads=True,
             )
             (embed_grads,) = embed_pullback(h_grads)
             grads = eqx.tree_at(

@@ -137,8 +137,14 @@ def one_f_one_b_step(model, mesh, batch):
             return eqx.tree_at(lambda m: m.embedder_block, model, block).embed(tokens, keys)
 
         x, embed_vjp = eqx.filter_vjp(embed, model.embedder_block)
-        loss, (body_grads, head_grads, x_grads) = model.body.value_and_grad_1f1b(
-            model.head, x, labels, Microbatched(mask), Microbatched(keys), return_all_grads=True
+        loss, (body_grads, head_grads, x_grads) = model.body.value_and_grad(
+            model.head,
+            x,
+            labels,
+            Microbatched(mask),
+            Microbatched(keys),
+            schedule="1f1b",
+            return_all_grads=True,
         )
         (embed_grads,) = embed_vjp(x_grads)
         grads = eqx.tree_at(

@@ -14,6 +14,9 @@ pages and the tutorials are loaded at a laptop's viewport and laid out again at 
   `#anchor` names no `id` on that page;
 - a page wider than the viewport (`scrollWidth > innerWidth`), naming the elements that stick
   out, at either viewport;
+- on the pages of `WHOLE_TABLES` (the performance page's wide figures among them), a table
+  wider than the content at the laptop viewport: the theme lets it scroll sideways inside its
+  box, so its right-hand columns are cut off until the reader scrolls;
 - a navigation entry listed twice, or a nav title that is not the page's own title (or its
   first words, before a colon).
 
@@ -65,6 +68,12 @@ CHROMIUM_FLAGS = (
     "--disable-background-networking",
     "--disable-component-update",
     "--disable-sync",
+)
+# Pages whose tables must show whole at the laptop viewport, without scrolling inside their box.
+WHOLE_TABLES = frozenset({"docs/index.md", "docs/faq.md", "docs/performance.md"})
+FIX_CLIPPED_TABLE = (
+    "split the table into narrower ones (the key columns repeated), drop columns, or put the "
+    "figures in a chart"
 )
 FIX_OVERFLOW = (
     "let it wrap or scroll inside the content (e.g. `overflow-x: auto`, or "
@@ -261,6 +270,26 @@ return [root.scrollWidth, width, outside.slice(0, 5)
 )
 
 
+# The tables of the content wider than the box that holds them (the theme's scrolling wrapper,
+# or the article), with their width and the room they had.
+_CLIPPED_TABLES_JS = (
+    _DESCRIBE_JS
+    + r"""
+const clipped = [];
+for (const table of document.querySelectorAll("article table")) {
+  let box = table.closest("article");
+  for (let p = table.parentElement; p && p !== box; p = p.parentElement) {
+    if (getComputedStyle(p).overflowX !== "visible") { box = p; break; }
+  }
+  const room = Math.min(box.clientWidth, table.closest("article").clientWidth);
+  const width = Math.max(table.scrollWidth, Math.ceil(table.getBoundingClientRect().width));
+  if (width > room + 0.5) clipped.push(`${describe(table)}: ${width} px wide in ${room} px`);
+}
+return clipped;
+"""
+)
+
+
 @dataclasses.dataclass(frozen=True)
 class PageReport:
     url: str
@@ -272,6 +301,7 @@ class PageReport:
     nav_title: str | None  # the active entry of the navigation
     nav_links: list[tuple[str, str]]  # (URL, title) of every visible entry of the navigation
     overflow: dict[str, tuple[int, int, list[str]]]  # viewport -> (scrollWidth, width, culprits)
+    clipped_tables: list[str] = dataclasses.field(default_factory=list)  # at the laptop viewport
 
 
 class Browser:
@@ -298,11 +328,12 @@ def inspect_page(browser: Browser, url: str, source: str, screenshots: Path | No
     order = sorted(VIEWPORTS, key=lambda viewport: viewport != browser.viewport)
     browser.resize(order[0])
     browser.driver.get(url)
-    found, overflow = None, {}
+    found, overflow, clipped = None, {}, []
     for viewport in order:
         browser.resize(viewport)
         if viewport == LAPTOP:
             found = browser.driver.execute_async_script(_INSPECT_JS)
+            clipped = browser.driver.execute_script(_CLIPPED_TABLES_JS)
         wide = browser.driver.execute_script(_OVERFLOW_JS)
         if wide is not None:
             overflow[viewport] = (wide[0], wide[1], wide[2])
@@ -320,6 +351,7 @@ def inspect_page(browser: Browser, url: str, source: str, screenshots: Path | No
         nav_title=found["nav_title"],
         nav_links=[tuple(item) for item in found["nav_links"]],
         overflow={viewport: overflow[viewport] for viewport in VIEWPORTS if viewport in overflow},
+        clipped_tables=list(clipped),
     )
 
 
@@ -418,6 +450,14 @@ def page_problems(report: PageReport, base: str) -> list[str]:
             + "\n    ".join(culprits or ["(no single element: look for negative margins)"])
             + f"\n  fix: {FIX_OVERFLOW}"
         )
+    if report.source in WHOLE_TABLES:
+        width = VIEWPORTS[LAPTOP][0]
+        for table in report.clipped_tables:
+            problems.append(
+                f"{report.source}: at the {LAPTOP} viewport ({width} px) the table {table} "
+                f"and scrolls sideways inside its box, its last columns cut off; fix: "
+                f"{FIX_CLIPPED_TABLE}"
+            )
     if report.nav_title is not None and report.heading is not None:
         home = urllib.parse.urlsplit(report.url).path == urllib.parse.urlsplit(base).path
         if not title_agrees(report.nav_title, report.heading, home=home):
@@ -545,3 +585,31 @@ def test_site_check_finds_missing_images_broken_links_and_wide_pages(browser, tm
     assert "phone viewport (390 px)" in phone and "narrow-only" in phone
     assert "href='other.html#nowhere'" in anchor and "#nowhere, which /other.html" in anchor
     assert "href='gone/'" in page and "/gone/, which the site does not have (HTTP 404)" in page
+
+
+CLIPPED_TABLES_PAGE = """<!doctype html>
+<html><head><meta charset="utf-8"><title>Tables</title><link rel="icon" href="data:,"></head>
+<body><article style="max-width: 600px">
+<h1>Tables</h1>
+<h2 id="narrow">Narrow</h2>
+<div style="overflow-x: auto"><table><tr><th>fits</th><td>1</td></tr></table></div>
+<h2 id="wide">Wide</h2>
+<div style="overflow-x: auto"><table><tr><th>too wide</th><td style="min-width: 900px">x</td>
+</tr></table></div>
+</article></body></html>
+"""
+
+
+def test_site_check_finds_tables_cut_off_by_their_box(browser, tmp_path):
+    # The page itself does not overflow: the wide table scrolls inside its box, which hides its
+    # right-hand side at the laptop viewport. Only pages of WHOLE_TABLES are held to it.
+    (tmp_path / "tables.html").write_text(CLIPPED_TABLES_PAGE)
+    with serve(tmp_path) as base:
+        report = inspect_page(browser, base + "tables.html", "docs/performance.md", None)
+        problems = page_problems(report, base)
+        other = dataclasses.replace(report, source="docs/other.md")
+        assert page_problems(other, base) == []
+    assert len(problems) == 1, "\n".join(problems)
+    assert '<table> "too widex" under the heading "Wide": 9' in problems[0]
+    assert "px wide in 600 px and scrolls sideways inside its box" in problems[0]
+    assert "split the table" in problems[0]
