@@ -8,17 +8,24 @@ and context parallelism).
     python examples/train_lm.py --experts 8 --top-k 2 --mesh data=2,expert=4 --check  # MoE
     python examples/train_lm.py --precision bfloat16             # float32 params, bf16 compute
     python examples/train_lm.py --ckpt-dir /tmp/ckpt --resume    # continue from the latest
+    python examples/train_lm.py --config outputs/config.json     # the run that wrote it, again
 
 On CPU, 8 devices are simulated; on accelerators the device count comes from JAX. Any mesh
 whose product is the device count works, 1 device included. A `context` axis splits every
 sequence over its devices (ring attention, all-gather attention with a pipe axis; balanced
-causal layout): the sequence length
-(`--seq-len`) must divide by 2 x context. With `--experts`, each block's MLP is a mixture of
-experts and an `expert` axis splits the experts over its devices (the batch rows split over
-data and expert), a `model` axis each expert's hidden units. Outputs (loss curve, pipeline
-schedule) go to `--out`. On a terminal a progress bar shows the loss and tokens/s; in a log
-(stdout not a terminal) a line is printed every `--log-every` steps instead.
-"""
+causal layout): the sequence length (`--seq-len`) must divide by 2 x context. With
+`--experts`, each block's MLP is a mixture of experts and an `expert` axis splits the experts
+over its devices (the batch rows split over data and expert), a `model` axis each expert's
+hidden units.
+
+The options are a typed dataclass, `TrainConfig`, read by tyro; a run writes them to
+`config.json` in `--out` (and `--ckpt-dir`), and `--config FILE` reads them back. Before
+training it says what it does (building, compiling) and prints the memory per device of the
+compiled step (parameters, optimizer state, temp). Every step's loss, learning rate,
+gradient norm, tokens/s and, on accelerators of known peak, model FLOPs utilisation go to the
+console (a progress bar on a terminal, a line every `--log-every` steps in a log), to
+`metrics.jsonl` and, with tensorboardX installed, to TensorBoard (`--out`/tensorboard). The
+loss curve and the pipeline schedule's picture go to `--out`."""
 
 import dataclasses
 import functools
@@ -1041,9 +1048,9 @@ class TrainConfig:
 
     mesh: str | None = None
     """axis sizes whose product is the device count, e.g. data=2,pipe=2,model=2; missing
-    axes are 1; a context axis (e.g. data=2,context=4) splits every sequence over its devices
-    (ring attention; --seq-len must divide by 2 x context); unset: data=2,pipe=2,model=2 on 8
-    devices, else data=<count>"""
+    axes are 1; a context axis (e.g. data=2,context=4) splits every sequence over its
+    devices, by ring attention (--seq-len must divide by 2 x context); unset:
+    data=2,pipe=2,model=2 on 8 devices, else data=<count>"""
     schedule: Schedule | None = None
     """pipeline schedule on the pipe axis (unset: gpipe); refused without a pipe axis"""
     microbatches: PositiveInt = 4
@@ -1053,8 +1060,8 @@ class TrainConfig:
     fsdp: bool = False
     """also shard parameters over data"""
     remat: Literal["none", "full", "matmuls"] = "none"
-    """recompute each layer's activations in the backward pass: 'full' keeps only its input,
-    'matmuls' also its matmul outputs"""
+    """recompute each layer's activations in the backward pass: 'full' keeps only its input
+    and 'matmuls' also its matmul outputs"""
     steps: PositiveInt = 120
     """training steps"""
     batch_size: PositiveInt = 16
@@ -1062,8 +1069,8 @@ class TrainConfig:
     lr: PositiveFloat = 3e-3
     """Adam's learning rate; plain SGD uses 30 times it"""
     optimizer: Literal["adam", "sgd"] | None = None
-    """adam (with warmup and clipping), or plain SGD with momentum (unset: adam; sgd with
-    --check)"""
+    """adam (with warmup and clipping), or plain SGD with momentum (unset: adam, and sgd
+    with --check)"""
     experts: PositiveInt | None = None
     """a mixture of E experts in every block instead of its MLP (eqpar.nn.MixtureOfExperts,
     each expert the dense MLP's kind, dropless), with the load-balancing and router z
@@ -1088,8 +1095,8 @@ class TrainConfig:
     seq_len: PositiveInt | None = None
     """tokens per sequence (unset: the --size's: 32 for small, 16 for tiny)"""
     out: pathlib.Path = pathlib.Path("outputs")
-    """where the loss curve and schedule pictures, config.json, metrics.jsonl (without
-    --ckpt-dir) and tensorboard/ go"""
+    """where the loss curve and schedule pictures, config.json, tensorboard/ and (without
+    a --ckpt-dir) metrics.jsonl go"""
     progress: bool = True
     """show the steps: a progress bar on a terminal, a log line every --log-every steps in a
     log (--no-progress: neither)"""
@@ -1099,8 +1106,8 @@ class TrainConfig:
     json: pathlib.Path | None = None
     """write a summary (losses, timings, memory) here"""
     metrics: pathlib.Path | None = None
-    """the JSONL file of a start-up record and one record per step (unset: metrics.jsonl in
-    --ckpt-dir, where a resumed run goes on with it, else in --out)"""
+    """the JSONL file of a start-up record and one record per step (unset: metrics.jsonl
+    in the --ckpt-dir, where a resumed run goes on with it, else in --out)"""
     tensorboard: bool = True
     """TensorBoard events in --out/tensorboard where tensorboardX is installed"""
     ckpt_dir: pathlib.Path | None = None
