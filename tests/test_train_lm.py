@@ -607,3 +607,31 @@ def test_experts_bad_combinations_are_refused(capsys):
     with pytest.raises(SystemExit, match="--experts 6 must divide by expert=4"):
         train_lm.main(["--experts", "6", "--mesh", "data=2,expert=4", "--size", "tiny"])
     assert capsys.readouterr().out == ""  # refused before any output
+
+
+def test_utilisation_needs_a_known_peak():
+    import types
+
+    import metrics
+
+    def device(platform, kind):
+        return types.SimpleNamespace(platform=platform, device_kind=kind)
+
+    h100, pcie = device("gpu", "NVIDIA H100 80GB HBM3"), device("gpu", "NVIDIA H100 PCIe")
+    assert metrics.peak_flops(h100, "bfloat16") == 989e12
+    assert metrics.peak_flops(h100, "float32") == 495e12  # TF32, as XLA runs float32 matmuls
+    assert metrics.peak_flops(pcie, "bfloat16") == 756e12  # the longer name first
+    assert metrics.peak_flops(device("tpu", "TPU v5 lite"), "bfloat16") == 197e12
+    assert metrics.utilisation_note(h100, "bfloat16") == ""
+    cpu = jax.devices()[0]
+    assert metrics.peak_flops(cpu, "float32") is None
+    assert metrics.utilisation_note(cpu, "float32") == "not meaningful on simulated CPU devices"
+    unknown = device("gpu", "NVIDIA GeForce RTX 3090")
+    assert metrics.peak_flops(unknown, "bfloat16") is None
+    assert "'NVIDIA GeForce RTX 3090' is not in metrics.PEAK_FLOPS" in metrics.utilisation_note(
+        unknown, "bfloat16"
+    )
+    # The model FLOPs of a token: 3 x the forward pass's matmuls and attention.
+    config = train_lm.SIZES["tiny"]  # d 32, hidden 64, 4 layers, vocab 32, seq 16
+    forward = 2 * (4 * (4 * 32 * 32 + 2 * 32 * 64 + 2 * 16 * 32) + 32 * 32)
+    assert train_lm.training_flops_per_token(config) == 3 * forward
