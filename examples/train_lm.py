@@ -27,6 +27,7 @@ console (a progress bar on a terminal, a line every `--log-every` steps in a log
 `metrics.jsonl` and, with tensorboardX installed, to TensorBoard (`--out`/tensorboard). The
 loss curve and the pipeline schedule's picture go to `--out`."""
 
+import argparse
 import dataclasses
 import functools
 import json
@@ -995,14 +996,20 @@ def largest_differences(a: lm.LM, b: lm.LM) -> float:
     )
 
 
+class ConfigError(ValueError, argparse.ArgumentTypeError):
+    """A bad option, or options that do not go together (`TrainConfig.validate`); the message
+    names them. tyro reports a `ValueError` with the option's name, and so does argparse an
+    `ArgumentTypeError` (`multihost.py` reads its counts with `positive_int` too)."""
+
+
 def positive_int(text: str) -> int:
-    """A count of at least 1 read from the command line (`ValueError` saying what came)."""
+    """A count of at least 1 read from the command line (`ConfigError` saying what came)."""
     try:
         value = int(text)
     except ValueError:
         value = 0
     if value < 1:
-        raise ValueError(f"must be a positive integer, got {text!r}")
+        raise ConfigError(f"must be a positive integer, got {text!r}")
     return value
 
 
@@ -1013,7 +1020,7 @@ def positive_float(text: str) -> float:
     except ValueError:
         value = 0.0
     if not value > 0 or not np.isfinite(value):
-        raise ValueError(f"must be a number above 0, got {text!r}")
+        raise ConfigError(f"must be a number above 0, got {text!r}")
     return value
 
 
@@ -1036,8 +1043,6 @@ Precision = Literal["float32", "bfloat16"]
 assert typing.get_args(Schedule) == lm.SCHEDULES and typing.get_args(Precision) == lm.PRECISIONS
 
 
-class ConfigError(ValueError):
-    """Options that do not go together (`TrainConfig.validate`); the message names them."""
 
 
 @dataclasses.dataclass(frozen=True)
