@@ -582,7 +582,7 @@ def make_optimizer(run: RunConfig) -> Any:
     raise SystemExit(f"--optimizer must be adam or sgd; got {run.optimizer!r}")
 
 
-def learning_rate_schedule(run: RunConfig) -> Callable[[int], Any]:
+def learning_rate_schedule(run: RunConfig) -> optax.Schedule:
     """The learning rate of each update of `make_optimizer(run)` by its index (0 for the
     first step's): Adam's warms up linearly from 0 to `run.lr` over 10 steps; plain SGD's is
     `SGD_LR_SCALE * run.lr` throughout."""
