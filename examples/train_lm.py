@@ -836,7 +836,7 @@ def run_training(
             last = {
                 "step": position + 1,
                 "loss": losses[-1],
-                "learning_rate": float(learning_rate(position)),
+                "learning_rate": float(np.asarray(learning_rate(position))),
                 "grad_norm": float(grad_norm),
                 "tokens_per_second": tokens_per_second,
                 "mfu": utilisation,
@@ -1041,8 +1041,6 @@ PositiveFloat = Annotated[float, _read_with(positive_float, "FLOAT")]
 Schedule = Literal["gpipe", "circular", "1f1b", "zb-h1"]
 Precision = Literal["float32", "bfloat16"]
 assert typing.get_args(Schedule) == lm.SCHEDULES and typing.get_args(Precision) == lm.PRECISIONS
-
-
 
 
 @dataclasses.dataclass(frozen=True)
