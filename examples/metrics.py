@@ -111,7 +111,7 @@ def memory_figures(
     import jax, jax.numpy as jnp
     from metrics import memory_figures
     x = jnp.ones((4, 4))
-    compiled = jax.jit(lambda p, s, b: (p * b).sum()).lower(x, x, x).compile()
+    compiled = jax.jit(lambda p, s, b: (p * s * b).sum()).lower(x, x, x).compile()
     figures = memory_figures(compiled, parameters=x, optimizer_state=x, batch=x)
     assert figures["argument"] == 3 * 64 == figures["parameters"] * 3
     ```
