@@ -98,7 +98,7 @@ def memory_figures(
 
     - `compiled`: the step, compiled (`jax.jit(...).lower(...).compile()`, or the same of an
       `eqx.filter_jit` function).
-    - `parameters`, `optimizer_state`, `batch`: what it takes (pytrees of arrays; others
+    - `parameters`, `optimizer_state`, `batch`: what it takes (pytrees of arrays; other
       leaves are skipped).
 
     **Returns:** `parameters`, `optimizer_state` and `batch`: the bytes one device holds of
