@@ -8,28 +8,37 @@ and context parallelism).
     python examples/train_lm.py --experts 8 --top-k 2 --mesh data=2,expert=4 --check  # MoE
     python examples/train_lm.py --precision bfloat16             # float32 params, bf16 compute
     python examples/train_lm.py --ckpt-dir /tmp/ckpt --resume    # continue from the latest
+    python examples/train_lm.py --config outputs/config.json     # the run that wrote it, again
 
 On CPU, 8 devices are simulated; on accelerators the device count comes from JAX. Any mesh
 whose product is the device count works, 1 device included. A `context` axis splits every
 sequence over its devices (ring attention, all-gather attention with a pipe axis; balanced
-causal layout): the sequence length
-(`--seq-len`) must divide by 2 x context. With `--experts`, each block's MLP is a mixture of
-experts and an `expert` axis splits the experts over its devices (the batch rows split over
-data and expert), a `model` axis each expert's hidden units. Outputs (loss curve, pipeline
-schedule) go to `--out`. On a terminal a progress bar shows the loss and tokens/s; in a log
-(stdout not a terminal) a line is printed every `--log-every` steps instead.
-"""
+causal layout): the sequence length (`--seq-len`) must divide by 2 x context. With
+`--experts`, each block's MLP is a mixture of experts and an `expert` axis splits the experts
+over its devices (the batch rows split over data and expert), a `model` axis each expert's
+hidden units.
+
+The options are a typed dataclass, `TrainConfig`, read by tyro; a run writes them to
+`config.json` in `--out` (and `--ckpt-dir`), and `--config FILE` reads them back. Before
+training it says what it does (building, compiling) and prints the memory per device of the
+compiled step (parameters, optimizer state, temp). Every step's loss, learning rate,
+gradient norm, tokens/s and, on accelerators of known peak, model FLOPs utilisation go to the
+console (a progress bar on a terminal, a line every `--log-every` steps in a log), to
+`metrics.jsonl` and, with tensorboardX installed, to TensorBoard (`--out`/tensorboard). The
+loss curve and the pipeline schedule's picture go to `--out`."""
 
 import argparse
 import dataclasses
 import functools
 import json
+import logging
 import os
 import pathlib
 import sys
 import time
+import typing
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import jax
 
@@ -43,6 +52,7 @@ except RuntimeError:  # the backends are already running (imported by a test or 
 import equinox as eqx
 import numpy as np
 import optax
+import tyro
 from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -51,6 +61,7 @@ from jaxtyping import Array, Int
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 import lm
+import metrics
 
 import eqpar
 from eqpar.context import balance_sequence, sequence_positions
@@ -58,6 +69,8 @@ from eqpar.distributions import match_param_specs
 from eqpar.inspect import print_layout_table
 from eqpar.nn import PipelineModule
 from eqpar.spmd import gather_stored
+
+log = logging.getLogger(metrics.LOGGER)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -409,9 +422,10 @@ def build_step(
     with_stats: bool = False,
 ) -> Any:
     """The jitted train step `(tokens, model, opt_state) -> (model, opt_state, loss)`; with
-    `with_stats`, `(model, opt_state, loss, stats)`, `stats` the parts of the loss of an MoE
-    model (`lm.LM.loss_and_stats`: cross entropy, auxiliary losses, dropped assignments;
-    `{}` for a dense one).
+    `with_stats`, `(model, opt_state, loss, stats, grad_norm)`, `stats` the parts of the loss
+    of an MoE model (`lm.LM.loss_and_stats`: cross entropy, auxiliary losses, dropped
+    assignments; `{}` for a dense one) and `grad_norm` the global norm of the gradients
+    before clipping.
 
     Under a bfloat16 `run.precision` the float32 parameters are cast before they enter
     `shard_map`: everything inside, the gradient reductions over `data` included, runs in
@@ -485,7 +499,9 @@ def build_step(
         opt_state = eqx.filter_shard(
             opt_state, eqpar.named_shardings(match_param_specs(opt_state, model, param_specs), mesh)
         )
-        return (model, opt_state, loss, stats) if with_stats else (model, opt_state, loss)
+        if with_stats:
+            return model, opt_state, loss, stats, global_norm(grads)
+        return model, opt_state, loss
 
     return step
 
@@ -516,6 +532,13 @@ def check_tolerance(precision: str) -> float:
 SGD_LR_SCALE = 30  # plain SGD's learning rate is this multiple of --lr (Adam's)
 
 
+def global_norm(tree: Any) -> jax.Array:
+    """The L2 norm of all of `tree`'s arrays together. Each array's sum of squares keeps its
+    sharding (a `vdot` would flatten the array, which gathers one split over devices: 10x a
+    layer's parameters more per layer under FSDP)."""
+    return jax.numpy.sqrt(sum(jax.numpy.sum(g * g) for g in jax.tree.leaves(tree)))
+
+
 def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
     """`optax.clip_by_global_norm(max_norm)` with the clipping factor as one scalar: below
     `max_norm` the gradients pass unchanged, above it each is multiplied by `max_norm / norm`;
@@ -532,10 +555,7 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
 
     def update(updates: Any, state: optax.EmptyState, params: Any = None) -> tuple[Any, Any]:
         del params
-        # Each array's sum of squares keeps its sharding (a `vdot` would flatten the array,
-        # which gathers one split over devices: 10x a layer's parameters more per layer under
-        # FSDP).
-        norm = jax.numpy.sqrt(sum(jax.numpy.sum(g * g) for g in jax.tree.leaves(updates)))
+        norm = global_norm(updates)
         factor = max_norm / norm
         # A select of the whole array, as optax's: a `where` on the factor alone costs the
         # 1F1B step a copy of one weight's gradients per layer in the schedule's loop.
@@ -556,11 +576,19 @@ def make_optimizer(run: RunConfig) -> Any:
     hide such a gradient, and Adam turns rounding noise in a gradient that is zero in exact
     arithmetic into a full-size update."""
     if run.optimizer == "adam":
-        warmup = optax.linear_schedule(0.0, run.lr, transition_steps=10)
-        return optax.chain(clip_by_global_norm(1.0), optax.adam(warmup))
+        return optax.chain(clip_by_global_norm(1.0), optax.adam(learning_rate_schedule(run)))
     if run.optimizer == "sgd":
         return optax.sgd(SGD_LR_SCALE * run.lr, momentum=0.9)
     raise SystemExit(f"--optimizer must be adam or sgd; got {run.optimizer!r}")
+
+
+def learning_rate_schedule(run: RunConfig) -> optax.Schedule:
+    """The learning rate of each update of `make_optimizer(run)` by its index (0 for the
+    first step's): Adam's warms up linearly from 0 to `run.lr` over 10 steps; plain SGD's is
+    `SGD_LR_SCALE * run.lr` throughout."""
+    if run.optimizer == "adam":
+        return optax.linear_schedule(0.0, run.lr, transition_steps=10)
+    return optax.constant_schedule(SGD_LR_SCALE * run.lr)
 
 
 def place_global_batch(batches: lm.Batches, position: int, mesh: eqpar.DeviceMesh) -> jax.Array:
@@ -580,49 +608,9 @@ class CheckpointOptions:
     resume: bool = False
 
 
-# Beside the numbered steps in the checkpoint directory: the loss of every step so far, so
-# that the loss curve of a resumed run goes on from the earlier one.
-LOSS_HISTORY = "losses.json"
-
-
-def read_loss_history(directory: pathlib.Path, upto: int) -> dict[int, float]:
-    """The losses of steps `1 ... upto` saved in `directory` by `write_loss_history`.
-
-    **Arguments:**
-
-    - `directory`: the checkpoint directory.
-    - `upto`: the restored step; losses of later steps (written before a save that did not
-      complete, or of steps past an older checkpoint restored instead) are left out.
-
-    **Returns:** `{step: loss}`, empty (with a note) when there is no readable history.
-    """
-    path = pathlib.Path(directory) / LOSS_HISTORY
-    try:
-        saved = json.loads(path.read_text())
-        pairs = zip(saved["steps"], saved["losses"], strict=True)
-        return {int(step): float(loss) for step, loss in pairs if int(step) <= upto}
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        note = f"no loss history in {path} ({type(error).__name__})"
-        print(f"{note}: the loss curve starts after step {upto}")
-        return {}
-
-
-def write_loss_history(directory: pathlib.Path, history: dict[int, float]) -> None:
-    """Write `{step: loss}` to `directory`; through a rename, so a kill midway leaves the
-    previous file whole.
-
-    **Arguments:**
-
-    - `directory`: the checkpoint directory (created if missing).
-    - `history`: the loss of each step so far.
-
-    **Returns:** `None`.
-    """
-    path = pathlib.Path(directory) / LOSS_HISTORY
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(LOSS_HISTORY + ".partial")
-    partial.write_text(json.dumps({"steps": list(history), "losses": list(history.values())}))
-    os.replace(partial, path)
+# The metrics file of a run with --ckpt-dir, beside its checkpoints: a resumed run goes on
+# with it, so that its loss curve starts at step 1 (`Training.curve`).
+METRICS_FILE = "metrics.jsonl"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -632,12 +620,16 @@ class Training:
     - `losses`: the loss of each step run by this call, steps `start + 1 ... run.steps`.
     - `model`: the final model as trained (`lm.model_order` gives its serial form).
     - `start`: the step this call started from: 0, or the step of the checkpoint it resumed.
-    - `curve`: `(steps, losses)` of the whole run so far: the history saved with that
-      checkpoint, then this call's steps.
-    - `first_step_seconds`: wall time of this call's first step, compilation included.
+    - `curve`: `(steps, losses)` of the whole run so far: the steps before `start` read back
+      from the metrics file of the run it resumed, then this call's steps.
+    - `first_step_seconds`: wall time of this call's first step (compiled before it).
     - `tokens_per_second`: throughput of the steps after the first (`None` with fewer than 2).
     - `router_stats`: with `--experts`, the parts of the last step's loss (see
       `lm.LM.loss_and_stats`); `{}` otherwise.
+    - `compile_seconds`: the time it took to compile the step (`None` with no step to run).
+    - `memory`: the compiled step's memory per device (`metrics.memory_figures`; `{}` with no
+      step to run).
+    - `last`: the record of the last step (`metrics.Recorder.step`'s; `{}` with none).
     """
 
     losses: list[float]
@@ -647,6 +639,25 @@ class Training:
     first_step_seconds: float | None
     tokens_per_second: float | None
     router_stats: dict[str, float] = dataclasses.field(default_factory=dict)
+    compile_seconds: float | None = None
+    memory: dict[str, int] = dataclasses.field(default_factory=dict)
+    last: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+def training_flops_per_token(config: lm.LMConfig) -> float:
+    """The model FLOPs of one token's forward and backward pass (3 x the forward's): the
+    matmuls of the blocks (with experts, the `top_k` chosen ones and the router), the
+    attention's scores and weighted sums over the whole sequence, and the head. Recomputation
+    (`--remat`) and pipeline bubbles are not counted: model FLOPs utilisation is the work the
+    model needs, over what the devices could do."""
+    d, hidden = config.d_model, config.d_hidden
+    if config.num_experts:
+        mlp = 2 * d * hidden * config.top_k + d * config.num_experts
+    else:
+        mlp = 2 * d * hidden
+    per_layer = 4 * d * d + mlp + 2 * config.seq_len * d
+    forward = 2 * (config.num_layers * per_layer + d * config.vocab_size)
+    return 3.0 * forward
 
 
 def run_training(
@@ -659,38 +670,45 @@ def run_training(
     show_layout: bool = True,
     place_batch: Callable[[lm.Batches, int, eqpar.DeviceMesh], jax.Array] = place_global_batch,
     checkpoint: CheckpointOptions | None = None,
+    metrics_file: pathlib.Path | None = None,
+    tensorboard_dir: pathlib.Path | None = None,
 ) -> Training:
     """Train until step `run.steps`, from step 0 or from the latest checkpoint.
+
+    Messages (compiling, memory per device, checkpoints) go to the logger `metrics.LOGGER`;
+    the numbers of every step to the writers of a `metrics.Recorder`.
 
     **Arguments:**
 
     - `run`: the mesh, schedule, sizes and optimizer.
     - `config`: the model's sizes (default `lm.LMConfig()`).
     - `devices`: the devices of the mesh (default all of JAX's).
-    - `progress`: say when it compiles, then show a progress bar when stdout is a terminal
-      and otherwise print a line every `log_every` steps (a bar's carriage returns would
-      fill a log file with partial lines).
+    - `progress`: show the steps on the console: a progress bar when stdout is a terminal,
+      otherwise a log line every `log_every` steps.
     - `show_layout`: print the layout table of the placed model first.
     - `place_batch`: `place_batch(batches, position, mesh)` gives the global token array of
       a step; with several processes each one feeds its own rows (see `multihost.py`).
     - `checkpoint`: save the model, optimizer state and data position every `save_every`
-      steps and at the end, with the losses so far beside them (`LOSS_HISTORY`); `resume`
-      starts from the latest good checkpoint. Stacked layers are stored in model order
-      under every layout, so a checkpoint restores under any other mesh or schedule
-      (`restore(..., reshape=True)` reshapes the stage stacks).
+      steps and at the end; `resume` starts from the latest good checkpoint. Stacked layers
+      are stored in model order under every layout, so a checkpoint restores under any other
+      mesh or schedule (`restore(..., reshape=True)` reshapes the stage stacks).
+    - `metrics_file`: a JSONL file for a start-up record and one record per step (process 0
+      writes it); default `metrics.jsonl` in the checkpoint directory when checkpointing,
+      else none. A resumed run keeps the lines up to the restored step and goes on.
+    - `tensorboard_dir`: TensorBoard event files of the same numbers (tensorboardX), or none.
 
-    **Returns:** a `Training`: this call's losses, the final model, the whole loss curve, and
-    the first step's time (compilation included) and tokens per second after it (checkpoint
-    writes not counted).
+    **Returns:** a `Training`: this call's losses, the final model, the whole loss curve, the
+    compilation time and memory per device, and the first step's time and tokens per second
+    after it (checkpoint writes not counted).
     """
     config = lm.LMConfig() if config is None else config
     check_sizes(config, run)
+    log.info("building the model and placing it on the mesh...")
     mesh = make_mesh(run.mesh, devices)
     model = build_model(config, run, mesh)
     optimizer = make_optimizer(run)
     model, opt_state = place(model, optimizer, mesh, run.fsdp)
     start = 0
-    history: dict[int, float] = {}
     checkpointer = None
     if checkpoint is not None:
         from eqpar.checkpoint import Checkpointer
@@ -698,23 +716,49 @@ def run_training(
         checkpointer = Checkpointer(
             checkpoint.directory, save_every=checkpoint.save_every, keep=checkpoint.keep
         )
+        if metrics_file is None:
+            metrics_file = pathlib.Path(checkpoint.directory) / METRICS_FILE
         if checkpoint.resume and checkpointer.latest_step() is not None:
             target = {"model": model, "opt_state": opt_state, "position": 0}
+            began = time.perf_counter()
             state = checkpointer.restore(target=target, reshape=True)
             model, opt_state, start = state["model"], state["opt_state"], int(state["position"])
-            print(f"resumed from step {checkpointer.restored_step} ({checkpoint.directory})")
-            history = read_loss_history(checkpoint.directory, start)
+            log.info(
+                f"resumed from step {checkpointer.restored_step} ({checkpoint.directory}, "
+                f"restored in {time.perf_counter() - began:.1f} s)"
+            )
+    history: dict[int, float] = {}
+    if start and metrics_file is not None:
+        history = metrics.step_losses(metrics.read_records(metrics_file, upto=start))
+        if len(history) < start:
+            log.info(f"no losses of steps 1 to {start} in {metrics_file}: the loss curve "
+                     f"starts after step {start}")  # fmt: skip
     if show_layout:
         print_layout_table(model, mesh=mesh)
     step = build_step(model, mesh, run, optimizer, with_stats=True)
     corpus = lm.encode(lm.make_corpus(200_000, seed=run.seed), config.vocab_size)
     batches = lm.Batches(corpus, batch_size=run.batch_size, seq_len=config.seq_len, seed=run.seed)
+    writers: list[Any] = []
+    if progress:
+        writers.append(metrics.ConsoleWriter(run.steps, every=log_every, start=start))
+    if jax.process_index() == 0:
+        if metrics_file is not None:
+            writers.append(metrics.JsonlWriter(metrics_file, keep_until=start or None))
+        if tensorboard_dir is not None:
+            writers.append(metrics.TensorBoardWriter(tensorboard_dir))
+    recorder = metrics.Recorder(writers)
     losses: list[float] = []
     stats: dict[str, float] = {}
-    reporter = _Reporter(run.steps, enabled=progress, every=log_every)
+    last: dict[str, Any] = {}
     tokens_per_step = run.batch_size * config.seq_len
+    learning_rate = learning_rate_schedule(run)
+    device = mesh.jax_mesh.devices.flat[0]
+    peak = metrics.peak_flops(device, run.precision)
+    flops_per_token = training_flops_per_token(config)
     first_step_seconds: float | None = None
     tokens_per_second: float | None = None
+    compile_seconds: float | None = None
+    memory: dict[str, int] = {}
     timed_from = 0.0  # the end of the first step: what comes after runs compiled code only
     saving = 0.0  # seconds spent writing checkpoints since then, which tokens/s leaves out
 
@@ -725,33 +769,85 @@ def run_training(
         if checkpointer is None or checkpoint is None:
             return
         if force or checkpointer.should_save(position):
-            if jax.process_index() == 0:
-                # Before the checkpoint, so that a step on disk always has its losses there.
-                write_loss_history(checkpoint.directory, so_far(position))
+            began = time.perf_counter()
             state = {"model": model, "opt_state": opt_state, "position": position}
             checkpointer.save(position, state, force=force)
+            log.info(
+                f"saved the checkpoint of step {position} in {checkpoint.directory} "
+                f"({time.perf_counter() - began:.2f} s)"
+            )
 
     try:
-        for position in range(start, run.steps):
-            if position == start and progress:
-                print("compiling the training step (the first step includes it)...", flush=True)
+        if start < run.steps:
+            tokens = place_batch(batches, start, mesh)
+            log.info("compiling the training step...")
             began = time.perf_counter()
-            tokens = place_batch(batches, position, mesh)
-            model, opt_state, loss, step_stats = step(tokens, model, opt_state)
+            compiled = step.lower(tokens, model, opt_state).compile()
+            compile_seconds = time.perf_counter() - began
+            memory = metrics.memory_figures(
+                compiled, parameters=model, optimizer_state=opt_state, batch=tokens
+            )
+            log.info(f"compiled in {compile_seconds:.1f} s; {metrics.format_memory(memory)}")
+            note = metrics.utilisation_note(device, run.precision)
+            if device.platform == "cpu":
+                log.info(
+                    "on simulated CPU devices tokens/s does not rank layouts (every device "
+                    "shares the host's cores) and model FLOPs utilisation is not meaningful; "
+                    "compare layouts by the memory figures"
+                )
+            elif note:
+                log.info(f"model FLOPs utilisation: {note}")
+            recorder.startup(
+                {
+                    "step": start,
+                    "platform": device.platform,
+                    "device_kind": str(device.device_kind),
+                    "devices": mesh.jax_mesh.devices.size,
+                    "compile_seconds": compile_seconds,
+                    "memory": memory,
+                    "model_flops_per_token": flops_per_token,
+                    "peak_flops_per_device": peak,
+                }
+            )
+        else:
+            compiled, tokens = None, None
+        for position in range(start, run.steps):
+            began = time.perf_counter()
+            if position > start:
+                tokens = place_batch(batches, position, mesh)
+            assert compiled is not None
+            model, opt_state, loss, step_stats, grad_norm = compiled(tokens, model, opt_state)
             losses.append(float(loss))  # waits for the step to finish
             stats = {name: float(value) for name, value in step_stats.items()}
             now = time.perf_counter()
             if first_step_seconds is None:
                 first_step_seconds, timed_from = now - began, now
-                reporter.first_step(position + 1, first_step_seconds)
+                if progress:
+                    log.info(
+                        f"step {position + 1} took {first_step_seconds:.2f} s; tokens/s count "
+                        "from the next"
+                    )
             else:
                 training_seconds = now - timed_from - saving
                 tokens_per_second = tokens_per_step * (position - start) / training_seconds
-            reporter.update(position + 1, losses[-1], tokens_per_second, stats)
+            utilisation = None
+            if peak is not None and tokens_per_second is not None:
+                utilisation = flops_per_token * tokens_per_second / (peak * mesh.jax_mesh.size)
+            last = {
+                "step": position + 1,
+                "loss": losses[-1],
+                "learning_rate": float(np.asarray(learning_rate(position))),
+                "grad_norm": float(grad_norm),
+                "tokens_per_second": tokens_per_second,
+                "mfu": utilisation,
+                "step_seconds": now - began,
+                **stats,
+            }
+            recorder.step({**last, "extra": format_router_stats(stats)})
             save(position + 1, force=position + 1 == run.steps)
             saving += time.perf_counter() - now
     finally:
-        reporter.close()
+        recorder.close()
         if checkpointer is not None:
             checkpointer.close()
     curve = so_far(run.steps)
@@ -763,6 +859,9 @@ def run_training(
         first_step_seconds=first_step_seconds,
         tokens_per_second=tokens_per_second,
         router_stats=stats,
+        compile_seconds=compile_seconds,
+        memory=memory,
+        last=last,
     )
 
 
@@ -805,66 +904,6 @@ def train(
         checkpoint=checkpoint,
     )
     return training.losses, training.model
-
-
-class _Reporter:
-    """The progress of the training loop on stdout: a tqdm bar on a terminal, otherwise a
-    plain line every `every` steps (a bar redraws itself with carriage returns, which fill a
-    log file with partial lines)."""
-
-    def __init__(self, total: int, *, enabled: bool, every: int):
-        self.total, self.enabled, self.every = total, enabled, every
-        self.stream = sys.stdout
-        self.bar: Any = None
-
-    def first_step(self, step: int, seconds: float) -> None:
-        if not self.enabled:
-            return
-        print(
-            f"step {step} took {seconds:.1f} s with the compilation; tokens/s count from the next",
-            file=self.stream,
-            flush=True,
-        )
-        if self.stream.isatty():
-            from tqdm import tqdm
-
-            self.bar = tqdm(
-                total=self.total,
-                initial=step - 1,
-                desc="training",
-                file=self.stream,
-                dynamic_ncols=True,
-            )
-
-    def update(
-        self,
-        step: int,
-        loss: float,
-        tokens_per_second: float | None,
-        stats: dict[str, float] | None = None,
-    ) -> None:
-        if not self.enabled:
-            return
-        rate = "-" if tokens_per_second is None else f"{tokens_per_second:.0f}"
-        router = format_router_stats(stats or {})
-        if self.bar is not None:
-            extra = {}
-            if stats:
-                balance, dropped = stats["load_balancing"], int(stats["dropped"])
-                extra = {"balance": f"{balance:.3f}", "dropped": dropped}
-            self.bar.set_postfix(loss=f"{loss:.3f}", tok_s=rate, **extra, refresh=False)
-            self.bar.update(1)
-        elif step % self.every == 0 or step == self.total:
-            print(
-                f"step {step}/{self.total}  loss {loss:.4f}  tokens/s {rate}"
-                + (f"  {router}" if router else ""),
-                file=self.stream,
-                flush=True,
-            )
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
 
 
 def write_pictures(
@@ -957,156 +996,267 @@ def largest_differences(a: lm.LM, b: lm.LM) -> float:
     )
 
 
+class ConfigError(ValueError, argparse.ArgumentTypeError):
+    """A bad option, or options that do not go together (`TrainConfig.validate`); the message
+    names them. tyro reports a `ValueError` with the option's name, and so does argparse an
+    `ArgumentTypeError` (`multihost.py` reads its counts with `positive_int` too)."""
+
+
 def positive_int(text: str) -> int:
-    """An argparse `type` for counts that must be at least 1 (argparse names the flag)."""
+    """A count of at least 1 read from the command line (`ConfigError` saying what came)."""
     try:
         value = int(text)
     except ValueError:
         value = 0
     if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+        raise ConfigError(f"must be a positive integer, got {text!r}")
     return value
 
 
 def positive_float(text: str) -> float:
-    """An argparse `type` for a learning rate: a number above 0 (argparse names the flag)."""
+    """A learning rate read from the command line: a finite number above 0."""
     try:
         value = float(text)
     except ValueError:
         value = 0.0
     if not value > 0 or not np.isfinite(value):
-        raise argparse.ArgumentTypeError(f"must be a number above 0, got {text!r}")
+        raise ConfigError(f"must be a number above 0, got {text!r}")
     return value
 
 
-class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """The module docstring as written, and each flag's default after its help; flags that
-    are off or unset by default say what that means in their help instead."""
+def _read_with(parse: Callable[[str], Any], metavar: str) -> Any:
+    """How tyro reads an option of one word with `parse` (whose `ValueError` tyro reports
+    with the option's name)."""
+    return tyro.constructors.PrimitiveConstructorSpec(
+        nargs=1,
+        metavar=metavar,
+        instance_from_str=lambda words: parse(words[0]),
+        is_instance=lambda value: isinstance(value, int | float),
+        str_from_instance=lambda value: [str(value)],
+    )
 
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.default is None or action.default is False:
-            return action.help
-        return super()._get_help_string(action)
+
+PositiveInt = Annotated[int, _read_with(positive_int, "N")]
+PositiveFloat = Annotated[float, _read_with(positive_float, "FLOAT")]
+Schedule = Literal["gpipe", "circular", "1f1b", "zb-h1"]
+Precision = Literal["float32", "bfloat16"]
+assert typing.get_args(Schedule) == lm.SCHEDULES and typing.get_args(Precision) == lm.PRECISIONS
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The command line of `main`."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=_HelpFormatter)
-    parser.add_argument(
-        "--mesh",
-        default=None,
-        help="axis sizes whose product is the device count, e.g. data=2,pipe=2,model=2; "
-        "missing axes are 1; a context axis (e.g. data=2,context=4) splits every sequence "
-        "over its devices (ring attention; --seq-len must divide by 2 x context) "
-        "(default: data=2,pipe=2,model=2 on 8 devices, else data=<count>)",
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Every option of the command line (`main` parses it with tyro: `--batch-size` is
+    `batch_size`). `save_config` writes it to a file and `--config FILE` reads it back, so
+    a run is reproducible from the `config.json` it writes beside its outputs."""
+
+    mesh: str | None = None
+    """axis sizes whose product is the device count, e.g. data=2,pipe=2,model=2; missing
+    axes are 1; a context axis (e.g. data=2,context=4) splits every sequence over its
+    devices, by ring attention (--seq-len must divide by 2 x context); unset:
+    data=2,pipe=2,model=2 on 8 devices, else data=<count>"""
+    schedule: Schedule | None = None
+    """pipeline schedule on the pipe axis (unset: gpipe); refused without a pipe axis"""
+    microbatches: PositiveInt = 4
+    """microbatches per step on the pipe axis; without one a step is not cut up"""
+    repeats: PositiveInt = 2
+    """stages per device (circular schedule)"""
+    fsdp: bool = False
+    """also shard parameters over data"""
+    remat: Literal["none", "full", "matmuls"] = "none"
+    """recompute each layer's activations in the backward pass: 'full' keeps only its input
+    and 'matmuls' also its matmul outputs"""
+    steps: PositiveInt = 120
+    """training steps"""
+    batch_size: PositiveInt = 16
+    """sequences per step (global)"""
+    lr: PositiveFloat = 3e-3
+    """Adam's learning rate; plain SGD uses 30 times it"""
+    optimizer: Literal["adam", "sgd"] | None = None
+    """adam (with warmup and clipping), or plain SGD with momentum (unset: adam, and sgd
+    with --check)"""
+    experts: PositiveInt | None = None
+    """a mixture of E experts in every block instead of its MLP (eqpar.nn.MixtureOfExperts,
+    each expert the dense MLP's kind, dropless), with the load-balancing and router z
+    auxiliary losses of every block added to the loss; an expert axis in --mesh (e.g.
+    data=2,expert=4) splits the experts over its devices (the batch rows split over data and
+    expert), a model axis each expert's hidden units; not with a pipe axis (unset: a dense
+    MLP)"""
+    top_k: PositiveInt = 2
+    """experts per token (with --experts)"""
+    seed: int = 0
+    """initialization and data order"""
+    precision: Precision = "float32"
+    """the compute dtype (eqpar.Precision): bfloat16 computes the forward and backward passes
+    and their collectives in bfloat16, keeping float32 parameters, optimizer state, layer
+    norms, softmax and loss"""
+    check: bool = False
+    """train the same steps again on one device with plain SGD under the same --precision
+    and print PASS or FAIL: losses (relative) and parameters within 1e-05 (bfloat16: 3e-02);
+    exit status 1 on FAIL"""
+    size: Literal["small", "tiny"] = "small"
+    """model size"""
+    seq_len: PositiveInt | None = None
+    """tokens per sequence (unset: the --size's: 32 for small, 16 for tiny)"""
+    out: pathlib.Path = pathlib.Path("outputs")
+    """where the loss curve and schedule pictures, config.json, tensorboard/ and (without
+    a --ckpt-dir) metrics.jsonl go"""
+    progress: bool = True
+    """show the steps: a progress bar on a terminal, a log line every --log-every steps in a
+    log (--no-progress: neither)"""
+    log_every: PositiveInt = 10
+    """when stdout is not a terminal (a log file, CI): a line every N steps instead of a
+    progress bar"""
+    json: pathlib.Path | None = None
+    """write a summary (losses, timings, memory) here"""
+    metrics: pathlib.Path | None = None
+    """the JSONL file of a start-up record and one record per step (unset: metrics.jsonl
+    in the --ckpt-dir, where a resumed run goes on with it, else in --out)"""
+    tensorboard: bool = True
+    """TensorBoard events in --out/tensorboard where tensorboardX is installed"""
+    ckpt_dir: pathlib.Path | None = None
+    """checkpoint directory (also gets config.json and metrics.jsonl)"""
+    save_every: PositiveInt = 20
+    """checkpoint every N steps"""
+    keep: PositiveInt = 3
+    """checkpoints to keep"""
+    resume: bool = False
+    """continue from the latest checkpoint in --ckpt-dir"""
+    config: pathlib.Path | None = None
+    """read the options from this file (a config.json written by a run); options given
+    beside it override the file's"""
+
+    def validate(self, device_count: int) -> None:
+        """Refuse options that do not go together (`ConfigError` naming them and the fix);
+        sizes the mesh cannot split are `check_sizes`'s."""
+        if self.resume and self.ckpt_dir is None:
+            raise ConfigError("--resume needs --ckpt-dir DIR (the directory to resume from)")
+        if self.check and self.optimizer == "adam":
+            raise ConfigError(
+                f"--check compares with one device within {CHECK_TOLERANCE:.0e}, which holds "
+                "for plain SGD only: Adam turns float32 rounding differences into full-size "
+                "updates. Leave out --optimizer adam (--check then trains with sgd)."
+            )
+        mesh = parse_mesh(self.mesh or default_mesh(device_count), device_count)
+        if self.schedule is not None and mesh[lm.PIPE] == 1:
+            example = f" (e.g. --mesh data={device_count // 2},pipe=2)" * (device_count % 2 == 0)
+            raise ConfigError(
+                f"--schedule {self.schedule} needs a pipe axis in --mesh: without one every "
+                f"device holds every layer and there is no pipeline to schedule; add a pipe "
+                f"axis{example} or leave --schedule out"
+            )
+
+    def resolved(self, device_count: int) -> "TrainConfig":
+        """The options with every unset one that the run fills in filled in as it is (mesh,
+        schedule, optimizer, sequence length), so that a saved file says what ran."""
+        mesh = parse_mesh(self.mesh or default_mesh(device_count), device_count)
+        return dataclasses.replace(
+            self,
+            mesh=format_mesh(mesh),
+            schedule=self.schedule or ("gpipe" if mesh[lm.PIPE] > 1 else None),
+            optimizer=self.optimizer or ("sgd" if self.check else "adam"),
+            seq_len=self.seq_len or SIZES[self.size].seq_len,
+        )
+
+    def run_config(self, device_count: int) -> RunConfig:
+        """The `RunConfig` of these options."""
+        options = self.resolved(device_count)
+        assert options.mesh is not None and options.optimizer is not None
+        return RunConfig(
+            mesh=parse_mesh(options.mesh, device_count),
+            schedule=options.schedule or "gpipe",
+            microbatches=options.microbatches,
+            repeats=options.repeats,
+            fsdp=options.fsdp,
+            remat=options.remat,
+            steps=options.steps,
+            batch_size=options.batch_size,
+            lr=options.lr,
+            optimizer=options.optimizer,
+            seed=options.seed,
+            precision=options.precision,
+        )
+
+    def model_config(self) -> lm.LMConfig:
+        """The model's sizes: the `--size`'s, with `--seq-len` and `--experts` applied."""
+        config = SIZES[self.size]
+        if self.seq_len is not None:
+            config = dataclasses.replace(config, seq_len=self.seq_len)
+        if self.experts is not None:
+            config = dataclasses.replace(config, num_experts=self.experts, top_k=self.top_k)
+        return config
+
+
+def default_mesh(device_count: int) -> str:
+    """The mesh of a run without `--mesh`: 3D on 8 devices, else all data."""
+    return "data=2,pipe=2,model=2" if device_count == 8 else f"data={device_count}"
+
+
+CONFIG_FILE = "config.json"  # what a run writes into --out and --ckpt-dir
+_NOT_SAVED = ("config", "resume")  # how to read the file and whether to resume: not the run
+
+
+def save_config(options: TrainConfig, path: pathlib.Path) -> pathlib.Path:
+    """Write `options` to `path` as JSON (through a rename, so never half written); `--config
+    path` reads it back. `resume` and `config` are left out: a file says what to run.
+
+    **Returns:** `path`."""
+    values = {
+        field.name: getattr(options, field.name)
+        for field in dataclasses.fields(options)
+        if field.name not in _NOT_SAVED
+    }
+    text = json.dumps(
+        {name: str(v) if isinstance(v, pathlib.Path) else v for name, v in values.items()},
+        indent=2,
     )
-    parser.add_argument(
-        "--schedule",
-        choices=lm.SCHEDULES,
-        default="gpipe",
-        help="pipeline schedule on the pipe axis",
-    )
-    parser.add_argument(
-        "--microbatches",
-        type=positive_int,
-        default=4,
-        help="microbatches per step on the pipe axis; without one a step is not cut up",
-    )
-    parser.add_argument(
-        "--repeats", type=positive_int, default=2, help="stages per device (circular schedule)"
-    )
-    parser.add_argument("--fsdp", action="store_true", help="also shard parameters over data")
-    parser.add_argument(
-        "--remat",
-        nargs="?",
-        const="full",
-        default="none",
-        choices=["none", "full", "matmuls"],
-        help="recompute each layer's activations in the backward pass: 'full' keeps only its "
-        "input, 'matmuls' also its matmul outputs; --remat alone means full",
-    )
-    parser.add_argument("--steps", type=positive_int, default=120, help="training steps")
-    parser.add_argument(
-        "--batch-size", type=positive_int, default=16, help="sequences per step (global)"
-    )
-    parser.add_argument(
-        "--lr",
-        type=positive_float,
-        default=3e-3,
-        help=f"Adam's learning rate; plain SGD uses {SGD_LR_SCALE} times it",
-    )
-    parser.add_argument(
-        "--optimizer",
-        choices=("adam", "sgd"),
-        default=None,
-        help="adam (with warmup and clipping), or plain SGD with momentum (default: adam; "
-        "sgd with --check)",
-    )
-    parser.add_argument(
-        "--experts",
-        type=positive_int,
-        default=None,
-        help="a mixture of E experts in every block instead of its MLP (eqpar.nn."
-        "MixtureOfExperts, each expert the dense MLP's kind, dropless), with the load-balancing "
-        f"({lm.LOAD_BALANCING_WEIGHT}) and router z ({lm.Z_LOSS_WEIGHT}) auxiliary losses of "
-        "every block added to the loss; an expert axis in --mesh (e.g. data=2,expert=4) splits "
-        "the experts over its devices (eqpar.ExpertParallel; the batch rows split over data "
-        "and expert), a model axis each expert's hidden units; not with a pipe axis "
-        "(default: a dense MLP)",
-    )
-    parser.add_argument(
-        "--top-k", type=positive_int, default=2, help="experts per token (with --experts)"
-    )
-    parser.add_argument("--seed", type=int, default=0, help="initialization and data order")
-    parser.add_argument(
-        "--precision",
-        choices=lm.PRECISIONS,
-        default="float32",
-        help="the compute dtype (eqpar.Precision): bfloat16 computes the forward and backward "
-        "passes and their collectives in bfloat16, keeping float32 parameters, optimizer state, "
-        "layer norms, softmax and loss",
-    )
-    parser.add_argument(
-        "--check",
-        action="store_true",
-        help="train the same steps again on one device with plain SGD under the same "
-        "--precision and print PASS or FAIL: losses (relative) and parameters within "
-        f"{CHECK_TOLERANCE:.0e} (bfloat16: {CHECK_TOLERANCE_BFLOAT16:.0e}); exit status 1 on "
-        "FAIL",
-    )
-    parser.add_argument(
-        "--out",
-        type=pathlib.Path,
-        default=pathlib.Path("outputs"),
-        help="where the loss curve and schedule pictures go",
-    )
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar or log lines")
-    parser.add_argument(
-        "--log-every",
-        type=positive_int,
-        default=10,
-        help="when stdout is not a terminal (a log file, CI): a line every N steps instead of "
-        "a progress bar",
-    )
-    parser.add_argument("--json", type=pathlib.Path, help="write a summary (losses, timings) here")
-    parser.add_argument("--size", choices=sorted(SIZES), default="small", help="model size")
-    parser.add_argument(
-        "--seq-len",
-        type=positive_int,
-        default=None,
-        help="tokens per sequence (default: the --size's: "
-        + ", ".join(f"{config.seq_len} for {name}" for name, config in SIZES.items())
-        + ")",
-    )
-    parser.add_argument("--ckpt-dir", type=pathlib.Path, help="checkpoint directory")
-    parser.add_argument(
-        "--save-every", type=positive_int, default=20, help="checkpoint every N steps"
-    )
-    parser.add_argument("--keep", type=positive_int, default=3, help="checkpoints to keep")
-    parser.add_argument(
-        "--resume", action="store_true", help="continue from the latest checkpoint in --ckpt-dir"
-    )
-    return parser
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(text + "\n")
+    os.replace(partial, path)
+    return path
+
+
+def config_arguments(path: pathlib.Path) -> list[str]:
+    """The options saved in `path` as the command line they stand for (`--steps 20 --fsdp
+    ...`), so that tyro checks a file's values as it checks typed ones."""
+    try:
+        saved = json.loads(pathlib.Path(path).read_text())
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"--config {path}: cannot read it ({error})") from None
+    known = {field.name for field in dataclasses.fields(TrainConfig)} - set(_NOT_SAVED)
+    if not isinstance(saved, dict) or set(saved) - known:
+        unknown = sorted(set(saved) - known) if isinstance(saved, dict) else saved
+        raise ConfigError(
+            f"--config {path}: expected a JSON object of the options {sorted(known)} (the "
+            f"config.json a run writes); got {unknown!r}"
+        )
+    words: list[str] = []
+    for name, value in saved.items():
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            words.append(flag if value else "--no-" + name.replace("_", "-"))
+        else:
+            words += [flag, "None" if value is None else str(value)]
+    return words
+
+
+def parse_options(argv: Sequence[str] | None, device_count: int) -> TrainConfig:
+    """The options of the command line `argv` (default `sys.argv[1:]`): with `--config FILE`,
+    the file's options first, then `argv`'s over them; validated (`TrainConfig.validate`).
+    A usage error exits with status 2 and the reason on stderr, as argparse's do."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    prog = "train_lm.py"
+    options = tyro.cli(TrainConfig, args=argv, prog=prog, description=__doc__)
+    try:
+        if options.config is not None:
+            words = [*config_arguments(options.config), *argv]
+            options = tyro.cli(TrainConfig, args=words, prog=prog, description=__doc__)
+        options.validate(device_count)
+    except ConfigError as error:
+        print(f"{prog}: error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
+    return options
 
 
 def check_against_one_device(
@@ -1122,17 +1272,22 @@ def check_against_one_device(
     **Returns:** the largest relative loss difference, the largest parameter difference,
     the tolerance and whether both are within it (`passed`).
     """
-    print(f"check: the same {run.steps} steps on one device (compiling...)", flush=True)
+    log.info(f"check: the same {run.steps} steps on one device (compiling...)")
     tolerance = check_tolerance(run.precision)
     serial_run = dataclasses.replace(run, mesh={lm.DATA: 1, lm.PIPE: 1, lm.MODEL: 1}, fsdp=False)
-    serial = run_training(
-        serial_run, config=config, devices=jax.devices()[:1], progress=False, show_layout=False
-    )
+    level = log.level
+    log.setLevel(logging.WARNING)  # the serial run's own messages would read as the run's
+    try:
+        serial = run_training(
+            serial_run, config=config, devices=jax.devices()[:1], progress=False, show_layout=False
+        )
+    finally:
+        log.setLevel(level)
     serial_losses = serial.losses[training.start :]  # the steps this process ran
     loss_diff = max(abs(a - b) / abs(b) for a, b in zip(training.losses, serial_losses))
     param_diff = largest_differences(training.model, serial.model)
     passed = loss_diff <= tolerance and param_diff <= tolerance
-    print(
+    log.info(
         f"check against one device ({run.optimizer}, {run.precision}, tolerance "
         f"{tolerance:.0e}): "
         f"largest relative loss difference {loss_diff:.2e}, largest parameter difference "
@@ -1147,55 +1302,49 @@ def check_against_one_device(
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    """Run the command line `argv`; returns the summary that `--json` writes."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.resume and args.ckpt_dir is None:
-        parser.error("--resume needs --ckpt-dir DIR (the directory to resume from)")
-    if args.check and args.optimizer == "adam":
-        parser.error(
-            f"--check compares with one device within {CHECK_TOLERANCE:.0e}, which holds for "
-            "plain SGD only: Adam turns float32 rounding differences into full-size updates. "
-            "Leave out --optimizer adam (--check then trains with sgd)."
-        )
-    checkpoint = (
-        None
-        if args.ckpt_dir is None
-        else CheckpointOptions(args.ckpt_dir, args.save_every, args.keep, args.resume)
-    )
-
+    """Run the command line `argv` (default `sys.argv[1:]`; see `TrainConfig` for the
+    options); returns the summary that `--json` writes."""
     count = jax.device_count()
-    default_mesh = "data=2,pipe=2,model=2" if count == 8 else f"data={count}"
-    run = RunConfig(
-        mesh=parse_mesh(args.mesh or default_mesh, count),
-        schedule=args.schedule,
-        microbatches=args.microbatches,
-        repeats=args.repeats,
-        fsdp=args.fsdp,
-        remat=args.remat,
-        steps=args.steps,
-        batch_size=args.batch_size,
-        lr=args.lr,
-        optimizer=args.optimizer or ("sgd" if args.check else "adam"),
-        seed=args.seed,
-        precision=args.precision,
-    )
-    config = SIZES[args.size]
-    if args.seq_len is not None:
-        config = dataclasses.replace(config, seq_len=args.seq_len)
-    if args.experts is not None:
-        config = dataclasses.replace(config, num_experts=args.experts, top_k=args.top_k)
+    options = parse_options(argv, count)
+    run, config = options.run_config(count), options.model_config()
     check_sizes(config, run)  # before any output: a usage error comes first
+    with metrics.console_logging():
+        return _main(options.resolved(count), run, config)
+
+
+def _main(options: TrainConfig, run: RunConfig, config: lm.LMConfig) -> dict[str, Any]:
+    """`main` after the options are parsed and checked, with messages on the console."""
+    checkpoint = None
+    if options.ckpt_dir is not None:
+        checkpoint = CheckpointOptions(
+            options.ckpt_dir, options.save_every, options.keep, options.resume
+        )
     platform = jax.devices()[0].platform
     experts = f"; {config.num_experts} experts, top {config.top_k}" if config.num_experts else ""
-    print(f"{count} {platform} devices; {describe(run)}{experts}; optimizer {run.optimizer}")
+    log.info(
+        f"{jax.device_count()} {platform} devices; {describe(run)}{experts}; optimizer "
+        f"{run.optimizer}"
+    )
+    metrics_file = options.metrics or (options.ckpt_dir or options.out) / METRICS_FILE
+    tensorboard_dir = None
+    if options.tensorboard and metrics.tensorboard_available():
+        tensorboard_dir = options.out / "tensorboard"
+    if jax.process_index() == 0:
+        for directory in (options.out, options.ckpt_dir):
+            if directory is not None:
+                log.info(f"wrote {save_config(options, directory / CONFIG_FILE)}")
+        if tensorboard_dir is None and options.tensorboard:
+            log.info('no TensorBoard events: tensorboardX is not installed (pip install -e '
+                     '".[tensorboard]")')  # fmt: skip
     started = time.perf_counter()
     training = run_training(
         run,
         config=config,
-        progress=not args.no_progress,
-        log_every=args.log_every,
+        progress=options.progress,
+        log_every=options.log_every,
         checkpoint=checkpoint,
+        metrics_file=metrics_file,
+        tensorboard_dir=tensorboard_dir,
     )
     losses, model = training.losses, training.model
     seconds = time.perf_counter() - started
@@ -1203,35 +1352,42 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     summary: dict[str, Any] = {
         "losses": losses,
         "seconds": seconds,
+        "compile_seconds": training.compile_seconds,
         "first_step_seconds": training.first_step_seconds,
         "tokens_per_second": training.tokens_per_second,
+        "memory": training.memory,
+        "last_step": training.last,
         "mesh": run.mesh,
         "curve": {"steps": steps, "losses": curve},
         "parameter_digest": parameter_digest(model),
         "router_stats": training.router_stats,
+        "metrics_file": str(metrics_file),
+        "tensorboard_dir": None if tensorboard_dir is None else str(tensorboard_dir),
+        "config": json.loads(json.dumps(dataclasses.asdict(options), default=str)),
     }
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
+    if options.json:
+        options.json.parent.mkdir(parents=True, exist_ok=True)
     if not losses:
-        print(f"nothing to do: already at step {run.steps}")
-        if args.json:
-            args.json.write_text(json.dumps(summary))
+        log.info(f"nothing to do: already at step {run.steps}")
+        if options.json:
+            options.json.write_text(json.dumps(summary))
         return summary
     rate = training.tokens_per_second
     after = "" if rate is None else f"; {rate:.0f} tokens/s after the first step"
-    print(
+    log.info(
         f"loss {losses[0]:.4f} -> {losses[-1]:.4f} in {len(losses)} step"
-        f"{'' if len(losses) == 1 else 's'} ({seconds:.1f} s, "
-        f"first step {training.first_step_seconds:.1f} s with the compilation{after})"
+        f"{'' if len(losses) == 1 else 's'} ({seconds:.1f} s, compiling "
+        f"{training.compile_seconds:.1f} s{after})"
     )
     if training.router_stats:
-        print(f"experts at the last step: {format_router_stats(training.router_stats)}")
-    for path in write_pictures(curve, run, args.out, steps=steps, resumed_at=training.start):
-        print(f"wrote {path}")
-    if args.check:
+        log.info(f"experts at the last step: {format_router_stats(training.router_stats)}")
+    for path in write_pictures(curve, run, options.out, steps=steps, resumed_at=training.start):
+        log.info(f"wrote {path}")
+    log.info(f"metrics of every step in {metrics_file}")
+    if options.check:
         summary["check"] = check_against_one_device(run, config, training)
-    if args.json:
-        args.json.write_text(json.dumps(summary))
+    if options.json:
+        options.json.write_text(json.dumps(summary))
     return summary
 
 

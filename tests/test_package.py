@@ -25,7 +25,11 @@ def test_public_functions_are_runtime_type_checked():
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # Where an import name and its distribution's name differ.
-DISTRIBUTION_OF = {"orbax": "orbax-checkpoint", "etils": "orbax-checkpoint"}
+DISTRIBUTION_OF = {
+    "orbax": "orbax-checkpoint",
+    "etils": "orbax-checkpoint",
+    "tensorboardX": "tensorboardx",
+}
 
 
 def pyproject() -> dict:
@@ -65,8 +69,13 @@ def test_examples_need_only_the_examples_extra():
     examples = sorted((ROOT / "examples").glob("*.py"))
     imported = third_party_imports(examples, {"eqpar", *(path.stem for path in examples)})
     extras = project["optional-dependencies"]
+    # tensorboardX is imported only where it is installed (`metrics.TensorBoardWriter`).
     available = requirement_names(
-        project["dependencies"] + extras["examples"] + extras["checkpoint"] + extras["plot"]
+        project["dependencies"]
+        + extras["examples"]
+        + extras["checkpoint"]
+        + extras["plot"]
+        + extras["tensorboard"]
     )
     assert imported <= available
 

@@ -1,6 +1,7 @@
 """The main example end to end: every parallel layout trains like the same model on one device."""
 
 import dataclasses
+import json
 import pathlib
 import sys
 
@@ -238,9 +239,23 @@ def test_cli_errors_name_the_problem(capsys):
         train_lm.main(["--check", "--optimizer", "adam"])
     assert exit_info.value.code == 2
     assert "holds for plain SGD only" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as exit_info:
         train_lm.main(["--lr", "0"])
-    assert "argument --lr: must be a number above 0, got '0'" in capsys.readouterr().err
+    assert exit_info.value.code == 2
+    assert "Error parsing --lr: must be a number above 0, got '0'" in capsys.readouterr().err
+    # A schedule needs a pipeline to schedule: not silently ignored without a pipe axis.
+    with pytest.raises(SystemExit) as exit_info:
+        train_lm.main(["--schedule", "1f1b", "--mesh", "data=8"])
+    assert exit_info.value.code == 2
+    assert (
+        "--schedule 1f1b needs a pipe axis in --mesh: without one every device holds every "
+        "layer and there is no pipeline to schedule; add a pipe axis (e.g. --mesh "
+        "data=4,pipe=2) or leave --schedule out"
+    ) in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        train_lm.main(["--resume"])
+    assert exit_info.value.code == 2
+    assert "--resume needs --ckpt-dir DIR" in capsys.readouterr().err
 
 
 def test_microbatches_only_cut_a_pipeline():
@@ -283,14 +298,25 @@ def test_adam_clips_as_optax(size):
         params = optax.apply_updates(params, updates)
 
 
-def test_help_shows_the_defaults():
-    text = " ".join(train_lm.build_parser().format_help().split())
-    for default in ("(default: 120)", "(default: 16)", "(default: gpipe)", "(default: 10)"):
+def help_text(capsys) -> str:
+    """`train_lm.py --help` as words (the box tyro draws around it left out)."""
+    with pytest.raises(SystemExit) as exit_info:
+        train_lm.main(["--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    return " ".join(text.translate({ord(c): " " for c in "│╭╮╰╯─"}).split())
+
+
+def test_help_shows_the_defaults(capsys):
+    text = help_text(capsys)
+    for default in ("(default: 120)", "(default: 16)", "(default: 10)"):
         assert default in text
-    assert "(default: None)" not in text and "(default: False)" not in text
-    assert "default: data=2,pipe=2,model=2 on 8 devices" in text
+    assert "unset: data=2,pipe=2,model=2 on 8 devices" in text
     assert "a context axis (e.g. data=2,context=4) splits every sequence" in text
-    assert "--seq-len SEQ_LEN tokens per sequence (default: the --size's: 32 for small" in text
+    assert "--seq-len {None}|N tokens per sequence (unset: the --size's: 32 for small" in text
+    assert "--schedule {None,gpipe,circular,1f1b,zb-h1} pipeline schedule" in text
+    assert "--experts {None}|N a mixture of E experts" in text and "--top-k N" in text
+    assert "--precision {float32,bfloat16}" in text and "(default: float32)" in text
 
 
 def test_run_described_in_words():
@@ -309,20 +335,19 @@ def test_run_described_in_words():
 @pytest.mark.parametrize("value", ["0", "-2", "two"])
 def test_counts_below_one_are_refused_naming_the_flag(flag, value, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        train_lm.build_parser().parse_args([flag, value])
+        train_lm.parse_options([flag, value], 8)
     assert exit_info.value.code == 2
     error = capsys.readouterr().err
-    assert f"argument {flag}: must be a positive integer, got '{value}'" in error
-    assert train_lm.build_parser().parse_args([flag, "3"]).__dict__[flag[2:].replace("-", "_")] == 3
+    assert f"Error parsing {flag}: must be a positive integer, got '{value}'" in error
+    assert getattr(train_lm.parse_options([flag, "3"], 8), flag[2:].replace("-", "_")) == 3
 
 
-def test_main_writes_pictures_and_checks(tmp_path, capsys):
-    summary = train_lm.main(
-        [
-            "--steps", "3", "--microbatches", "2", "--check", "--log-every", "2",
-            "--out", str(tmp_path), "--batch-size", "8", "--size", "tiny",
-        ]
-    )  # fmt: skip
+def test_main_writes_pictures_metrics_config_and_checks(tmp_path, capsys):
+    argv = [
+        "--steps", "3", "--microbatches", "2", "--check", "--log-every", "2",
+        "--out", str(tmp_path), "--batch-size", "8", "--size", "tiny",
+    ]  # fmt: skip
+    summary = train_lm.main(argv)
     assert (tmp_path / "loss_curve.png").stat().st_size > 1000
     assert (tmp_path / "schedule_gpipe.png").stat().st_size > 1000
     out = capsys.readouterr().out
@@ -330,17 +355,102 @@ def test_main_writes_pictures_and_checks(tmp_path, capsys):
     assert "\r" not in out
     lines = out.splitlines()
     assert "optimizer sgd" in lines[0]  # --check trains with plain SGD
-    compiling = lines.index("compiling the training step (the first step includes it)...")
-    assert lines[compiling + 1].startswith("step 1 took ")
-    assert [line.split("  ")[0] for line in lines if line.startswith("step ")][1:] == [
-        "step 2/3", "step 3/3",
-    ]  # fmt: skip
+    compiling = lines.index("compiling the training step...")
+    assert lines[compiling + 1].startswith("compiled in ")
+    assert "; memory per device: parameters " in lines[compiling + 1]
+    assert "model FLOPs utilisation is not meaningful" in lines[compiling + 2]  # CPU devices
+    assert lines[compiling + 3].startswith("step 1 took ")
+    logged = [line for line in lines if line.startswith("step ")][1:]
+    assert [line.split("  ")[0] for line in logged] == ["step 2/3", "step 3/3"]
+    assert all("  lr 9.00e-02  grad norm " in line for line in logged)  # SGD: 30 x 3e-3
     assert summary["first_step_seconds"] > 0 and summary["tokens_per_second"] > 0
+    assert summary["compile_seconds"] > 0
     assert summary["curve"] == {"steps": [1, 2, 3], "losses": summary["losses"]}
     check = summary["check"]
     assert check["passed"] and check["tolerance"] == 1e-5
     assert check["loss_difference"] < 1e-5 and check["parameter_difference"] < 1e-5
     assert "(sgd, float32, tolerance 1e-05)" in lines[-1] and lines[-1].endswith(": PASS")
+
+    # metrics.jsonl: a start-up record, then one record per step with the per-step fields.
+    start, *steps = [json.loads(line) for line in (tmp_path / "metrics.jsonl").open()]
+    assert start["event"] == "start" and start["memory"] == summary["memory"]
+    assert start["platform"] == "cpu" and start["peak_flops_per_device"] is None
+    assert [record["step"] for record in steps] == [1, 2, 3]
+    assert [record["loss"] for record in steps] == summary["losses"]
+    for record in steps:
+        assert record["learning_rate"] == pytest.approx(0.09)
+        assert record["grad_norm"] > 0 and record["mfu"] is None  # no CPU peak
+    assert steps[0]["tokens_per_second"] is None  # the first step is not timed
+    assert steps[-1]["tokens_per_second"] == summary["tokens_per_second"]
+    # TensorBoard events beside them (tensorboardX is in the test extra).
+    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+
+    # The memory figures are memory_analysis()'s of the same compiled step.
+    run = train_lm.RunConfig(
+        mesh={"data": 2, "pipe": 2, "model": 2},
+        microbatches=2,
+        steps=3,
+        batch_size=8,
+        optimizer="sgd",
+    )
+    mesh = train_lm.make_mesh(run.mesh)
+    optimizer = train_lm.make_optimizer(run)
+    model, opt_state = train_lm.place(
+        train_lm.build_model(TINY, run, mesh), optimizer, mesh, run.fsdp
+    )
+    step = train_lm.build_step(model, mesh, run, optimizer, with_stats=True)
+    tokens = jax.device_put(
+        np.zeros((8, TINY.seq_len + 1), np.int32), NamedSharding(mesh.jax_mesh, P("data"))
+    )
+    stats = step.lower(tokens, model, opt_state).compile().compiled.memory_analysis()
+    memory = summary["memory"]
+    assert memory["temp"] == stats.temp_size_in_bytes > 0
+    assert memory["argument"] == stats.argument_size_in_bytes
+    assert memory["output"] == stats.output_size_in_bytes
+    assert memory["alias"] == stats.alias_size_in_bytes
+    # What each device holds of the arguments, by array: together the step's argument size.
+    assert memory["parameters"] + memory["optimizer_state"] + memory["batch"] == (
+        stats.argument_size_in_bytes
+    )
+    assert memory["parameters"] == sum(
+        int(np.prod(leaf.addressable_shards[0].data.shape)) * 4
+        for leaf in jax.tree.leaves(eqx.filter(model, eqx.is_array))
+    )
+
+    # config.json: the run's options as it ran them; read back, the same run.
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["mesh"] == "data=2,pipe=2,model=2" and saved["optimizer"] == "sgd"
+    assert saved["schedule"] == "gpipe" and saved["seq_len"] == 16 and saved["check"] is True
+    loaded = train_lm.parse_options(["--config", str(tmp_path / "config.json")], 8)
+    expected = train_lm.parse_options(argv, 8).resolved(8)
+    assert dataclasses.replace(loaded, config=None) == expected
+    assert loaded.run_config(8) == run and loaded.model_config() == TINY
+    # Options beside --config override the file's.
+    overridden = train_lm.parse_options(
+        ["--config", str(tmp_path / "config.json"), "--steps", "5"], 8
+    )
+    assert overridden.steps == 5 and overridden.fsdp is False
+    assert summary["config"] == json.loads(json.dumps(dataclasses.asdict(expected), default=str))
+
+
+def test_config_files_are_checked_as_the_command_line(tmp_path, capsys):
+    path = tmp_path / "config.json"
+    options = train_lm.parse_options(["--fsdp", "--steps", "7", "--mesh", "data=8"], 8)
+    train_lm.save_config(options, path)
+    assert train_lm.parse_options(["--config", str(path)], 8) == dataclasses.replace(
+        options, config=path
+    )
+    path.write_text(json.dumps({"steps": 0}))
+    with pytest.raises(SystemExit) as exit_info:
+        train_lm.parse_options(["--config", str(path)], 8)
+    assert exit_info.value.code == 2
+    assert "Error parsing --steps: must be a positive integer, got '0'" in capsys.readouterr().err
+    path.write_text(json.dumps({"stepz": 3}))
+    with pytest.raises(SystemExit):
+        train_lm.parse_options(["--config", str(path)], 8)
+    error = capsys.readouterr().err
+    assert f"--config {path}: expected a JSON object of the options" in error
+    assert "got ['stepz']" in error
 
 
 @pytest.fixture(scope="module")
@@ -375,13 +485,10 @@ def test_bfloat16_trains_like_one_device_and_like_float32(serial, serial_bfloat1
 
 
 def test_precision_flag():
-    parser = train_lm.build_parser()
-    assert parser.parse_args([]).precision == "float32"
-    assert parser.parse_args(["--precision", "bfloat16"]).precision == "bfloat16"
-    text = " ".join(parser.format_help().split())
-    assert "--precision {float32,bfloat16}" in text and "(default: float32)" in text
+    assert train_lm.parse_options([], 8).precision == "float32"
+    assert train_lm.parse_options(["--precision", "bfloat16"], 8).precision == "bfloat16"
     with pytest.raises(SystemExit):
-        parser.parse_args(["--precision", "float16"])
+        train_lm.parse_options(["--precision", "float16"], 8)
     run = run_config("data=8", precision="bfloat16")
     assert train_lm.describe(run) == "mesh data=8,pipe=1,model=1 | bfloat16 compute"
     assert train_lm.check_tolerance("bfloat16") == train_lm.CHECK_TOLERANCE_BFLOAT16
@@ -500,5 +607,31 @@ def test_experts_bad_combinations_are_refused(capsys):
     with pytest.raises(SystemExit, match="--experts 6 must divide by expert=4"):
         train_lm.main(["--experts", "6", "--mesh", "data=2,expert=4", "--size", "tiny"])
     assert capsys.readouterr().out == ""  # refused before any output
-    text = " ".join(train_lm.build_parser().format_help().split())
-    assert "--experts EXPERTS a mixture of E experts" in text and "--top-k TOP_K" in text
+
+
+def test_utilisation_needs_a_known_peak():
+    import types
+
+    import metrics
+
+    def device(platform, kind):
+        return types.SimpleNamespace(platform=platform, device_kind=kind)
+
+    h100, pcie = device("gpu", "NVIDIA H100 80GB HBM3"), device("gpu", "NVIDIA H100 PCIe")
+    assert metrics.peak_flops(h100, "bfloat16") == 989e12
+    assert metrics.peak_flops(h100, "float32") == 495e12  # TF32, as XLA runs float32 matmuls
+    assert metrics.peak_flops(pcie, "bfloat16") == 756e12  # the longer name first
+    assert metrics.peak_flops(device("tpu", "TPU v5 lite"), "bfloat16") == 197e12
+    assert metrics.utilisation_note(h100, "bfloat16") == ""
+    cpu = jax.devices()[0]
+    assert metrics.peak_flops(cpu, "float32") is None
+    assert metrics.utilisation_note(cpu, "float32") == "not meaningful on simulated CPU devices"
+    unknown = device("gpu", "NVIDIA GeForce RTX 3090")
+    assert metrics.peak_flops(unknown, "bfloat16") is None
+    assert "'NVIDIA GeForce RTX 3090' is not in metrics.PEAK_FLOPS" in metrics.utilisation_note(
+        unknown, "bfloat16"
+    )
+    # The model FLOPs of a token: 3 x the forward pass's matmuls and attention.
+    config = train_lm.SIZES["tiny"]  # d 32, hidden 64, 4 layers, vocab 32, seq 16
+    forward = 2 * (4 * (4 * 32 * 32 + 2 * 32 * 64 + 2 * 16 * 32) + 32 * 32)
+    assert train_lm.training_flops_per_token(config) == 3 * forward

@@ -70,10 +70,13 @@ def test_sigkill_then_resume_matches_uninterrupted_run(tmp_path):
     killed_at = max(saved_steps(ckpt))
     assert 1 <= killed_at < STEPS
 
+    # The run again from the config.json it wrote beside its checkpoints, with --resume (and
+    # its own outputs and progress lines: the killed run had --no-progress).
     resumed_json = tmp_path / "resumed.json"
     result = run(
-        command("--ckpt-dir", str(ckpt), "--save-every", "1", "--resume",
-                "--json", str(resumed_json), "--out", str(tmp_path / "b"), "--log-every", "4"),
+        [sys.executable, str(SCRIPT), "--config", str(ckpt / "config.json"), "--resume",
+         "--json", str(resumed_json), "--out", str(tmp_path / "b"), "--progress",
+         "--log-every", "4"],
         tmp_path,
     )  # fmt: skip
     try:
@@ -91,8 +94,16 @@ def test_sigkill_then_resume_matches_uninterrupted_run(tmp_path):
     assert start >= killed_at
     assert resumed["losses"] == expected["losses"][start:]  # bitwise: same floats
     assert resumed["parameter_digest"] == expected["parameter_digest"]
-    # The loss curve goes on from the restored step, with the killed run's losses before it.
+    assert resumed["config"]["steps"] == STEPS and resumed["config"]["schedule"] == "circular"
+    # The loss curve goes on from the restored step, with the killed run's losses before it:
+    # the metrics file beside the checkpoints holds one record per step, the killed run's up
+    # to the restored step and then the resumed run's.
     assert resumed["curve"] == {"steps": list(range(1, STEPS + 1)), "losses": expected["losses"]}
+    records = [json.loads(line) for line in (ckpt / "metrics.jsonl").open()]
+    steps = [record["step"] for record in records if "loss" in record]
+    assert steps == list(range(1, STEPS + 1))
+    assert [r["loss"] for r in records if "loss" in r] == expected["losses"]
+    assert f"saved the checkpoint of step {STEPS} in {ckpt}" in result.stdout
     assert (tmp_path / "b" / "loss_curve.png").stat().st_size > 1000
     # Through a pipe, progress is whole lines (no bar redrawn with "\r"), after a note on
     # compiling; tokens/s are measured from the second step on.
