@@ -475,6 +475,16 @@ class PipelineModule(eqx.Module):
 
         **Returns:** the outputs in batch order on the last device of the axis and zeros on
         the others (on every device with `broadcast_output=True`).
+
+        Differentiated (`jax.grad` of a loss of the outputs), the run's backward pass is the
+        backward half of the schedule's training table, as `value_and_grad(schedule=
+        "gpipe")` (or `"circular"`) runs it under the same `remat`: each forward keeps what
+        its backward reads (scanned layers one layer at a time, each layer's gradient added
+        into the sum in place), and a circular stage's weights are not kept per step. A
+        floating-point argument computed from what is differentiated (the table gives extra
+        arguments no gradients), a stage with a `ppermute`, and `check_vma=False` are
+        differentiated by autodiff of the step loop instead. Forward-mode autodiff
+        (`jax.jvp`) of a multi-step run is not supported.
         """
         stages = self._local_stages("PipelineModule")
         # The executor checkpoints each stage call itself, under the policy of `remat`, or
@@ -525,12 +535,12 @@ class PipelineModule(eqx.Module):
         - `"zb-h1"`: 1F1B with each backward split into its input and weight gradients and
           the weight gradients moved into 1F1B's idle steps (`ZeroBubbleH1Schedule`);
         - `"gpipe"` (`"circular"` when `num_repeats > 1`): all forwards, then all backwards,
-          as autodiff of `self(x)` runs them, holding all microbatches' residuals.
+          holding all microbatches' residuals; autodiff of `self(x)` runs this table too.
 
         Stages of scanned layers (`from_layers`) are differentiated one layer at a time, each
-        layer's gradient added into the sum over microbatches in place, so every schedule
-        here holds less than autodiff of `self(x)`, which forms a stage's whole gradient at
-        each backward step before adding it in: train GPipe through `schedule="gpipe"` too.
+        layer's gradient added into the sum over microbatches in place. `jax.grad` through
+        `self(x)` gives the same gradients with the same table's backward, holding besides
+        the outputs it returns and their cotangent (see `__call__`).
 
         The model's `remat` policy says what a forward keeps for its backward: `"none"` its
         stage's residuals, `"full"` only the stage input (the backward recomputes the

@@ -183,7 +183,15 @@ def forward_outputs(
         return (d_leaves,)
 
     run.defvjp(run_forward, run_backward, symbolic_zeros=True)
-    return run(leaves)
+    try:
+        return run(leaves)
+    except NotImplementedError as error:
+        # `shard_map` run eagerly (not under `jit`) takes no custom VJP with symbolic
+        # zeros; it only ever runs the primal there (differentiation traces the body
+        # first), which is the loop itself.
+        if "symbolic_zeros" not in str(error):
+            raise
+        return autodiff_run(stages, microbatches, args, kwargs)
 
 
 # --------------------------------------------------------------------------------------
