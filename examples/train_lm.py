@@ -28,7 +28,7 @@ import os
 import pathlib
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -50,6 +50,8 @@ from jaxtyping import Array, Int
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
+import data as input_data
+import launch
 import lm
 
 import eqpar
@@ -657,8 +659,9 @@ def run_training(
     progress: bool = True,
     log_every: int = 10,
     show_layout: bool = True,
-    place_batch: Callable[[lm.Batches, int, eqpar.DeviceMesh], jax.Array] = place_global_batch,
     checkpoint: CheckpointOptions | None = None,
+    source: input_data.RowSource | None = None,
+    example_log: input_data.ExampleLog | None = None,
 ) -> Training:
     """Train until step `run.steps`, from step 0 or from the latest checkpoint.
 
@@ -671,13 +674,16 @@ def run_training(
       and otherwise print a line every `log_every` steps (a bar's carriage returns would
       fill a log file with partial lines).
     - `show_layout`: print the layout table of the placed model first.
-    - `place_batch`: `place_batch(batches, position, mesh)` gives the global token array of
-      a step; with several processes each one feeds its own rows (see `multihost.py`).
     - `checkpoint`: save the model, optimizer state and data position every `save_every`
       steps and at the end, with the losses so far beside them (`LOSS_HISTORY`); `resume`
       starts from the latest good checkpoint. Stacked layers are stored in model order
       under every layout, so a checkpoint restores under any other mesh or schedule
       (`restore(..., reshape=True)` reshapes the stage stacks).
+    - `source`: where each step's rows come from (`data.PackedCorpus` for `--data`); by
+      default the generated text of `lm.Batches`. Each process reads only the rows on its
+      own devices (`data.place_rows`); the position, the global batches consumed, is the
+      step.
+    - `example_log`: write each step's example ids there (`--log-examples`).
 
     **Returns:** a `Training`: this call's losses, the final model, the whole loss curve, and
     the first step's time (compilation included) and tokens per second after it (checkpoint
@@ -700,15 +706,23 @@ def run_training(
         )
         if checkpoint.resume and checkpointer.latest_step() is not None:
             target = {"model": model, "opt_state": opt_state, "position": 0}
+            target.update(input_data.checkpoint_state(source))
             state = checkpointer.restore(target=target, reshape=True)
             model, opt_state, start = state["model"], state["opt_state"], int(state["position"])
+            input_data.check_restored(state, source)
             print(f"resumed from step {checkpointer.restored_step} ({checkpoint.directory})")
             history = read_loss_history(checkpoint.directory, start)
     if show_layout:
         print_layout_table(model, mesh=mesh)
     step = build_step(model, mesh, run, optimizer, with_stats=True)
-    corpus = lm.encode(lm.make_corpus(200_000, seed=run.seed), config.vocab_size)
-    batches = lm.Batches(corpus, batch_size=run.batch_size, seq_len=config.seq_len, seed=run.seed)
+    if source is None:
+        corpus = lm.encode(lm.make_corpus(200_000, seed=run.seed), config.vocab_size)
+        batches = lm.Batches(
+            corpus, batch_size=run.batch_size, seq_len=config.seq_len, seed=run.seed
+        )
+        source = input_data.SyntheticRows(batches)
+    rows = NamedSharding(mesh.jax_mesh, row_spec(mesh.axis_names))
+    width = config.seq_len + 1
     losses: list[float] = []
     stats: dict[str, float] = {}
     reporter = _Reporter(run.steps, enabled=progress, every=log_every)
@@ -729,6 +743,7 @@ def run_training(
                 # Before the checkpoint, so that a step on disk always has its losses there.
                 write_loss_history(checkpoint.directory, so_far(position))
             state = {"model": model, "opt_state": opt_state, "position": position}
+            state.update(input_data.checkpoint_state(source))
             checkpointer.save(position, state, force=force)
 
     try:
@@ -736,9 +751,11 @@ def run_training(
             if position == start and progress:
                 print("compiling the training step (the first step includes it)...", flush=True)
             began = time.perf_counter()
-            tokens = place_batch(batches, position, mesh)
+            tokens = input_data.place_rows(source, position, rows, width)
             model, opt_state, loss, step_stats = step(tokens, model, opt_state)
             losses.append(float(loss))  # waits for the step to finish
+            if example_log is not None:
+                example_log.write(position + 1, losses[-1], source, rows, width)
             stats = {name: float(value) for name, value in step_stats.items()}
             now = time.perf_counter()
             if first_step_seconds is None:
@@ -785,8 +802,8 @@ def train(
     devices: Sequence[Any] | None = None,
     progress: bool = True,
     show_layout: bool = True,
-    place_batch: Callable[[lm.Batches, int, eqpar.DeviceMesh], jax.Array] = place_global_batch,
     checkpoint: CheckpointOptions | None = None,
+    source: input_data.RowSource | None = None,
 ) -> tuple[list[float], lm.LM]:
     """`run_training` for callers that need only the losses and the model.
 
@@ -801,8 +818,8 @@ def train(
         devices=devices,
         progress=progress,
         show_layout=show_layout,
-        place_batch=place_batch,
         checkpoint=checkpoint,
+        source=source,
     )
     return training.losses, training.model
 
@@ -938,23 +955,35 @@ SIZES = {
 }
 
 
-def parameter_digest(model: lm.LM) -> str:
+def host_parameters(model: lm.LM) -> list[np.ndarray]:
+    """Every parameter of `model` in model order, whole, as NumPy arrays; with several
+    processes a collective (`multihost_utils.process_allgather`): every process calls it."""
+    from jax.experimental import multihost_utils
+
+    leaves = jax.tree.leaves(eqx.filter(lm.model_order(model), eqx.is_array))
+    return [
+        np.asarray(leaf)
+        if leaf.is_fully_addressable
+        else np.asarray(multihost_utils.process_allgather(leaf, tiled=True))
+        for leaf in leaves
+    ]
+
+
+def parameter_digest(model: lm.LM | list[np.ndarray]) -> str:
     """A hash of every parameter's bytes (equal digests: bitwise equal parameters)."""
     import hashlib
 
     digest = hashlib.sha256()
-    for leaf in jax.tree.leaves(eqx.filter(lm.model_order(model), eqx.is_array)):
-        digest.update(np.asarray(leaf).tobytes())
+    for leaf in model if isinstance(model, list) else host_parameters(model):
+        digest.update(leaf.tobytes())
     return digest.hexdigest()
 
 
-def largest_differences(a: lm.LM, b: lm.LM) -> float:
+def largest_differences(a: lm.LM | list[np.ndarray], b: lm.LM | list[np.ndarray]) -> float:
     """The largest parameter difference of two models (any layouts)."""
-    leaves_a = jax.tree.leaves(eqx.filter(lm.model_order(a), eqx.is_array))
-    leaves_b = jax.tree.leaves(eqx.filter(lm.model_order(b), eqx.is_array))
-    return max(
-        float(np.max(np.abs(np.asarray(x) - np.asarray(y)))) for x, y in zip(leaves_a, leaves_b)
-    )
+    leaves_a = a if isinstance(a, list) else host_parameters(a)
+    leaves_b = b if isinstance(b, list) else host_parameters(b)
+    return max(float(np.max(np.abs(x - y))) for x, y in zip(leaves_a, leaves_b))
 
 
 def positive_int(text: str) -> int:
@@ -1106,11 +1135,55 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--resume", action="store_true", help="continue from the latest checkpoint in --ckpt-dir"
     )
+    # Several processes and real data (docs/tutorials/multihost.md, docs/running.md).
+    parser.add_argument(
+        "--processes",
+        type=positive_int,
+        default=1,
+        help="run as N processes on this machine (127.0.0.1), each with 8/N simulated CPU "
+        "devices (EQPAR_NUM_CPU_DEVICES sets another count), started and watched by "
+        "examples/launch.py, their lines prefixed [p<id>]",
+    )
+    parser.add_argument(
+        "--distributed",
+        action="store_true",
+        help="join a multi-process job started by SLURM, mpirun or by hand: eqpar.initialize() "
+        "reads EQPAR_COORDINATOR_ADDRESS, EQPAR_NUM_PROCESSES and EQPAR_PROCESS_ID, or else "
+        "JAX's cluster detection (implied when those variables are set)",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=positive_float,
+        default=3600.0,
+        help="with --processes: seconds each process may run before it is killed",
+    )
+    parser.add_argument(
+        "--verbose",
+        action="store_true",
+        help="with --processes: also show JAX's and Gloo's start-up chatter",
+    )
+    parser.add_argument(
+        "--data",
+        type=pathlib.Path,
+        help="train on the tokenized corpus in this directory (ArrayRecord files read with "
+        "Grain, each process reading only its own rows; write the demo corpus with "
+        "python examples/data.py DIR --vocab-size V) instead of generated text",
+    )
+    parser.add_argument(
+        "--log-examples",
+        type=pathlib.Path,
+        help="append each step's loss and example ids to DIR/process<P>.jsonl",
+    )
     return parser
 
 
 def check_against_one_device(
-    run: RunConfig, config: lm.LMConfig, training: Training
+    run: RunConfig,
+    config: lm.LMConfig,
+    training: Training,
+    *,
+    source: input_data.RowSource | None = None,
+    trained: list[np.ndarray] | None = None,
 ) -> dict[str, Any]:
     """Train `run` again on one device and compare with `training`, as `--check` does.
 
@@ -1118,19 +1191,32 @@ def check_against_one_device(
 
     - `run`, `config`: what `training` ran.
     - `training`: its result; after a resume only its own steps' losses are compared.
+    - `source`: the rows it read (default: the generated text).
+    - `trained`: its parameters from `host_parameters` (default: gathered here). With
+      several processes every process gathers them, and process 0 alone trains on one of
+      its own devices and compares.
 
     **Returns:** the largest relative loss difference, the largest parameter difference,
-    the tolerance and whether both are within it (`passed`).
+    the tolerance, whether both are within it (`passed`) and the one-device run's losses
+    (`serial_losses`, from step 1); on processes other than 0, `{}`.
     """
+    trained = host_parameters(training.model) if trained is None else trained
+    if jax.process_index() != 0:
+        return {}
     print(f"check: the same {run.steps} steps on one device (compiling...)", flush=True)
     tolerance = check_tolerance(run.precision)
     serial_run = dataclasses.replace(run, mesh={lm.DATA: 1, lm.PIPE: 1, lm.MODEL: 1}, fsdp=False)
     serial = run_training(
-        serial_run, config=config, devices=jax.devices()[:1], progress=False, show_layout=False
+        serial_run,
+        config=config,
+        devices=jax.local_devices()[:1],
+        progress=False,
+        show_layout=False,
+        source=source,
     )
     serial_losses = serial.losses[training.start :]  # the steps this process ran
     loss_diff = max(abs(a - b) / abs(b) for a, b in zip(training.losses, serial_losses))
-    param_diff = largest_differences(training.model, serial.model)
+    param_diff = largest_differences(trained, serial.model)
     passed = loss_diff <= tolerance and param_diff <= tolerance
     print(
         f"check against one device ({run.optimizer}, {run.precision}, tolerance "
@@ -1143,6 +1229,7 @@ def check_against_one_device(
         "parameter_difference": param_diff,
         "tolerance": tolerance,
         "passed": passed,
+        "serial_losses": serial.losses,
     }
 
 
@@ -1163,6 +1250,17 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         if args.ckpt_dir is None
         else CheckpointOptions(args.ckpt_dir, args.save_every, args.keep, args.resume)
     )
+    if args.processes > 1 and not launch.in_job():  # start the job's processes here
+        command = list(sys.argv[1:] if argv is None else argv)
+        status = launch.launch_command(
+            command, args.processes, timeout=args.timeout, verbose=args.verbose, script=__file__
+        )
+        return {"processes": args.processes, "exit_status": status}
+    if args.distributed or launch.in_job():
+        launch.join()
+    if args.processes > 1 and args.processes != jax.process_count():
+        parser.error(f"--processes {args.processes}: this job has {jax.process_count()}")
+    first = jax.process_index() == 0  # writes the files and pictures, runs --check
 
     count = jax.device_count()
     default_mesh = "data=2,pipe=2,model=2" if count == 8 else f"data={count}"
@@ -1186,18 +1284,31 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if args.experts is not None:
         config = dataclasses.replace(config, num_experts=args.experts, top_k=args.top_k)
     check_sizes(config, run)  # before any output: a usage error comes first
+    source = None if args.data is None else open_data(args.data, config, run)
+    example_log = None if args.log_examples is None else input_data.ExampleLog(args.log_examples)
     platform = jax.devices()[0].platform
     experts = f"; {config.num_experts} experts, top {config.top_k}" if config.num_experts else ""
-    print(f"{count} {platform} devices; {describe(run)}{experts}; optimizer {run.optimizer}")
+    processes = jax.process_count()
+    job = f"process {jax.process_index()} of {processes}: " if processes > 1 else ""
+    data = "" if args.data is None else f"; data {args.data}"
+    print(
+        f"{job}{count} {platform} devices; {describe(run)}{experts}; optimizer "
+        f"{run.optimizer}{data}",
+        flush=True,
+    )
     started = time.perf_counter()
     training = run_training(
         run,
         config=config,
         progress=not args.no_progress,
         log_every=args.log_every,
+        show_layout=first,
         checkpoint=checkpoint,
+        source=source,
+        example_log=example_log,
     )
     losses, model = training.losses, training.model
+    trained = host_parameters(model)
     seconds = time.perf_counter() - started
     steps, curve = training.curve
     summary: dict[str, Any] = {
@@ -1207,14 +1318,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "tokens_per_second": training.tokens_per_second,
         "mesh": run.mesh,
         "curve": {"steps": steps, "losses": curve},
-        "parameter_digest": parameter_digest(model),
+        "parameter_digest": parameter_digest(trained),
         "router_stats": training.router_stats,
     }
-    if args.json:
+    if args.json and first:
         args.json.parent.mkdir(parents=True, exist_ok=True)
     if not losses:
         print(f"nothing to do: already at step {run.steps}")
-        if args.json:
+        if args.json and first:
             args.json.write_text(json.dumps(summary))
         return summary
     rate = training.tokens_per_second
@@ -1226,15 +1337,42 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     )
     if training.router_stats:
         print(f"experts at the last step: {format_router_stats(training.router_stats)}")
-    for path in write_pictures(curve, run, args.out, steps=steps, resumed_at=training.start):
-        print(f"wrote {path}")
+    if first:
+        for path in write_pictures(curve, run, args.out, steps=steps, resumed_at=training.start):
+            print(f"wrote {path}")
     if args.check:
-        summary["check"] = check_against_one_device(run, config, training)
-    if args.json:
+        summary["check"] = check_against_one_device(
+            run, config, training, source=source, trained=trained
+        )
+    if args.json and first:
         args.json.write_text(json.dumps(summary))
     return summary
 
 
+def open_data(directory: pathlib.Path, config: lm.LMConfig, run: RunConfig) -> Any:
+    """The `--data` corpus as the rows of `run`'s batches; refused where its tokens do not
+    fit the model's vocabulary."""
+    corpus = input_data.open_corpus(directory)
+    if corpus.vocab_size > config.vocab_size:
+        raise SystemExit(
+            f"--data {directory}: its vocabulary has {corpus.vocab_size} tokens, the model's "
+            f"{config.vocab_size}: choose a --size with at least {corpus.vocab_size} or write "
+            f"the corpus with --vocab-size {config.vocab_size}."
+        )
+    return input_data.PackedCorpus(
+        corpus, batch_size=run.batch_size, seq_len=config.seq_len, seed=run.seed
+    )
+
+
+def exit_status(argv: Sequence[str] | None = None) -> int:
+    """The command's exit status: 1 on a failed `--check` (so that scripts and CI notice),
+    the launcher's with `--processes`, else 0."""
+    summary = main(argv)
+    if "exit_status" in summary:
+        return summary["exit_status"]
+    return 0 if summary.get("check", {}).get("passed", True) else 1
+
+
 if __name__ == "__main__":
-    # A failed --check is a failed command, so that scripts and CI notice.
-    sys.exit(0 if main().get("check", {}).get("passed", True) else 1)
+    distributed = launch.in_job() or "--distributed" in sys.argv
+    sys.exit(launch.exit_status(exit_status, distributed=distributed))
