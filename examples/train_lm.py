@@ -8,6 +8,8 @@ and context parallelism).
     python examples/train_lm.py --experts 8 --top-k 2 --mesh data=2,expert=4 --check  # MoE
     python examples/train_lm.py --precision bfloat16             # float32 params, bf16 compute
     python examples/train_lm.py --ckpt-dir /tmp/ckpt --resume    # continue from the latest
+    python examples/train_lm.py --processes 2                    # 2 processes x 4 CPU devices
+    python examples/train_lm.py --data /tmp/corpus               # written by examples/data.py
 
 On CPU, 8 devices are simulated; on accelerators the device count comes from JAX. Any mesh
 whose product is the device count works, 1 device included. A `context` axis splits every
@@ -18,6 +20,12 @@ experts and an `expert` axis splits the experts over its devices (the batch rows
 data and expert), a `model` axis each expert's hidden units. Outputs (loss curve, pipeline
 schedule) go to `--out`. On a terminal a progress bar shows the loss and tokens/s; in a log
 (stdout not a terminal) a line is printed every `--log-every` steps instead.
+
+The same program runs as every process of a multi-process job, with every flag:
+`--processes N` starts N processes on this machine (`launch.py`), `--distributed` joins a job
+started by SLURM, `mpirun` or by hand (`eqpar.initialize()`). With `--data` the rows come from
+a tokenized corpus on disk (`data.py`), each process reading only its own; the checkpoint holds
+the data position, so a resume on any number of processes continues with the next examples.
 """
 
 import argparse
@@ -1289,10 +1297,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     platform = jax.devices()[0].platform
     experts = f"; {config.num_experts} experts, top {config.top_k}" if config.num_experts else ""
     processes = jax.process_count()
-    job = f"process {jax.process_index()} of {processes}: " if processes > 1 else ""
+    job, here = "", ""
+    if processes > 1:
+        job = f"process {jax.process_index()} of {processes}: "
+        here = f" ({jax.local_device_count()} here)"
     data = "" if args.data is None else f"; data {args.data}"
     print(
-        f"{job}{count} {platform} devices; {describe(run)}{experts}; optimizer "
+        f"{job}{count} {platform} devices{here}; {describe(run)}{experts}; optimizer "
         f"{run.optimizer}{data}",
         flush=True,
     )

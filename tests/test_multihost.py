@@ -78,7 +78,7 @@ def test_killed_job_resumes_on_two_then_one_process_with_exactly_the_next_exampl
     data.write_corpus(tmp_path / "corpus", num_documents=120, vocab_size=32)
     ckpt, log = tmp_path / "ckpt", tmp_path / "log"
     args = ["--size", "tiny", "--batch-size", str(BATCH), "--mesh", "data=8", "--fsdp",
-            "--check", "--data", str(tmp_path / "corpus"), "--log-examples", str(log),
+            "--data", str(tmp_path / "corpus"), "--log-examples", str(log),
             "--ckpt-dir", str(ckpt), "--no-progress",
             "--out", str(tmp_path / "out")]  # fmt: skip
     command = [sys.executable, str(TRAIN_LM), *args]
@@ -90,7 +90,7 @@ def test_killed_job_resumes_on_two_then_one_process_with_exactly_the_next_exampl
     job = {"EQPAR_COORDINATOR_ADDRESS": coordinator, "EQPAR_NUM_PROCESSES": "2"}
     started = [
         subprocess.Popen(
-            [*command, "--steps", "6", "--save-every", "1"],
+            [*command, "--steps", "6", "--save-every", "1", "--check"],
             cwd=tmp_path,
             env=_environment(**job, EQPAR_PROCESS_ID=str(p), EQPAR_NUM_CPU_DEVICES="4"),
             stdout=subprocess.PIPE,
@@ -132,14 +132,13 @@ def test_killed_job_resumes_on_two_then_one_process_with_exactly_the_next_exampl
     assert "[Gloo]" not in output_b  # the start-up chatter is hidden
     start_b = int(re.search(r"\[p0\] resumed from step (\d+)", output_b)[1])
     assert killed_at <= start_b < 4
-    assert "[p0] check against one device" in output_b and ": PASS" in output_b
     after_b = _log_lines(log)
     print(f"resumed on 2 processes: {time.monotonic() - began:.1f} s")
 
     # 3. Resumed on 1 process of 8 devices, to step 6; its --check trains the 6 steps
     # uninterrupted on one device.
     result = subprocess.run(
-        [*command, "--resume", "--steps", "6", "--save-every", "6",
+        [*command, "--resume", "--steps", "6", "--save-every", "6", "--check",
          "--json", str(tmp_path / "c.json")],
         cwd=tmp_path, env=_environment(), capture_output=True, text=True, timeout=TIMEOUT,
     )  # fmt: skip
