@@ -47,6 +47,14 @@ def _environment(**extra: str) -> dict[str, str]:
     return {**env, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1", **extra}
 
 
+def _cached(tmp_path: Path, **extra: str) -> dict[str, str]:
+    """`_environment` with JAX's compilation cache in `tmp_path`: the resumed runs load the
+    programs the first run compiled."""
+    cache = {"JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax-cache"),
+             "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.5"}  # fmt: skip
+    return _environment(**cache, **extra)
+
+
 def _saved_steps(directory: Path) -> list[int]:
     if not directory.exists():
         return []
@@ -78,7 +86,7 @@ def test_killed_job_resumes_on_two_then_one_process_with_exactly_the_next_exampl
     data.write_corpus(tmp_path / "corpus", num_documents=120, vocab_size=32)
     ckpt, log = tmp_path / "ckpt", tmp_path / "log"
     args = ["--size", "tiny", "--batch-size", str(BATCH), "--mesh", "data=8", "--fsdp",
-            "--data", str(tmp_path / "corpus"), "--log-examples", str(log),
+            "--optimizer", "sgd", "--data", str(tmp_path / "corpus"), "--log-examples", str(log),
             "--ckpt-dir", str(ckpt), "--no-progress",
             "--out", str(tmp_path / "out")]  # fmt: skip
     command = [sys.executable, str(TRAIN_LM), *args]
@@ -92,7 +100,7 @@ def test_killed_job_resumes_on_two_then_one_process_with_exactly_the_next_exampl
         subprocess.Popen(
             [*command, "--steps", "6", "--save-every", "1", "--check"],
             cwd=tmp_path,
-            env=_environment(**job, EQPAR_PROCESS_ID=str(p), EQPAR_NUM_CPU_DEVICES="4"),
+            env=_cached(tmp_path, **job, EQPAR_PROCESS_ID=str(p), EQPAR_NUM_CPU_DEVICES="4"),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -123,7 +131,7 @@ def test_killed_job_resumes_on_two_then_one_process_with_exactly_the_next_exampl
     launcher = subprocess.Popen(
         [*command, "--resume", "--steps", "4", "--save-every", "4", "--processes", "2",
          "--timeout", str(TIMEOUT)],
-        cwd=tmp_path, env=_environment(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        cwd=tmp_path, env=_cached(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         text=True,
     )  # fmt: skip
     output_b = _finish(launcher, TIMEOUT + 30)
@@ -140,7 +148,7 @@ def test_killed_job_resumes_on_two_then_one_process_with_exactly_the_next_exampl
     result = subprocess.run(
         [*command, "--resume", "--steps", "6", "--save-every", "6", "--check",
          "--json", str(tmp_path / "c.json")],
-        cwd=tmp_path, env=_environment(), capture_output=True, text=True, timeout=TIMEOUT,
+        cwd=tmp_path, env=_cached(tmp_path), capture_output=True, text=True, timeout=TIMEOUT,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
     assert "resumed from step 4" in result.stdout
