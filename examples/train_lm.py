@@ -1258,7 +1258,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         if args.ckpt_dir is None
         else CheckpointOptions(args.ckpt_dir, args.save_every, args.keep, args.resume)
     )
-    if args.processes > 1 and not launch.in_job():  # start the job's processes here
+    if args.processes > 1 and not (launch.in_job() or args.distributed):  # start them here
         command = list(sys.argv[1:] if argv is None else argv)
         status = launch.launch_command(
             command, args.processes, timeout=args.timeout, verbose=args.verbose, script=__file__
