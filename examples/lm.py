@@ -1,7 +1,7 @@
 """A small decoder-only transformer language model in plain Equinox, and the plan that makes
 it parallel.
 
-Shared by `train_lm.py` (one host) and `multihost.py` (several processes). The model is
+Used by `train_lm.py` (on one process or many) and `data.py` (its corpus). The model is
 written the way Equinox's documentation writes one: `eqx.nn` layers, a block that works on
 one example and a `jax.vmap` over the batch (a mixture-of-experts block runs its experts on
 the whole batch: routing groups the tokens of every example). The only eqpar pieces inside

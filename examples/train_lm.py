@@ -9,6 +9,8 @@ and context parallelism).
     python examples/train_lm.py --precision bfloat16             # float32 params, bf16 compute
     python examples/train_lm.py --ckpt-dir /tmp/ckpt --resume    # continue from the latest
     python examples/train_lm.py --config outputs/config.json     # the run that wrote it, again
+    python examples/train_lm.py --processes 2                    # 2 processes x 4 CPU devices
+    python examples/train_lm.py --data /tmp/corpus               # written by examples/data.py
 
 On CPU, 8 devices are simulated; on accelerators the device count comes from JAX. Any mesh
 whose product is the device count works, 1 device included. A `context` axis splits every
@@ -25,9 +27,17 @@ compiled step (parameters, optimizer state, temp). Every step's loss, learning r
 gradient norm, tokens/s and, on accelerators of known peak, model FLOPs utilisation go to the
 console (a progress bar on a terminal, a line every `--log-every` steps in a log), to
 `metrics.jsonl` and, with tensorboardX installed, to TensorBoard (`--out`/tensorboard). The
-loss curve and the pipeline schedule's picture go to `--out`."""
+loss curve and the pipeline schedule's picture go to `--out`.
+
+The same program runs as every process of a multi-process job, with every flag:
+`--processes N` starts N processes on this machine (`launch.py`), `--distributed` joins a job
+started by SLURM, `mpirun` or by hand (`eqpar.initialize()`). With `--data` the rows come from
+a tokenized corpus on disk (`data.py`), each process reading only its own; the checkpoint holds
+the data position, so a resume on any number of processes continues with the next examples.
+"""
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import json
@@ -37,7 +47,7 @@ import pathlib
 import sys
 import time
 import typing
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Annotated, Any, Literal
 
 import jax
@@ -60,6 +70,8 @@ from jaxtyping import Array, Int
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
+import data as input_data
+import launch
 import lm
 import metrics
 
@@ -668,10 +680,11 @@ def run_training(
     progress: bool = True,
     log_every: int = 10,
     show_layout: bool = True,
-    place_batch: Callable[[lm.Batches, int, eqpar.DeviceMesh], jax.Array] = place_global_batch,
     checkpoint: CheckpointOptions | None = None,
     metrics_file: pathlib.Path | None = None,
     tensorboard_dir: pathlib.Path | None = None,
+    source: input_data.RowSource | None = None,
+    example_log: input_data.ExampleLog | None = None,
 ) -> Training:
     """Train until step `run.steps`, from step 0 or from the latest checkpoint.
 
@@ -686,8 +699,6 @@ def run_training(
     - `progress`: show the steps on the console: a progress bar when stdout is a terminal,
       otherwise a log line every `log_every` steps.
     - `show_layout`: print the layout table of the placed model first.
-    - `place_batch`: `place_batch(batches, position, mesh)` gives the global token array of
-      a step; with several processes each one feeds its own rows (see `multihost.py`).
     - `checkpoint`: save the model, optimizer state and data position every `save_every`
       steps and at the end; `resume` starts from the latest good checkpoint. Stacked layers
       are stored in model order under every layout, so a checkpoint restores under any other
@@ -696,6 +707,11 @@ def run_training(
       writes it); default `metrics.jsonl` in the checkpoint directory when checkpointing,
       else none. A resumed run keeps the lines up to the restored step and goes on.
     - `tensorboard_dir`: TensorBoard event files of the same numbers (tensorboardX), or none.
+    - `source`: where each step's rows come from (`data.PackedCorpus` for `--data`); by
+      default the generated text of `lm.Batches`. Each process reads only the rows on its
+      own devices (`data.place_rows`); the position, the global batches consumed, is the
+      step.
+    - `example_log`: write each step's example ids there (`--log-examples`).
 
     **Returns:** a `Training`: this call's losses, the final model, the whole loss curve, the
     compilation time and memory per device, and the first step's time and tokens per second
@@ -721,8 +737,10 @@ def run_training(
         if checkpoint.resume and checkpointer.latest_step() is not None:
             target = {"model": model, "opt_state": opt_state, "position": 0}
             began = time.perf_counter()
+            target.update(input_data.checkpoint_state(source))
             state = checkpointer.restore(target=target, reshape=True)
             model, opt_state, start = state["model"], state["opt_state"], int(state["position"])
+            input_data.check_restored(state, source)
             log.info(
                 f"resumed from step {checkpointer.restored_step} ({checkpoint.directory}, "
                 f"restored in {time.perf_counter() - began:.1f} s)"
@@ -736,8 +754,14 @@ def run_training(
     if show_layout:
         print_layout_table(model, mesh=mesh)
     step = build_step(model, mesh, run, optimizer, with_stats=True)
-    corpus = lm.encode(lm.make_corpus(200_000, seed=run.seed), config.vocab_size)
-    batches = lm.Batches(corpus, batch_size=run.batch_size, seq_len=config.seq_len, seed=run.seed)
+    if source is None:
+        corpus = lm.encode(lm.make_corpus(200_000, seed=run.seed), config.vocab_size)
+        batches = lm.Batches(
+            corpus, batch_size=run.batch_size, seq_len=config.seq_len, seed=run.seed
+        )
+        source = input_data.SyntheticRows(batches)
+    rows = NamedSharding(mesh.jax_mesh, row_spec(mesh.axis_names))
+    width = config.seq_len + 1
     writers: list[Any] = []
     if progress:
         writers.append(metrics.ConsoleWriter(run.steps, every=log_every, start=start))
@@ -771,6 +795,7 @@ def run_training(
         if force or checkpointer.should_save(position):
             began = time.perf_counter()
             state = {"model": model, "opt_state": opt_state, "position": position}
+            state.update(input_data.checkpoint_state(source))
             checkpointer.save(position, state, force=force)
             log.info(
                 f"saved the checkpoint of step {position} in {checkpoint.directory} "
@@ -779,7 +804,7 @@ def run_training(
 
     try:
         if start < run.steps:
-            tokens = place_batch(batches, start, mesh)
+            tokens = input_data.place_rows(source, start, rows, width)
             log.info("compiling the training step...")
             began = time.perf_counter()
             compiled = step.lower(tokens, model, opt_state).compile()
@@ -814,10 +839,12 @@ def run_training(
         for position in range(start, run.steps):
             began = time.perf_counter()
             if position > start:
-                tokens = place_batch(batches, position, mesh)
+                tokens = input_data.place_rows(source, position, rows, width)
             assert compiled is not None
             model, opt_state, loss, step_stats, grad_norm = compiled(tokens, model, opt_state)
             losses.append(float(loss))  # waits for the step to finish
+            if example_log is not None:
+                example_log.write(position + 1, losses[-1], source, rows, width)
             stats = {name: float(value) for name, value in step_stats.items()}
             now = time.perf_counter()
             if first_step_seconds is None:
@@ -884,8 +911,8 @@ def train(
     devices: Sequence[Any] | None = None,
     progress: bool = True,
     show_layout: bool = True,
-    place_batch: Callable[[lm.Batches, int, eqpar.DeviceMesh], jax.Array] = place_global_batch,
     checkpoint: CheckpointOptions | None = None,
+    source: input_data.RowSource | None = None,
 ) -> tuple[list[float], lm.LM]:
     """`run_training` for callers that need only the losses and the model.
 
@@ -900,8 +927,8 @@ def train(
         devices=devices,
         progress=progress,
         show_layout=show_layout,
-        place_batch=place_batch,
         checkpoint=checkpoint,
+        source=source,
     )
     return training.losses, training.model
 
@@ -977,23 +1004,35 @@ SIZES = {
 }
 
 
-def parameter_digest(model: lm.LM) -> str:
+def host_parameters(model: lm.LM) -> list[np.ndarray]:
+    """Every parameter of `model` in model order, whole, as NumPy arrays; with several
+    processes a collective (`multihost_utils.process_allgather`): every process calls it."""
+    from jax.experimental import multihost_utils
+
+    leaves = jax.tree.leaves(eqx.filter(lm.model_order(model), eqx.is_array))
+    return [
+        np.asarray(leaf)
+        if leaf.is_fully_addressable
+        else np.asarray(multihost_utils.process_allgather(leaf, tiled=True))
+        for leaf in leaves
+    ]
+
+
+def parameter_digest(model: lm.LM | list[np.ndarray]) -> str:
     """A hash of every parameter's bytes (equal digests: bitwise equal parameters)."""
     import hashlib
 
     digest = hashlib.sha256()
-    for leaf in jax.tree.leaves(eqx.filter(lm.model_order(model), eqx.is_array)):
-        digest.update(np.asarray(leaf).tobytes())
+    for leaf in model if isinstance(model, list) else host_parameters(model):
+        digest.update(leaf.tobytes())
     return digest.hexdigest()
 
 
-def largest_differences(a: lm.LM, b: lm.LM) -> float:
+def largest_differences(a: lm.LM | list[np.ndarray], b: lm.LM | list[np.ndarray]) -> float:
     """The largest parameter difference of two models (any layouts)."""
-    leaves_a = jax.tree.leaves(eqx.filter(lm.model_order(a), eqx.is_array))
-    leaves_b = jax.tree.leaves(eqx.filter(lm.model_order(b), eqx.is_array))
-    return max(
-        float(np.max(np.abs(np.asarray(x) - np.asarray(y)))) for x, y in zip(leaves_a, leaves_b)
-    )
+    leaves_a = a if isinstance(a, list) else host_parameters(a)
+    leaves_b = b if isinstance(b, list) else host_parameters(b)
+    return max(float(np.max(np.abs(x - y))) for x, y in zip(leaves_a, leaves_b))
 
 
 class ConfigError(ValueError, argparse.ArgumentTypeError):
@@ -1124,6 +1163,24 @@ class TrainConfig:
     config: pathlib.Path | None = None
     """read the options from this file (a config.json written by a run); options given
     beside it override the file's"""
+    processes: PositiveInt = 1
+    """run as N processes on this machine (127.0.0.1), each with 8/N simulated CPU devices
+    (EQPAR_NUM_CPU_DEVICES sets another count), started and watched by examples/launch.py,
+    their lines prefixed [p<id>]; inside a job, its process count"""
+    distributed: bool = False
+    """join a multi-process job started by SLURM, mpirun or by hand: eqpar.initialize()
+    reads EQPAR_COORDINATOR_ADDRESS, EQPAR_NUM_PROCESSES and EQPAR_PROCESS_ID, or else
+    JAX's cluster detection (implied when those variables are set)"""
+    timeout: PositiveFloat = 3600.0
+    """with --processes: seconds each process may run before it is killed"""
+    verbose: bool = False
+    """with --processes: also show JAX's and Gloo's start-up chatter"""
+    data: pathlib.Path | None = None
+    """train on the tokenized corpus in this directory (ArrayRecord files read with Grain,
+    each process reading only its own rows; write the demo corpus with python
+    examples/data.py DIR --vocab-size V) instead of generated text"""
+    log_examples: pathlib.Path | None = None
+    """append each step's loss and example ids to DIR/process<P>.jsonl"""
 
     def validate(self, device_count: int) -> None:
         """Refuse options that do not go together (`ConfigError` naming them and the fix);
@@ -1192,7 +1249,8 @@ def default_mesh(device_count: int) -> str:
 
 
 CONFIG_FILE = "config.json"  # what a run writes into --out and --ckpt-dir
-_NOT_SAVED = ("config", "resume")  # how to read the file and whether to resume: not the run
+# How to read the file, whether to resume and how to join a job: not what runs.
+_NOT_SAVED = ("config", "resume", "distributed")
 
 
 def save_config(options: TrainConfig, path: pathlib.Path) -> pathlib.Path:
@@ -1241,26 +1299,40 @@ def config_arguments(path: pathlib.Path) -> list[str]:
     return words
 
 
-def parse_options(argv: Sequence[str] | None, device_count: int) -> TrainConfig:
+def parse_options(argv: Sequence[str] | None) -> TrainConfig:
     """The options of the command line `argv` (default `sys.argv[1:]`): with `--config FILE`,
-    the file's options first, then `argv`'s over them; validated (`TrainConfig.validate`).
-    A usage error exits with status 2 and the reason on stderr, as argparse's do."""
+    the file's options first, then `argv`'s over them. A usage error exits with status 2
+    and the reason on stderr, as argparse's do. Touches no device: a launcher starts its
+    processes, and a process joins its job, before JAX picks its devices."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    prog = "train_lm.py"
-    options = tyro.cli(TrainConfig, args=argv, prog=prog, description=__doc__)
-    try:
-        if options.config is not None:
+    options = tyro.cli(TrainConfig, args=argv, prog=_PROG, description=__doc__)
+    if options.config is not None:
+        with _usage_errors():
             words = [*config_arguments(options.config), *argv]
-            options = tyro.cli(TrainConfig, args=words, prog=prog, description=__doc__)
-        options.validate(device_count)
-    except ConfigError as error:
-        print(f"{prog}: error: {error}", file=sys.stderr)
-        raise SystemExit(2) from None
+        options = tyro.cli(TrainConfig, args=words, prog=_PROG, description=__doc__)
     return options
 
 
+_PROG = "train_lm.py"
+
+
+@contextlib.contextmanager
+def _usage_errors() -> Iterator[None]:
+    """A `ConfigError` inside exits with status 2 and the reason on stderr."""
+    try:
+        yield
+    except ConfigError as error:
+        print(f"{_PROG}: error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
 def check_against_one_device(
-    run: RunConfig, config: lm.LMConfig, training: Training
+    run: RunConfig,
+    config: lm.LMConfig,
+    training: Training,
+    *,
+    source: input_data.RowSource | None = None,
+    trained: list[np.ndarray] | None = None,
 ) -> dict[str, Any]:
     """Train `run` again on one device and compare with `training`, as `--check` does.
 
@@ -1268,10 +1340,18 @@ def check_against_one_device(
 
     - `run`, `config`: what `training` ran.
     - `training`: its result; after a resume only its own steps' losses are compared.
+    - `source`: the rows it read (default: the generated text).
+    - `trained`: its parameters from `host_parameters` (default: gathered here). With
+      several processes every process gathers them, and process 0 alone trains on one of
+      its own devices and compares.
 
     **Returns:** the largest relative loss difference, the largest parameter difference,
-    the tolerance and whether both are within it (`passed`).
+    the tolerance, whether both are within it (`passed`) and the one-device run's losses
+    (`serial_losses`, from step 1); on processes other than 0, `{}`.
     """
+    trained = host_parameters(training.model) if trained is None else trained
+    if jax.process_index() != 0:
+        return {}
     log.info(f"check: the same {run.steps} steps on one device (compiling...)")
     tolerance = check_tolerance(run.precision)
     serial_run = dataclasses.replace(run, mesh={lm.DATA: 1, lm.PIPE: 1, lm.MODEL: 1}, fsdp=False)
@@ -1279,13 +1359,18 @@ def check_against_one_device(
     log.setLevel(logging.WARNING)  # the serial run's own messages would read as the run's
     try:
         serial = run_training(
-            serial_run, config=config, devices=jax.devices()[:1], progress=False, show_layout=False
+            serial_run,
+            config=config,
+            devices=jax.local_devices()[:1],
+            progress=False,
+            show_layout=False,
+            source=source,
         )
     finally:
         log.setLevel(level)
     serial_losses = serial.losses[training.start :]  # the steps this process ran
     loss_diff = max(abs(a - b) / abs(b) for a, b in zip(training.losses, serial_losses))
-    param_diff = largest_differences(training.model, serial.model)
+    param_diff = largest_differences(trained, serial.model)
     passed = loss_diff <= tolerance and param_diff <= tolerance
     log.info(
         f"check against one device ({run.optimizer}, {run.precision}, tolerance "
@@ -1298,14 +1383,31 @@ def check_against_one_device(
         "parameter_difference": param_diff,
         "tolerance": tolerance,
         "passed": passed,
+        "serial_losses": serial.losses,
     }
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Run the command line `argv` (default `sys.argv[1:]`; see `TrainConfig` for the
-    options); returns the summary that `--json` writes."""
+    options); returns the summary that `--json` writes (with `--processes N` outside a job,
+    the launcher's exit status)."""
+    options = parse_options(argv)
+    if options.processes > 1 and not (launch.in_job() or options.distributed):
+        command = list(sys.argv[1:] if argv is None else argv)  # start them here
+        status = launch.launch_command(
+            command, options.processes, timeout=options.timeout, verbose=options.verbose,
+            script=__file__,
+        )  # fmt: skip
+        return {"processes": options.processes, "exit_status": status}
+    if options.distributed or launch.in_job():
+        launch.join()
     count = jax.device_count()
-    options = parse_options(argv, count)
+    with _usage_errors():
+        if options.processes > 1 and options.processes != jax.process_count():
+            raise ConfigError(
+                f"--processes {options.processes}: this job has {jax.process_count()}"
+            )
+        options.validate(count)
     run, config = options.run_config(count), options.model_config()
     check_sizes(config, run)  # before any output: a usage error comes first
     with metrics.console_logging():
@@ -1314,22 +1416,33 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 def _main(options: TrainConfig, run: RunConfig, config: lm.LMConfig) -> dict[str, Any]:
     """`main` after the options are parsed and checked, with messages on the console."""
+    first = jax.process_index() == 0  # writes the files and pictures, runs --check
     checkpoint = None
     if options.ckpt_dir is not None:
         checkpoint = CheckpointOptions(
             options.ckpt_dir, options.save_every, options.keep, options.resume
         )
+    source = None if options.data is None else open_data(options.data, config, run)
+    example_log = None
+    if options.log_examples is not None:
+        example_log = input_data.ExampleLog(options.log_examples)
     platform = jax.devices()[0].platform
     experts = f"; {config.num_experts} experts, top {config.top_k}" if config.num_experts else ""
+    processes = jax.process_count()
+    job, here = "", ""
+    if processes > 1:
+        job = f"process {jax.process_index()} of {processes}: "
+        here = f" ({jax.local_device_count()} here)"
+    data = "" if options.data is None else f"; data {options.data}"
     log.info(
-        f"{jax.device_count()} {platform} devices; {describe(run)}{experts}; optimizer "
-        f"{run.optimizer}"
+        f"{job}{jax.device_count()} {platform} devices{here}; {describe(run)}{experts}; "
+        f"optimizer {run.optimizer}{data}"
     )
     metrics_file = options.metrics or (options.ckpt_dir or options.out) / METRICS_FILE
     tensorboard_dir = None
     if options.tensorboard and metrics.tensorboard_available():
         tensorboard_dir = options.out / "tensorboard"
-    if jax.process_index() == 0:
+    if first:
         for directory in (options.out, options.ckpt_dir):
             if directory is not None:
                 log.info(f"wrote {save_config(options, directory / CONFIG_FILE)}")
@@ -1342,11 +1455,15 @@ def _main(options: TrainConfig, run: RunConfig, config: lm.LMConfig) -> dict[str
         config=config,
         progress=options.progress,
         log_every=options.log_every,
+        show_layout=first,
         checkpoint=checkpoint,
         metrics_file=metrics_file,
         tensorboard_dir=tensorboard_dir,
+        source=source,
+        example_log=example_log,
     )
     losses, model = training.losses, training.model
+    trained = host_parameters(model)
     seconds = time.perf_counter() - started
     steps, curve = training.curve
     summary: dict[str, Any] = {
@@ -1359,17 +1476,17 @@ def _main(options: TrainConfig, run: RunConfig, config: lm.LMConfig) -> dict[str
         "last_step": training.last,
         "mesh": run.mesh,
         "curve": {"steps": steps, "losses": curve},
-        "parameter_digest": parameter_digest(model),
+        "parameter_digest": parameter_digest(trained),
         "router_stats": training.router_stats,
         "metrics_file": str(metrics_file),
         "tensorboard_dir": None if tensorboard_dir is None else str(tensorboard_dir),
         "config": json.loads(json.dumps(dataclasses.asdict(options), default=str)),
     }
-    if options.json:
+    if options.json and first:
         options.json.parent.mkdir(parents=True, exist_ok=True)
     if not losses:
         log.info(f"nothing to do: already at step {run.steps}")
-        if options.json:
+        if options.json and first:
             options.json.write_text(json.dumps(summary))
         return summary
     rate = training.tokens_per_second
@@ -1381,16 +1498,43 @@ def _main(options: TrainConfig, run: RunConfig, config: lm.LMConfig) -> dict[str
     )
     if training.router_stats:
         log.info(f"experts at the last step: {format_router_stats(training.router_stats)}")
-    for path in write_pictures(curve, run, options.out, steps=steps, resumed_at=training.start):
-        log.info(f"wrote {path}")
-    log.info(f"metrics of every step in {metrics_file}")
+    if first:
+        for path in write_pictures(curve, run, options.out, steps=steps, resumed_at=training.start):
+            log.info(f"wrote {path}")
+        log.info(f"metrics of every step in {metrics_file}")
     if options.check:
-        summary["check"] = check_against_one_device(run, config, training)
-    if options.json:
+        summary["check"] = check_against_one_device(
+            run, config, training, source=source, trained=trained
+        )
+    if options.json and first:
         options.json.write_text(json.dumps(summary))
     return summary
 
 
+def open_data(directory: pathlib.Path, config: lm.LMConfig, run: RunConfig) -> Any:
+    """The `--data` corpus as the rows of `run`'s batches; refused where its tokens do not
+    fit the model's vocabulary."""
+    corpus = input_data.open_corpus(directory)
+    if corpus.vocab_size > config.vocab_size:
+        raise SystemExit(
+            f"--data {directory}: its vocabulary has {corpus.vocab_size} tokens, the model's "
+            f"{config.vocab_size}: choose a --size with at least {corpus.vocab_size} or write "
+            f"the corpus with --vocab-size {config.vocab_size}."
+        )
+    return input_data.PackedCorpus(
+        corpus, batch_size=run.batch_size, seq_len=config.seq_len, seed=run.seed
+    )
+
+
+def exit_status(argv: Sequence[str] | None = None) -> int:
+    """The command's exit status: 1 on a failed `--check` (so that scripts and CI notice),
+    the launcher's with `--processes`, else 0."""
+    summary = main(argv)
+    if "exit_status" in summary:
+        return summary["exit_status"]
+    return 0 if summary.get("check", {}).get("passed", True) else 1
+
+
 if __name__ == "__main__":
-    # A failed --check is a failed command, so that scripts and CI notice.
-    sys.exit(0 if main().get("check", {}).get("passed", True) else 1)
+    distributed = launch.in_job() or "--distributed" in sys.argv
+    sys.exit(launch.exit_status(exit_status, distributed=distributed))

@@ -1,30 +1,32 @@
-"""The two-host training example (`examples/multihost.py`) and its launcher.
+"""The training example as a multi-process job, its launcher, its data pipeline, and
+`eqpar.initialize`'s start-up errors.
 
-The launcher runs 2 real processes x 4 CPU devices on 127.0.0.1; their losses must equal the
-single-process run on this process's 8 devices, and when one process is SIGKILLed the other
-must fail on its own, promptly, and the launcher must report it.
+The example runs as 2 real processes x 4 CPU devices on 127.0.0.1 (started by hand, through
+environment variables, and by `--processes 2`) and as 1 process of 8 devices; one process is
+SIGKILLed mid-run, and the runs resumed on 2 and then on 1 process train exactly the steps and
+examples of an uninterrupted run.
 """
 
 import json
+import os
+import re
+import signal
 import subprocess
 import sys
-import textwrap
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
-from multiprocess_util import process_context, run_processes
+from multiprocess_util import free_port, process_context, run_processes
 
 pytestmark = pytest.mark.multiprocess
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO_ROOT / "examples"
-LAUNCHER = EXAMPLES / "launch_multihost.py"
-# The smallest run that still splits over every axis of data=2,pipe=2,model=2.
-MULTIHOST_ARGS = ["--smallest", "--batch-size", "8", "--microbatches", "2", "--mesh"]
-MESH = "data=2,pipe=2,model=2"
-LAUNCHER_TIMEOUT = 240  # each process; the launcher kills what is still running then
-SURVIVOR_BOUND = 60.0  # seconds the survivor may take to fail after its peer's death
+TRAIN_LM = EXAMPLES / "train_lm.py"
+TIMEOUT = 240  # seconds any one process of the tests below may run
+BATCH = 8
 
 
 @pytest.fixture(scope="module")
@@ -32,174 +34,233 @@ def examples():
     """The example modules (importing them configures nothing beyond the 8 devices we have)."""
     if str(EXAMPLES) not in sys.path:
         sys.path.insert(0, str(EXAMPLES))
-    import launch_multihost
-    import lm
-    import multihost
+    import data
+    import launch
     import train_lm
 
-    return lm, train_lm, multihost, launch_multihost
+    return data, launch, train_lm
 
 
-def _start_launcher(out: Path, steps: int, *launcher_args: str) -> subprocess.Popen:
-    command = [
-        sys.executable,
-        str(LAUNCHER),
-        "--out",
-        str(out),
-        "--timeout",
-        str(LAUNCHER_TIMEOUT),
-        *launcher_args,
-        "--",
-        *MULTIHOST_ARGS,
-        MESH,
-        "--steps",
-        str(steps),
-    ]
-    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def _environment(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EQPAR_")}
+    env.pop("XLA_FLAGS", None)
+    return {**env, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1", **extra}
 
 
-def _finish(launcher: subprocess.Popen) -> tuple[int, str, str]:
+def _cached(tmp_path: Path, **extra: str) -> dict[str, str]:
+    """`_environment` with JAX's compilation cache in `tmp_path`: the resumed runs load the
+    programs the first run compiled."""
+    cache = {"JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax-cache"),
+             "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.5"}  # fmt: skip
+    return _environment(**cache, **extra)
+
+
+def _saved_steps(directory: Path) -> list[int]:
+    if not directory.exists():
+        return []
+    return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit())
+
+
+def _log_lines(directory: Path) -> dict[str, list[dict]]:
+    """Each process's lines of `--log-examples`, by file name."""
+    return {
+        path.name: [json.loads(line) for line in path.read_text().splitlines()]
+        for path in sorted(directory.glob("process*.jsonl"))
+    }
+
+
+def _finish(popen: subprocess.Popen, timeout: float) -> str:
     try:
-        stdout, stderr = launcher.communicate(timeout=LAUNCHER_TIMEOUT + 60)
+        output, _ = popen.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        launcher.terminate()  # on SIGTERM the launcher kills the processes it started
-        stdout, stderr = launcher.communicate()
-        pytest.fail(f"the launcher itself did not finish:\n{stdout}\n{stderr}")
-    return launcher.returncode, stdout, stderr
+        popen.kill()  # the launcher's SIGKILL cannot be caught: its processes' groups too
+        output, _ = popen.communicate()
+        pytest.fail(f"did not finish in {timeout} s:\n{output}")
+    return output
 
 
-def test_two_processes_train_like_one(examples, tmp_path):
-    _, train_lm, multihost, _ = examples
-    steps = 3
-    launcher = _start_launcher(tmp_path, steps)
-    try:
-        # Meanwhile, the same run in this process on its 8 devices, same mesh arrangement.
-        args = multihost.parse_args([*MULTIHOST_ARGS, MESH, "--steps", str(steps)])
-        reference, _ = train_lm.train(
-            multihost.run_config(args),
-            config=multihost.SMALLEST,
-            progress=False,
-            show_layout=False,
+def test_killed_job_resumes_on_two_then_one_process_with_exactly_the_next_examples(
+    examples, tmp_path
+):
+    data, _, _ = examples
+    data.write_corpus(tmp_path / "corpus", num_documents=120, vocab_size=32)
+    ckpt, log = tmp_path / "ckpt", tmp_path / "log"
+    args = ["--size", "tiny", "--batch-size", str(BATCH), "--mesh", "data=8", "--fsdp",
+            "--optimizer", "sgd", "--data", str(tmp_path / "corpus"), "--log-examples", str(log),
+            "--ckpt-dir", str(ckpt), "--no-progress",
+            "--out", str(tmp_path / "out")]  # fmt: skip
+    command = [sys.executable, str(TRAIN_LM), *args]
+    began = time.monotonic()
+
+    # 1. Two processes started by hand (the environment-variable launch), 6 steps; process 1
+    # is SIGKILLed (by its pid) once a checkpoint is on disk.
+    coordinator = f"127.0.0.1:{free_port()}"
+    job = {"EQPAR_COORDINATOR_ADDRESS": coordinator, "EQPAR_NUM_PROCESSES": "2"}
+    started = [
+        subprocess.Popen(
+            [*command, "--steps", "6", "--save-every", "1", "--check"],
+            cwd=tmp_path,
+            env=_cached(tmp_path, **job, EQPAR_PROCESS_ID=str(p), EQPAR_NUM_CPU_DEVICES="4"),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
         )
-    except BaseException:
-        launcher.terminate()
-        launcher.communicate()
-        raise
-    returncode, stdout, stderr = _finish(launcher)
-    assert returncode == 0, f"{stdout}\n{stderr}"
-    assert "all 2 processes succeeded" in stdout
+        for p in range(2)
+    ]
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while not _saved_steps(ckpt) and time.monotonic() < deadline:
+            assert all(p.poll() is None for p in started), "a process ended before the kill"
+            time.sleep(0.02)
+        os.kill(started[1].pid, signal.SIGKILL)
+        started[1].wait(timeout=30)
+        # The job is lost: the survivor fails in its next collective, or in a checkpoint's
+        # barrier when JAX's heartbeat timeout ends it; the test does not wait for that.
+        time.sleep(1)
+    finally:
+        for process in started:
+            if process.poll() is None:
+                process.kill()
+                process.communicate()
+    killed_at = max(_saved_steps(ckpt))
+    assert 1 <= killed_at < 4
+    after_a = _log_lines(log)
+    print(f"killed at step {killed_at}: {time.monotonic() - began:.1f} s")
 
-    assert len(reference) == steps
-    for process_id in range(2):
-        result = json.loads((tmp_path / f"process{process_id}.json").read_text())
-        assert result["process_id"] == process_id and result["num_processes"] == 2
-        assert result["mesh"] == {"data": 2, "pipe": 2, "model": 2}
-        np.testing.assert_allclose(result["losses"], reference, rtol=1e-5)
-        output = (tmp_path / f"process{process_id}.out").read_text()
-        # Each process loaded only its half of every global batch of 8 rows.
-        rows = f"[{4 * process_id}, {4 * process_id + 4})"
-        for step in range(1, steps + 1):
-            assert f"process {process_id}: step {step}: rows {rows} of the global batch" in output
-        # The coordinator listens on loopback only.
-        assert "coordinator 127.0.0.1:" in output and "(bound to 127.0.0.1:" in output
+    # 2. Resumed on 2 processes by the launcher, to step 4.
+    launcher = subprocess.Popen(
+        [*command, "--resume", "--steps", "4", "--save-every", "4", "--processes", "2",
+         "--timeout", str(TIMEOUT)],
+        cwd=tmp_path, env=_cached(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True,
+    )  # fmt: skip
+    output_b = _finish(launcher, TIMEOUT + 30)
+    assert launcher.returncode == 0, output_b
+    assert "all 2 processes succeeded" in output_b
+    assert "[Gloo]" not in output_b  # the start-up chatter is hidden
+    start_b = int(re.search(r"\[p0\] resumed from step (\d+)", output_b)[1])
+    assert killed_at <= start_b < 4
+    after_b = _log_lines(log)
+    print(f"resumed on 2 processes: {time.monotonic() - began:.1f} s")
 
+    # 3. Resumed on 1 process of 8 devices, to step 6; its --check trains the 6 steps
+    # uninterrupted on one device.
+    result = subprocess.run(
+        [*command, "--resume", "--steps", "6", "--save-every", "6", "--check",
+         "--json", str(tmp_path / "c.json")],
+        cwd=tmp_path, env=_cached(tmp_path), capture_output=True, text=True, timeout=TIMEOUT,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "resumed from step 4" in result.stdout
+    uninterrupted = json.loads((tmp_path / "c.json").read_text())["check"]
+    assert uninterrupted["passed"]
 
-def test_a_dead_process_makes_the_other_fail_promptly(tmp_path):
-    # Many steps: process 0 cannot finish them without process 1.
-    launcher = _start_launcher(
-        tmp_path, 50, "--kill-process", "1", "--kill-after-step", "1", "--grace", "120"
+    # Each step's lines from the run that trained it for good: the killed run up to the step
+    # it was resumed from, the 2-process run up to step 4, the 1-process run after.
+    print(f"resumed on 1 process: {time.monotonic() - began:.1f} s")
+    owner = {step: 0 if step <= start_b else 1 if step <= 4 else 2 for step in range(1, 7)}
+    kept = []
+    for name, lines in _log_lines(log).items():
+        a, b = len(after_a.get(name, [])), len(after_b.get(name, []))
+        run_of = [0] * a + [1] * (b - a) + [2] * (len(lines) - b)
+        kept += [line for line, run in zip(lines, run_of) if owner[line["step"]] == run]
+    losses, ids = {}, []
+    for line in kept:
+        losses.setdefault(line["step"], line["loss"])
+        assert line["loss"] == losses[line["step"]]  # every process saw the same loss
+        ids += line["examples"]
+    assert sorted(losses) == list(range(1, 7))
+    np.testing.assert_allclose(
+        [losses[step] for step in range(1, 7)], uninterrupted["serial_losses"], rtol=1e-5
     )
-    returncode, stdout, stderr = _finish(launcher)
-    summary = json.loads((tmp_path / "summary.json").read_text())
-    survivor, killed = summary["processes"]
-
-    assert returncode == 1
-    assert summary["ok"] is False and summary["failed"] == [0, 1]
-    assert "FAILED: processes [0, 1] did not succeed" in stderr
-    assert killed["killed_because"] == "injected" and killed["returncode"] == -9
-    assert "process 1: step 2:" in (tmp_path / "process1.out").read_text()  # after step 1
-    # The survivor failed by itself (not killed by the launcher), with an error, in time.
-    assert survivor["killed_because"] is None and survivor["returncode"] == 1, stdout
-    assert "process 0: FAILED, exit code 1" in stdout
-    assert survivor["ended"] - killed["ended"] < SURVIVOR_BOUND
-    assert "JaxRuntimeError" in (tmp_path / "process0.err").read_text()
-    assert not (tmp_path / "process0.json").exists()  # no losses written for a failed run
+    assert sorted(ids) == list(range(6 * BATCH))  # every example exactly once
+    # Each 2-process step read half its rows on each process.
+    assert {tuple(line["rows"]) for line in kept if owner[line["step"]] < 2} == {(0, 4), (4, 8)}
 
 
-def test_process_rows_split_the_global_batch(examples):
-    lm, _, multihost, _ = examples
-    tokens = lm.encode(lm.make_corpus(2_000), 32)
-    batches = lm.Batches(tokens, batch_size=12, seq_len=8, seed=3)
-    for position in (0, 7):
-        whole = batches.batch(position)
-        parts = []
-        for process in range(3):
-            rows = multihost.process_rows(12, process, 3)
-            assert rows == range(4 * process, 4 * process + 4)
-            parts.append(multihost.load_rows(batches, position, rows))
+def test_corpus_rows_do_not_depend_on_who_reads_them(examples, tmp_path):
+    data, _, _ = examples
+    corpus = data.write_corpus(tmp_path, num_documents=30, vocab_size=32, num_files=3)
+    assert data.open_corpus(tmp_path).lengths.tolist() == corpus.lengths.tolist()
+    source = data.PackedCorpus(corpus, batch_size=6, seq_len=15, seed=4)
+    # Epoch 0 laid end to end in its order and cut into rows of 16 tokens.
+    order = np.random.default_rng([4, 0]).permutation(30)
+    stream = np.concatenate([source.documents[int(d)] for d in order])
+    expected = stream[: source.rows_per_epoch * 16].reshape(-1, 16)
+    for position in (0, 1):
+        whole = source.rows(position, range(6))
+        parts = [source.rows(position, range(3 * p, 3 * p + 3)) for p in range(2)]
         np.testing.assert_array_equal(np.concatenate(parts), whole)
+        np.testing.assert_array_equal(whole, expected[6 * position : 6 * position + 6])
+    # Past the epoch's rows, the next epoch's order.
+    last = source.rows_per_epoch // 6 + 1
+    ids = source.example_ids(last, range(6))
+    assert ids[-1] >= source.rows_per_epoch
+    assert source.rows(last, range(6)).shape == (6, 16)
 
 
-def test_process_rows_refuse_an_uneven_split(examples):
-    _, _, multihost, _ = examples
-    with pytest.raises(SystemExit, match=r"--batch-size 10 must divide by the 3 processes"):
-        multihost.process_rows(10, 0, 3)
-
-
-def _script(tmp_path: Path, body: str) -> Path:
-    path = tmp_path / "fake_multihost.py"
-    path.write_text(
-        "import sys\n"
-        "process_id = int(sys.argv[sys.argv.index('--process-id') + 1])\n" + textwrap.dedent(body)
-    )
-    return path
-
-
-def test_launcher_kills_a_process_past_its_timeout(examples, tmp_path):
-    *_, launch_multihost = examples
-    script = _script(tmp_path, "import time\nif process_id == 1:\n    time.sleep(600)\n")
-    first, second = launch_multihost.launch(
-        num_processes=2, timeout=2.0, out=tmp_path / "out", script=script
-    )
-    assert first.ok and first.killed_because is None
-    assert second.killed_because == "timeout" and second.popen.returncode == -9
-    assert not second.ok
-
-
-def test_launcher_stops_the_others_after_a_failure_and_grace(examples, tmp_path):
-    *_, launch_multihost = examples
-    body = "import time\nif process_id == 0:\n    time.sleep(600)\nsys.exit(3)\n"
-    first, second = launch_multihost.launch(
-        num_processes=2,
-        timeout=600.0,
-        grace=1.0,
-        out=tmp_path / "out",
-        script=_script(tmp_path, body),
-    )
-    assert second.popen.returncode == 3 and second.killed_because is None
-    assert first.killed_because == "peer failure" and first.popen.returncode == -9
-
-
-def test_launcher_refuses_a_kill_process_out_of_range(examples, tmp_path, capsys):
-    *_, launch_multihost = examples
-    with pytest.raises(SystemExit) as error:
-        launch_multihost.main(["--kill-process", "2"])
-    assert error.value.code == 2
-    assert "--kill-process must be a process id in [0, 2); got 2" in capsys.readouterr().err
-
-
-def test_process_rows_become_one_global_batch(examples):
-    # One process: its rows are the whole batch, placed by eqpar (split over every mesh axis;
-    # the step regroups them over `data` within each process).
-    lm, train_lm, multihost, _ = examples
+def test_place_rows_builds_the_global_batch(examples, tmp_path):
+    import jax
+    from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    mesh = train_lm.make_mesh({"data": 2, "pipe": 2, "model": 2})
-    multihost.check_mesh_follows_processes(mesh)
-    batches = lm.Batches(lm.encode(lm.make_corpus(2_000), 32), batch_size=8, seq_len=8)
-    tokens = multihost.place_process_rows(batches, 5, mesh)
-    assert tokens.sharding.spec == P(("data", "pipe", "model"))
-    np.testing.assert_array_equal(np.asarray(tokens), batches.batch(5))
+    data, _, train_lm = examples
+    source = data.PackedCorpus(
+        data.write_corpus(tmp_path, num_documents=30), batch_size=8, seq_len=15
+    )
+    mesh = train_lm.make_mesh({"data": 4, "pipe": 1, "model": 2})
+    sharding = NamedSharding(mesh.jax_mesh, P("data"))
+    assert data.process_rows(sharding, (8, 16)) == range(8)  # one process holds every row
+    tokens = data.place_rows(source, 2, sharding, 16)
+    assert tokens.sharding == sharding and isinstance(tokens, jax.Array)
+    np.testing.assert_array_equal(np.asarray(tokens), source.rows(2, range(8)))
+
+
+def test_data_errors_say_what_to_do(examples, tmp_path):
+    data, _, _ = examples
+    with pytest.raises(SystemExit, match=r"python examples/data.py .* --vocab-size V"):
+        data.open_corpus(tmp_path / "missing")
+    corpus = data.write_corpus(tmp_path, num_documents=4)
+    with pytest.raises(SystemExit, match=r"fewer than one batch of --batch-size 64"):
+        data.PackedCorpus(corpus, batch_size=64, seq_len=15)
+    source = data.PackedCorpus(corpus, batch_size=2, seq_len=15)
+    saved = data.checkpoint_state(data.PackedCorpus(corpus, batch_size=4, seq_len=15))
+    with pytest.raises(SystemExit, match=r"batch_size 4 -> 2.*resume with the saved"):
+        data.check_restored(saved, source)
+
+
+def _fake_script(tmp_path: Path, body: str) -> list[str]:
+    path = tmp_path / "fake.py"
+    path.write_text(
+        "import os, sys, time\nprocess_id = int(os.environ['EQPAR_PROCESS_ID'])\n" + body
+    )
+    return [sys.executable, str(path)]
+
+
+def test_launcher_prefixes_lines_and_hides_start_up_chatter(examples, tmp_path):
+    _, launch, _ = examples
+    body = (
+        "print('[Gloo] Rank', process_id)\nprint('step 1 of', os.environ['EQPAR_NUM_PROCESSES'])\n"
+    )
+    shown: list[str] = []
+    processes = launch.launch(_fake_script(tmp_path, body), 2, write=shown.append)
+    assert all(p.ok for p in processes)
+    assert sorted(shown) == ["[p0] step 1 of 2", "[p1] step 1 of 2"]
+    assert [list(p.hidden) for p in processes] == [["[Gloo] Rank 0"], ["[Gloo] Rank 1"]]
+    shown.clear()
+    launch.launch(_fake_script(tmp_path, body), 1, verbose=True, write=shown.append)
+    assert shown == ["[p0] [Gloo] Rank 0", "[p0] step 1 of 1"]
+
+
+def test_launcher_kills_past_the_timeout_and_after_a_peer_failed(examples, tmp_path):
+    _, launch, _ = examples
+    sleeper = _fake_script(tmp_path, "if process_id == 1:\n    time.sleep(600)\n")
+    first, second = launch.launch(sleeper, 2, timeout=2.0, write=lambda line: None)
+    assert first.ok and second.killed_because == "timeout" and second.popen.returncode == -9
+    failing = _fake_script(tmp_path, "if process_id == 0:\n    time.sleep(600)\nsys.exit(3)\n")
+    first, second = launch.launch(failing, 2, grace=1.0, write=lambda line: None)
+    assert second.popen.returncode == 3 and second.killed_because is None
+    assert first.killed_because == "peer failure" and first.popen.returncode == -9
 
 
 def _child_initialize_alone():
@@ -268,11 +329,3 @@ def test_a_coordinator_address_of_another_machine_is_a_clear_error_at_once(
         (call,) = started
         assert call["coordinator_address"] == "192.0.2.1:1234"
         assert call["coordinator_bind_address"] == "127.0.0.1:1234"
-
-
-def test_multihost_flags_refuse_counts_below_one(examples, capsys):
-    _, _, multihost, _ = examples
-    for flag in ("--microbatches", "--batch-size", "--steps"):
-        with pytest.raises(SystemExit):
-            multihost.parse_args([flag, "0"])
-        assert f"argument {flag}: must be a positive integer, got '0'" in capsys.readouterr().err

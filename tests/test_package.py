@@ -25,10 +25,12 @@ def test_public_functions_are_runtime_type_checked():
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # Where an import name and its distribution's name differ.
+# array_record (the file format of examples/data.py) comes with grain.
 DISTRIBUTION_OF = {
     "orbax": "orbax-checkpoint",
     "etils": "orbax-checkpoint",
     "tensorboardX": "tensorboardx",
+    "array_record": "grain",
 }
 
 
