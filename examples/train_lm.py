@@ -36,7 +36,6 @@ a tokenized corpus on disk (`data.py`), each process reading only its own; the c
 the data position, so a resume on any number of processes continues with the next examples.
 """
 
-import argparse
 import contextlib
 import dataclasses
 import functools
@@ -1035,10 +1034,9 @@ def largest_differences(a: lm.LM | list[np.ndarray], b: lm.LM | list[np.ndarray]
     return max(float(np.max(np.abs(x - y))) for x, y in zip(leaves_a, leaves_b))
 
 
-class ConfigError(ValueError, argparse.ArgumentTypeError):
+class ConfigError(ValueError):
     """A bad option, or options that do not go together (`TrainConfig.validate`); the message
-    names them. tyro reports a `ValueError` with the option's name, and so does argparse an
-    `ArgumentTypeError` (`multihost.py` reads its counts with `positive_int` too)."""
+    names them (tyro reports a `ValueError` with the option's name)."""
 
 
 def positive_int(text: str) -> int:
@@ -1299,17 +1297,20 @@ def config_arguments(path: pathlib.Path) -> list[str]:
     return words
 
 
-def parse_options(argv: Sequence[str] | None) -> TrainConfig:
+def parse_options(argv: Sequence[str] | None, device_count: int | None = None) -> TrainConfig:
     """The options of the command line `argv` (default `sys.argv[1:]`): with `--config FILE`,
-    the file's options first, then `argv`'s over them. A usage error exits with status 2
-    and the reason on stderr, as argparse's do. Touches no device: a launcher starts its
-    processes, and a process joins its job, before JAX picks its devices."""
+    the file's options first, then `argv`'s over them; with `device_count`, validated
+    (`TrainConfig.validate`). A usage error exits with status 2 and the reason on stderr, as
+    argparse's do. Without `device_count` it touches no device (`main`: a launcher starts
+    its processes, and a process joins its job, before JAX picks its devices)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     options = tyro.cli(TrainConfig, args=argv, prog=_PROG, description=__doc__)
-    if options.config is not None:
-        with _usage_errors():
+    with _usage_errors():
+        if options.config is not None:
             words = [*config_arguments(options.config), *argv]
-        options = tyro.cli(TrainConfig, args=words, prog=_PROG, description=__doc__)
+            options = tyro.cli(TrainConfig, args=words, prog=_PROG, description=__doc__)
+        if device_count is not None:
+            options.validate(device_count)
     return options
 
 
