@@ -78,6 +78,12 @@ BENCHMARKS: list[tuple[str, str, list[str], list[str]]] = [
         [],
         ["--quick"],
     ),
+    (
+        "check_curves",
+        "Loss curves of train_lm.py --check: the parallel run against one device",
+        [],
+        ["--steps", "20"],
+    ),
 ]
 
 CAVEAT = (

@@ -6,8 +6,10 @@ the routing of `docs/tutorials/experts.md`, and the charts of `docs/performance.
 Run from anywhere: `python docs/make_images.py`. Needs matplotlib (the `plot` extra).
 
 The performance page's charts are drawn from data: the scale table of
-`benchmarks/results.md` (memory and collective bytes per device per layout) and eqpar's own
-schedule tables (bubble against microbatches). Each chart carries the SHA-256 of its data in
+`benchmarks/results.md` (memory and collective bytes per device per layout), eqpar's own
+schedule tables (bubble against microbatches), and the loss curves of
+`examples/train_lm.py --check` that `benchmarks/check_curves.py` wrote into
+`benchmarks/results.md`. Each chart carries the SHA-256 of its data in
 its PNG metadata (`Source`), and `python docs/make_images.py --check` (run by
 `tests/test_docs.py`) recomputes the data and fails when a chart was drawn from other data:
 after a new `benchmarks/results.md`, run the script again.
@@ -199,6 +201,7 @@ def routing() -> list[Path]:
 
 SCALE_CHART = IMAGES / "scale_per_device.png"
 BUBBLE_CHART = IMAGES / "bubble_microbatches.png"
+CHECK_CHART = IMAGES / "check_curves.png"
 _UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
 _SIZE = re.compile(r"([0-9.]+) (B|KiB|MiB|GiB|TiB)")
 # Columns of the scale table that the chart draws: memory held, and bytes moved, per device.
@@ -212,13 +215,25 @@ def _size(cell: str) -> int:
     return 0 if found is None else round(float(found[1]) * _UNITS[found[2]])
 
 
+def _section(results: Path, heading: str) -> str:
+    """The section of `results` whose heading starts with `heading`, up to the next `## `."""
+    text = results.read_text()
+    if heading not in text:
+        raise ValueError(f"no section {heading!r} in {results}: run benchmarks/run_all.py")
+    section = text[text.index(heading) :]
+    return section[: section.find("\n## ", 1) if "\n## " in section[1:] else None]
+
+
+def _cells(line: str) -> list[str]:
+    """The cells of a Markdown table row."""
+    return [c.strip() for c in line.strip().strip("|").split("|")]
+
+
 def scale_data(results: Path = RESULTS) -> dict[str, dict[str, dict[str, int]]]:
     """`{config: {layout: {quantity: bytes per device}}}` from the scale tables of
     `benchmarks/results.md` (the section `## Scale table`, one table after each `**config**`
     line)."""
-    text = results.read_text()
-    section = text[text.index("## Scale table") :]
-    section = section[: section.find("\n## ", 1) if "\n## " in section[1:] else None]
+    section = _section(results, "## Scale table")
     data: dict[str, dict[str, dict[str, int]]] = {}
     config = None
     header: list[str] = []
@@ -231,7 +246,7 @@ def scale_data(results: Path = RESULTS) -> dict[str, dict[str, dict[str, int]]]:
             config = None  # the config's table has ended: later tables are other figures
         if config is None or not line.startswith("|") or set(line) <= set("|-: "):
             continue
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        cells = _cells(line)
         if not header:
             header = [re.sub(r" \(x ideal\)$", "", c) for c in cells]
             continue
@@ -269,6 +284,37 @@ def bubble_data() -> dict[str, dict[str, list[float]]]:
             "held": [t.max_stored_inputs() for t in tables],
         }
     return data
+
+
+CHECK_HEADING = "## Loss curves of train_lm.py --check"
+CHECK_COLUMNS = {
+    "parallel": "parallel loss",
+    "one device": "one-device loss",
+    "difference": "relative difference",
+}
+
+
+def check_curve_data(results: Path = RESULTS) -> dict[str, object]:
+    """The loss curves of `examples/train_lm.py --check` from `benchmarks/results.md` (the
+    section written by `benchmarks/check_curves.py`): `{"steps": [...], "parallel": [...],
+    "one device": [...], "difference": [...], "mesh": ..., "tolerance": ...}`."""
+    section = _section(results, CHECK_HEADING)
+    rows = [_cells(line) for line in section.splitlines() if line.startswith("|")]
+    rows = [row for row in rows if not set("".join(row)) <= set("-: ")]
+    if len(rows) < 2:
+        raise ValueError(f"no table under {CHECK_HEADING!r} in {results}")
+    header, *rows = rows
+    columns = {name: header.index(column) for name, column in CHECK_COLUMNS.items()}
+    mesh = re.search(r"mesh (\S+),", section)
+    tolerance = re.search(r"tolerance ([0-9.e+-]+)", section)
+    if mesh is None or tolerance is None:
+        raise ValueError(f"the mesh or the tolerance is missing under {CHECK_HEADING!r}")
+    return {
+        "steps": [int(row[header.index("step")]) for row in rows],
+        **{name: [float(row[i]) for row in rows] for name, i in columns.items()},
+        "mesh": mesh[1],
+        "tolerance": float(tolerance[1]),
+    }
 
 
 def digest(data: object) -> str:
@@ -366,16 +412,60 @@ def bubble_chart() -> list[Path]:
     return [_save_stamped(figure, BUBBLE_CHART, data)]
 
 
+def check_chart() -> list[Path]:
+    from matplotlib.figure import Figure
+
+    data = check_curve_data()
+    steps = data["steps"]
+    assert isinstance(steps, list)
+    figure = Figure(figsize=(11, 4.0), layout="constrained")
+    loss_ax, difference_ax = figure.subplots(1, 2)
+    loss_ax.plot(steps, data["parallel"], linewidth=2.5, label=f"parallel ({data['mesh']})")
+    loss_ax.plot(steps, data["one device"], "--", color="black", label="one device")
+    loss_ax.set_title("loss at each step: the two curves lie on each other", fontsize=10)
+    loss_ax.set_ylabel("loss")
+    # Steps whose losses are equal (difference 0) sit on the bottom edge of the log scale.
+    differences = list(data["difference"])  # type: ignore[call-overload]
+    tolerance = data["tolerance"]
+    assert isinstance(tolerance, float)
+    floor = min([d for d in differences if d > 0] + [tolerance]) / 10
+    differ = [(step, d) for step, d in zip(steps, differences) if d > 0]
+    equal = [step for step, d in zip(steps, differences) if d == 0]
+    difference_ax.plot(
+        *zip(*differ), "o", markersize=4, label="|parallel - one device| / one device"
+    )
+    difference_ax.plot(equal, [floor] * len(equal), "o", markersize=4, fillstyle="none",
+                       color="grey", label="equal losses (difference 0)")  # fmt: skip
+    difference_ax.axhline(tolerance, color="#c44e52", linestyle=":", label="--check tolerance")
+    difference_ax.set_yscale("log")
+    difference_ax.set_ylim(floor / 2, tolerance * 5)
+    difference_ax.set_title("relative difference of the losses at each step", fontsize=10)
+    for ax in (loss_ax, difference_ax):
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    figure.suptitle(
+        "examples/train_lm.py --check: the parallel run and the same steps on one device "
+        "(plain SGD, float32), from benchmarks/results.md",
+        fontsize=11,
+    )
+    return [_save_stamped(figure, CHECK_CHART, data)]
+
+
 def stale_charts() -> list[str]:
     """A message for every chart of the performance page not drawn from the current data."""
     problems = []
-    for path, data in ((SCALE_CHART, scale_data()), (BUBBLE_CHART, bubble_data())):
+    charts = (
+        (SCALE_CHART, scale_data(), "benchmarks/results.md"),
+        (BUBBLE_CHART, bubble_data(), "the schedule tables"),
+        (CHECK_CHART, check_curve_data(), "benchmarks/results.md"),
+    )
+    for path, data, source in charts:
         wanted, found = f"sha256:{digest(data)}", stamp(path)
         if found != wanted:
             problems.append(
-                f"{path.relative_to(IMAGES.parents[1])} was drawn from other data than "
-                f"{'benchmarks/results.md' if path == SCALE_CHART else 'the schedule tables'} "
-                f"hold now (stamp {found}, data {wanted}): run `python docs/make_images.py`"
+                f"{path.relative_to(IMAGES.parents[1])} was not drawn from the data now in "
+                f"{source} (stamp {found}, data {wanted}): run `python docs/make_images.py`"
             )
     return problems
 
@@ -397,6 +487,7 @@ def main(argv: list[str] | None = None) -> list[Path]:
         return []
     IMAGES.mkdir(exist_ok=True)
     written = quickstart() + schedules() + layouts() + routing() + scale_chart() + bubble_chart()
+    written += check_chart()
     for path in written:
         print(f"wrote {path}")
     return written

@@ -408,7 +408,8 @@ def test_outputs_shown_on_a_page_are_checked(tmp_path):
 
 def test_the_charts_of_the_performance_page_are_drawn_from_the_current_data():
     # docs/make_images.py stamps each chart with the digest of the data it drew (the scale
-    # table of benchmarks/results.md, eqpar's schedule tables); --check recomputes the data.
+    # table and the --check loss curves of benchmarks/results.md, eqpar's schedule tables);
+    # --check recomputes the data.
     result = subprocess.run(
         [sys.executable, str(DOCS / "make_images.py"), "--check"],
         cwd=ROOT,
