@@ -4,7 +4,9 @@
 The example runs as 2 real processes x 4 CPU devices on 127.0.0.1 (started by hand, through
 environment variables, and by `--processes 2`) and as 1 process of 8 devices; one process is
 SIGKILLed mid-run, and the runs resumed on 2 and then on 1 process train exactly the steps and
-examples of an uninterrupted run.
+examples of an uninterrupted run. A process SIGKILLed while its peer waits in a collective
+makes that peer fail: at once where the collective sees the closed connection, else after
+`heartbeat_timeout_seconds`.
 """
 
 import json
@@ -294,6 +296,87 @@ def test_a_process_that_never_starts_is_a_python_error_in_bounded_time(started):
         assert "could not reach the coordinator (process 0) at 127.0.0.1:" in result.stdout
     assert "initialization_timeout" in result.stdout
     assert result.seconds < 30
+
+
+HEARTBEAT_TIMEOUT = 3  # seconds: JAX's coordination service then declares a silent peer dead
+
+
+def _child_peer_dies_in_a_collective():
+    """Process 1 is SIGKILLed (by its own pid) while process 0 waits for it in a collective
+    (`EQPAR_TEST_COLLECTIVE`: an all-gather or an all-reduce over both processes)."""
+    process_id, num_processes, coordinator = process_context()
+    import jax
+
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.config.update("jax_num_cpu_devices", 2)
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import eqpar
+
+    eqpar.initialize(
+        coordinator,
+        num_processes,
+        process_id,
+        initialization_timeout=30,
+        heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT,
+    )
+    mesh = jax.make_mesh((jax.device_count(),), ("data",))
+    whole = NamedSharding(mesh, P())
+    if os.environ["EQPAR_TEST_COLLECTIVE"] == "all-gather":
+        collective = jax.jit(lambda x: 2 * x, out_shardings=whole)
+    else:
+        collective = jax.jit(lambda x: x.sum(), out_shardings=whole)
+    x = jax.make_array_from_process_local_data(
+        NamedSharding(mesh, P("data")), np.ones(2, np.float32)
+    )
+    np.asarray(collective(x))  # both processes: compiled, and the connections made
+    if process_id == 1:
+        time.sleep(1.0)  # process 0 is inside the next collective by now
+        print("killing myself", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        while True:
+            np.asarray(collective(x))
+    except Exception as error:  # any error: the test reads which one
+        print(f"raised {type(error).__name__}: {error}", flush=True)
+        os._exit(3)  # as the example does: JAX's exit barrier would wait for the dead peer
+
+
+@pytest.mark.parametrize("collective", ["all-gather", "all-reduce"])
+def test_a_process_that_dies_makes_the_other_fail_promptly(collective):
+    # An all-gather on gloo sees the dead peer's closed connection at once: a Python
+    # JaxRuntimeError. An all-reduce waiting on process 0 does not see it: JAX's coordination
+    # service ends the survivor (SIGABRT, "another task died") once the dead peer has missed
+    # its heartbeats for `heartbeat_timeout_seconds` (JAX's default 100 s; 3 s here).
+    survivor, killed = run_processes(
+        _child_peer_dies_in_a_collective,
+        2,
+        timeout=60,
+        grace=30,  # the harness must not be the one that ends the survivor
+        env={"EQPAR_TEST_COLLECTIVE": collective},
+        check=False,
+        cwd=REPO_ROOT,
+    )
+    output = f"{survivor.describe()}\n{survivor.stdout}\n{survivor.stderr[-3000:]}"
+    assert killed.returncode == -signal.SIGKILL and "killing myself" in killed.stdout, (
+        f"{killed.describe()}\n{killed.stdout}\n{killed.stderr[-3000:]}"
+    )
+    assert survivor.killed_because is None, output
+    # Both started together: the survivor's extra seconds are its time after the death.
+    after_death = survivor.seconds - killed.seconds
+    if collective == "all-gather":
+        assert survivor.returncode == 3, output
+        assert "raised JaxRuntimeError" in survivor.stdout, output
+        assert "Connection closed by peer" in survivor.stdout, output
+        assert after_death < 5, output
+    else:
+        assert survivor.returncode == -signal.SIGABRT, output
+        assert "stopped sending heartbeats" in survivor.stderr, output
+        assert after_death < HEARTBEAT_TIMEOUT + 10, output
+    print(f"{collective}: the survivor ended {after_death:.1f} s after its peer's death")
 
 
 @pytest.mark.parametrize("num_processes", [1, 2])
