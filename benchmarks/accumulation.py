@@ -4,8 +4,9 @@ The transformer blocks of `examples/lm.py` in one `PipelineModule` stage (`num_s
 trained on a batch cut into M microbatches, each layer rematerialized (`remat="full"`):
 
 - `serial`: the whole batch at once, `jax.value_and_grad` (no microbatches; the baseline);
-- `autodiff`: `jax.value_and_grad` through the pipeline's forward run (the GPipe table of
-  one stage), which sums each step's whole-stage gradient into the total;
+- `autodiff`: `jax.value_and_grad` through the pipeline's forward run, whose backward pass
+  is the GPipe training table's backward half (with remat `full`: each microbatch's stage
+  input kept, the layers recomputed);
 - `table gpipe` / `table 1f1b`: `PipelineModule.value_and_grad`, the schedule's own
   backward, which differentiates the stage layer by layer and adds each layer's gradient
   into the total in place.

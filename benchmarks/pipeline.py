@@ -1,8 +1,9 @@
 """Pipeline schedules on 4 simulated CPU devices: bubble, compile, memory and step time.
 
 For a pipeline axis of S = 4 devices and M microbatches this measures, for one training step
-(loss and gradients of every stage) of GPipe (autodiff through the forward scan), GPipe with
-each stage rematerialised, the circular schedule with 2 stages per device, and of the
+(loss and gradients of every stage) of GPipe (`jax.grad` through the forward run, whose
+backward pass is the training table's backward half), GPipe with each stage rematerialised,
+the circular schedule with 2 stages per device, and of the
 schedules whose own backward pass `PipelineModule.value_and_grad` runs (layer by layer,
 each layer's gradient added into the sum in place): GPipe and circular again (`gpipe table`,
 `circular table`), 1F1B (storing each stage's residuals, and recomputing the forward
