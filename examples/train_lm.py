@@ -1188,10 +1188,16 @@ class TrainConfig:
         if self.resume and self.ckpt_dir is None:
             raise ConfigError("--resume needs --ckpt-dir DIR (the directory to resume from)")
         if self.check and self.optimizer == "adam":
+            # A config.json names the optimizer its run resolved: it cannot be left out there.
+            fix = (
+                f"pass --optimizer sgd (--config {self.config} says adam)"
+                if self.config is not None
+                else "leave out --optimizer adam (--check then trains with sgd)"
+            )
             raise ConfigError(
                 f"--check compares with one device within {CHECK_TOLERANCE:.0e}, which holds "
                 "for plain SGD only: Adam turns float32 rounding differences into full-size "
-                "updates. Leave out --optimizer adam (--check then trains with sgd)."
+                f"updates. To check, {fix}."
             )
         mesh = parse_mesh(self.mesh or default_mesh(device_count), device_count)
         if self.schedule is not None and mesh[lm.PIPE] == 1:
