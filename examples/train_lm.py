@@ -36,7 +36,6 @@ a tokenized corpus on disk (`data.py`), each process reading only its own; the c
 the data position, so a resume on any number of processes continues with the next examples.
 """
 
-import argparse
 import contextlib
 import dataclasses
 import functools
@@ -1035,10 +1034,9 @@ def largest_differences(a: lm.LM | list[np.ndarray], b: lm.LM | list[np.ndarray]
     return max(float(np.max(np.abs(x - y))) for x, y in zip(leaves_a, leaves_b))
 
 
-class ConfigError(ValueError, argparse.ArgumentTypeError):
+class ConfigError(ValueError):
     """A bad option, or options that do not go together (`TrainConfig.validate`); the message
-    names them. tyro reports a `ValueError` with the option's name, and so does argparse an
-    `ArgumentTypeError` (`multihost.py` reads its counts with `positive_int` too)."""
+    names them. tyro reports a `ValueError` with the option's name."""
 
 
 def positive_int(text: str) -> int:
