@@ -1517,3 +1517,30 @@ def test_autodiff_of_a_forward_run_whose_stage_closes_over_its_weights():
     value, grads = jax.jit(jax.value_and_grad(loss))(scales)
     assert_tree_close(value, loss_ref)
     assert_tree_close(grads, grads_ref)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "circular"])
+@pytest.mark.parametrize("layered", [False, True], ids=["stage", "scanned-layers"])
+def test_autodiff_of_a_forward_run_with_the_stage_rematerialised_whole(schedule, layered):
+    """`remat="full"` on the module (not on its layers): the training table recomputes each
+    stage's forward in its backward, and leaves the last stage's forward to it; the forward
+    half still runs the last stage, whose outputs the run returns. Serial twin's outputs and
+    gradients (the run used to fail on an output the forward half never made)."""
+    num_repeats = 2 if schedule == "circular" else 1
+    if layered:
+        layers = eqx.filter_vmap(Block)(jax.random.split(jax.random.key(3), 8))
+        stages = ScannedLayers(
+            jax.tree.map(lambda a: a.reshape(2 * num_repeats, -1, *a.shape[1:]), layers)
+        )
+        module = PipelineModule(
+            stages, num_stages=2, num_microbatches=4, num_repeats=num_repeats, remat="full"
+        )
+    else:
+        module = make_module(schedule, 2, 4, remat="full")
+    x, t, shift = batch(4)
+    y_ref, loss_ref, grads_ref, _ = serial_twin(module, x, t, shift)
+    arrays, fn = forward_and_grad(module, pipe_mesh(2))
+    loss, y, grads = fn(arrays, x, t, shift)
+    assert_tree_close(y[-1], y_ref)
+    assert_tree_close(loss, loss_ref)
+    assert_tree_close(grads, grads_ref)

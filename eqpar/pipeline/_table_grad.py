@@ -290,7 +290,9 @@ def forward_program(num_stages: int, num_microbatches: int, num_repeats: int):
 def _training_program(num_stages: int, num_microbatches: int, num_repeats: int,
                       recompute: bool):  # fmt: skip
     schedule = CircularSchedule(num_stages, num_microbatches, num_repeats, include_backward=True)
-    return _program.compile_schedule(schedule, store_residuals=not recompute)
+    # The forward half returns the outputs: the last stage runs its forwards (and keeps their
+    # outputs) even where the backward recomputes them.
+    return _program.compile_schedule(schedule, store_residuals=not recompute, keep_outputs=True)
 
 
 def _first_backward_step(program: _program.Program) -> int:
