@@ -441,18 +441,27 @@ def test_pytree_activations_with_integer_leaves():
             stage, x, num_microbatches=3, model_axis_name="pipe", broadcast_output=True
         )
         loss, grads = execute_1f1b(stage, loss_fn, x, t, num_microbatches=3, model_axis_name="pipe")
-        return y, loss, grads.weight[None]
+
+        def forward_loss(w):  # differentiated by the training table's backward half
+            out = execute_pipeline(Masked(w[0]), x, num_microbatches=3, model_axis_name="pipe")
+            return lax.psum(jnp.where(lax.axis_index("pipe") == 2, loss_fn(out, t), 0.0), "pipe")
+
+        return y, loss, grads.weight[None], jax.grad(forward_loss)(w)
 
     fn = jax.jit(
         jax.shard_map(
-            run, mesh=pipe_mesh(3), in_specs=(P("pipe"), P(), P()), out_specs=(P(), P(), P("pipe"))
+            run,
+            mesh=pipe_mesh(3),
+            in_specs=(P("pipe"), P(), P()),
+            out_specs=(P(), P(), P("pipe"), P("pipe")),
         )
     )
-    y, loss, grads = fn(weights, x, t)
+    y, loss, grads, autodiff_grads = fn(weights, x, t)
     assert_tree_close(y["x"], y_ref["x"])
     np.testing.assert_array_equal(y["count"], np.full(6, 3))
     assert_tree_close(loss, loss_ref)
     assert_tree_close(grads, grads_ref)
+    assert_tree_close(autodiff_grads, grads_ref)
 
 
 def test_1f1b_loss_fn_parameters_get_gradients():
