@@ -5,7 +5,8 @@ trained on a batch cut into M microbatches, each layer rematerialized (`remat="f
 
 - `serial`: the whole batch at once, `jax.value_and_grad` (no microbatches; the baseline);
 - `autodiff`: `jax.value_and_grad` through the pipeline's forward run (the GPipe table of
-  one stage), which sums each step's whole-stage gradient into the total;
+  one stage), whose backward pass is the GPipe training table's backward half (a custom
+  VJP: layer by layer, as `table gpipe`), fed the outputs' cotangent;
 - `table gpipe` / `table 1f1b`: `PipelineModule.value_and_grad`, the schedule's own
   backward, which differentiates the stage layer by layer and adds each layer's gradient
   into the total in place.

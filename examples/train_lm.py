@@ -419,8 +419,8 @@ def runs_own_backward(run: RunConfig) -> bool:
     """Whether the step takes its gradients from the pipeline schedule's own backward pass
     (`loss_and_grads_scheduled`) rather than from autodiff of the loss: 1F1B and ZB-H1
     always, and on a pipe axis GPipe and circular too, whose table's backward adds each
-    layer's gradient into the sum over microbatches in place (autodiff of the forward pass
-    holds each step's whole stage gradient beside that sum)."""
+    layer's gradient into the sum over microbatches in place (`jax.grad` of the forward pass
+    runs the same table's backward, holding the outputs and their cotangent besides)."""
     return run.schedule in ("1f1b", "zb-h1") or run.mesh[lm.PIPE] > 1
 
 
