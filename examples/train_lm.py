@@ -419,8 +419,8 @@ def runs_own_backward(run: RunConfig) -> bool:
     """Whether the step takes its gradients from the pipeline schedule's own backward pass
     (`loss_and_grads_scheduled`) rather than from autodiff of the loss: 1F1B and ZB-H1
     always, and on a pipe axis GPipe and circular too, whose table's backward adds each
-    layer's gradient into the sum over microbatches in place (autodiff of the forward pass
-    holds each step's whole stage gradient beside that sum)."""
+    layer's gradient into the sum over microbatches in place (`jax.grad` of the forward pass
+    runs the same table's backward, holding the outputs and their cotangent besides)."""
     return run.schedule in ("1f1b", "zb-h1") or run.mesh[lm.PIPE] > 1
 
 
@@ -1186,10 +1186,16 @@ class TrainConfig:
         if self.resume and self.ckpt_dir is None:
             raise ConfigError("--resume needs --ckpt-dir DIR (the directory to resume from)")
         if self.check and self.optimizer == "adam":
+            # A config.json names the optimizer its run resolved: it cannot be left out there.
+            fix = (
+                f"pass --optimizer sgd (--config {self.config} says adam)"
+                if self.config is not None
+                else "leave out --optimizer adam (--check then trains with sgd)"
+            )
             raise ConfigError(
                 f"--check compares with one device within {CHECK_TOLERANCE:.0e}, which holds "
                 "for plain SGD only: Adam turns float32 rounding differences into full-size "
-                "updates. Leave out --optimizer adam (--check then trains with sgd)."
+                f"updates. To check, {fix}."
             )
         mesh = parse_mesh(self.mesh or default_mesh(device_count), device_count)
         if self.schedule is not None and mesh[lm.PIPE] == 1:

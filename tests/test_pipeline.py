@@ -441,18 +441,27 @@ def test_pytree_activations_with_integer_leaves():
             stage, x, num_microbatches=3, model_axis_name="pipe", broadcast_output=True
         )
         loss, grads = execute_1f1b(stage, loss_fn, x, t, num_microbatches=3, model_axis_name="pipe")
-        return y, loss, grads.weight[None]
+
+        def forward_loss(w):  # differentiated by the training table's backward half
+            out = execute_pipeline(Masked(w[0]), x, num_microbatches=3, model_axis_name="pipe")
+            return lax.psum(jnp.where(lax.axis_index("pipe") == 2, loss_fn(out, t), 0.0), "pipe")
+
+        return y, loss, grads.weight[None], jax.grad(forward_loss)(w)
 
     fn = jax.jit(
         jax.shard_map(
-            run, mesh=pipe_mesh(3), in_specs=(P("pipe"), P(), P()), out_specs=(P(), P(), P("pipe"))
+            run,
+            mesh=pipe_mesh(3),
+            in_specs=(P("pipe"), P(), P()),
+            out_specs=(P(), P(), P("pipe"), P("pipe")),
         )
     )
-    y, loss, grads = fn(weights, x, t)
+    y, loss, grads, autodiff_grads = fn(weights, x, t)
     assert_tree_close(y["x"], y_ref["x"])
     np.testing.assert_array_equal(y["count"], np.full(6, 3))
     assert_tree_close(loss, loss_ref)
     assert_tree_close(grads, grads_ref)
+    assert_tree_close(autodiff_grads, grads_ref)
 
 
 def test_1f1b_loss_fn_parameters_get_gradients():
@@ -1486,3 +1495,61 @@ def test_autodiff_of_a_circular_run_keeps_no_weights_per_step():
         )
         temp[name] = fn.lower(arrays, x).compile().memory_analysis().temp_size_in_bytes
     assert temp["autodiff"] <= temp["table"] + 3 * x.nbytes, temp
+
+
+def test_autodiff_of_a_forward_run_whose_stage_closes_over_its_weights():
+    """A stage written as a function of the weights it closes over (`lambda h: h * scale`,
+    as `execute_pipeline`'s docstring writes one) gets their gradients: autodiff of the loop
+    differentiates it (a custom VJP would leak the closed-over tracer)."""
+    scales = jnp.array([1.0, 2.0, 3.0, 4.0])
+    x = jnp.arange(8.0).reshape(4, 2)
+
+    def run(scale, x):
+        stage = lambda h: jnp.tanh(h * scale[0])
+        return execute_pipeline(
+            stage, x, num_microbatches=2, model_axis_name="pipe", broadcast_output=True
+        )
+
+    def loss(scales):
+        y = jax.shard_map(run, mesh=pipe_mesh(4), in_specs=(P("pipe"), P()), out_specs=P())(
+            scales, x
+        )
+        return jnp.sum(y**2)
+
+    def serial(scales):
+        h = x
+        for s in scales:
+            h = jnp.tanh(h * s)
+        return jnp.sum(h**2)
+
+    loss_ref, grads_ref = jax.value_and_grad(serial)(scales)
+    value, grads = jax.jit(jax.value_and_grad(loss))(scales)
+    assert_tree_close(value, loss_ref)
+    assert_tree_close(grads, grads_ref)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "circular"])
+@pytest.mark.parametrize("layered", [False, True], ids=["stage", "scanned-layers"])
+def test_autodiff_of_a_forward_run_with_the_stage_rematerialised_whole(schedule, layered):
+    """`remat="full"` on the module (not on its layers): the training table recomputes each
+    stage's forward in its backward, and leaves the last stage's forward to it; the forward
+    half still runs the last stage, whose outputs the run returns. Serial twin's outputs and
+    gradients (the run used to fail on an output the forward half never made)."""
+    num_repeats = 2 if schedule == "circular" else 1
+    if layered:
+        layers = eqx.filter_vmap(Block)(jax.random.split(jax.random.key(3), 8))
+        stages = ScannedLayers(
+            jax.tree.map(lambda a: a.reshape(2 * num_repeats, -1, *a.shape[1:]), layers)
+        )
+        module = PipelineModule(
+            stages, num_stages=2, num_microbatches=4, num_repeats=num_repeats, remat="full"
+        )
+    else:
+        module = make_module(schedule, 2, 4, remat="full")
+    x, t, shift = batch(4)
+    y_ref, loss_ref, grads_ref, _ = serial_twin(module, x, t, shift)
+    arrays, fn = forward_and_grad(module, pipe_mesh(2))
+    loss, y, grads = fn(arrays, x, t, shift)
+    assert_tree_close(y[-1], y_ref)
+    assert_tree_close(loss, loss_ref)
+    assert_tree_close(grads, grads_ref)

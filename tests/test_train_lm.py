@@ -335,11 +335,11 @@ def test_run_described_in_words():
 @pytest.mark.parametrize("value", ["0", "-2", "two"])
 def test_counts_below_one_are_refused_naming_the_flag(flag, value, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        train_lm.parse_options([flag, value], 8)
+        train_lm.parse_options([flag, value])
     assert exit_info.value.code == 2
     error = capsys.readouterr().err
     assert f"Error parsing {flag}: must be a positive integer, got '{value}'" in error
-    assert getattr(train_lm.parse_options([flag, "3"], 8), flag[2:].replace("-", "_")) == 3
+    assert getattr(train_lm.parse_options([flag, "3"]), flag[2:].replace("-", "_")) == 3
 
 
 def test_main_writes_pictures_metrics_config_and_checks(tmp_path, capsys):
@@ -421,36 +421,40 @@ def test_main_writes_pictures_metrics_config_and_checks(tmp_path, capsys):
     saved = json.loads((tmp_path / "config.json").read_text())
     assert saved["mesh"] == "data=2,pipe=2,model=2" and saved["optimizer"] == "sgd"
     assert saved["schedule"] == "gpipe" and saved["seq_len"] == 16 and saved["check"] is True
-    loaded = train_lm.parse_options(["--config", str(tmp_path / "config.json")], 8)
-    expected = train_lm.parse_options(argv, 8).resolved(8)
+    loaded = train_lm.parse_options(["--config", str(tmp_path / "config.json")])
+    expected = train_lm.parse_options(argv).resolved(8)
     assert dataclasses.replace(loaded, config=None) == expected
     assert loaded.run_config(8) == run and loaded.model_config() == TINY
     # Options beside --config override the file's.
-    overridden = train_lm.parse_options(
-        ["--config", str(tmp_path / "config.json"), "--steps", "5"], 8
-    )
+    overridden = train_lm.parse_options(["--config", str(tmp_path / "config.json"), "--steps", "5"])
     assert overridden.steps == 5 and overridden.fsdp is False
     assert summary["config"] == json.loads(json.dumps(dataclasses.asdict(expected), default=str))
 
 
 def test_config_files_are_checked_as_the_command_line(tmp_path, capsys):
     path = tmp_path / "config.json"
-    options = train_lm.parse_options(["--fsdp", "--steps", "7", "--mesh", "data=8"], 8)
+    options = train_lm.parse_options(["--fsdp", "--steps", "7", "--mesh", "data=8"])
     train_lm.save_config(options, path)
-    assert train_lm.parse_options(["--config", str(path)], 8) == dataclasses.replace(
+    assert train_lm.parse_options(["--config", str(path)]) == dataclasses.replace(
         options, config=path
     )
     path.write_text(json.dumps({"steps": 0}))
     with pytest.raises(SystemExit) as exit_info:
-        train_lm.parse_options(["--config", str(path)], 8)
+        train_lm.parse_options(["--config", str(path)])
     assert exit_info.value.code == 2
     assert "Error parsing --steps: must be a positive integer, got '0'" in capsys.readouterr().err
     path.write_text(json.dumps({"stepz": 3}))
     with pytest.raises(SystemExit):
-        train_lm.parse_options(["--config", str(path)], 8)
+        train_lm.parse_options(["--config", str(path)])
     error = capsys.readouterr().err
     assert f"--config {path}: expected a JSON object of the options" in error
     assert "got ['stepz']" in error
+    # A file names the optimizer its run resolved (adam): --check beside it says to pass sgd.
+    train_lm.save_config(options.resolved(8), path)
+    with pytest.raises(train_lm.ConfigError, match=r"To check, pass --optimizer sgd \(--config"):
+        train_lm.parse_options(["--config", str(path), "--check"]).validate(8)
+    checked = train_lm.parse_options(["--config", str(path), "--check", "--optimizer", "sgd"])
+    checked.validate(8)
 
 
 @pytest.fixture(scope="module")
@@ -485,10 +489,10 @@ def test_bfloat16_trains_like_one_device_and_like_float32(serial, serial_bfloat1
 
 
 def test_precision_flag():
-    assert train_lm.parse_options([], 8).precision == "float32"
-    assert train_lm.parse_options(["--precision", "bfloat16"], 8).precision == "bfloat16"
+    assert train_lm.parse_options([]).precision == "float32"
+    assert train_lm.parse_options(["--precision", "bfloat16"]).precision == "bfloat16"
     with pytest.raises(SystemExit):
-        train_lm.parse_options(["--precision", "float16"], 8)
+        train_lm.parse_options(["--precision", "float16"])
     run = run_config("data=8", precision="bfloat16")
     assert train_lm.describe(run) == "mesh data=8,pipe=1,model=1 | bfloat16 compute"
     assert train_lm.check_tolerance("bfloat16") == train_lm.CHECK_TOLERANCE_BFLOAT16

@@ -93,14 +93,18 @@ def _send_patterns(sends: list[set]) -> tuple[np.ndarray, tuple]:
     return index, tuple(patterns)
 
 
-def compile_schedule(schedule: PipelineSchedule, *, store_residuals: bool) -> Program:
+def compile_schedule(
+    schedule: PipelineSchedule, *, store_residuals: bool, keep_outputs: bool = False
+) -> Program:
     """The executor's tables for `schedule` (see `Program`).
 
     With `store_residuals`, a forward keeps its stage's residuals until the last backward
     action of that microbatch and stage, and the last stage's forward keeps its output (in
     the cotangent buffer, where its backward looks for the loss input); without, backward
     actions recompute the forward from the stored stage input, and the last stage's forward
-    is left to its backward.
+    is left to its backward, unless `keep_outputs` (a forward run differentiated by the
+    table, `_table_grad`, returns the outputs): then it runs as a forward and keeps its
+    output as with `store_residuals`.
     """
     table = schedule.actions
     num_steps, num_devices = len(table), schedule.num_devices
@@ -127,7 +131,8 @@ def compile_schedule(schedule: PipelineSchedule, *, store_residuals: bool) -> Pr
             backward_at[key] = t
         last_use[key] = max(last_use.get(key, t), t)
     training = bool(backward_at)
-    if training and not store_residuals:  # the last stage's forward happens in its backward
+    keeps_outputs = store_residuals or keep_outputs
+    if training and not keeps_outputs:  # the last stage's forward happens in its backward
         kind[kind == FORWARD_LAST] = IDLE
 
     # Intervals per device: stage inputs from arrival to last use, cotangents likewise,
@@ -146,15 +151,16 @@ def compile_schedule(schedule: PipelineSchedule, *, store_residuals: bool) -> Pr
             forward_sends[t].add((d, (d + 1) % num_devices))
         if training and store_residuals:
             residuals[d].append((t, end, (m, stage)))
-            if stage == last_stage:  # its output waits for the loss in the cotangent buffer
-                cotangents[d].append((t, end, (m, stage)))
+        if training and keeps_outputs and stage == last_stage:
+            # its output waits for the loss in the cotangent buffer
+            cotangents[d].append((t, end, (m, stage)))
     for (m, stage), t in backward_at.items():
         d = stage % num_devices
         if stage < last_stage:
             cotangents[d].append(
                 (backward_at[(m, stage + 1)] + 1, last_use[(m, stage)], (m, stage))
             )
-        elif not store_residuals and last_use[(m, stage)] > t:  # d(output) waits for its W
+        elif not keeps_outputs and last_use[(m, stage)] > t:  # d(output) waits for its W
             cotangents[d].append((t, last_use[(m, stage)], (m, stage)))
         if stage > 0:
             backward_sends[t].add((d, (d - 1) % num_devices))

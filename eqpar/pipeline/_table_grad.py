@@ -14,8 +14,9 @@ as `value_and_grad(schedule="gpipe" | "circular")` computes it.
 
 Extra stage arguments get no gradients from the table: a forward run whose floating-point
 arguments are being differentiated (computed from parameters) is differentiated by autodiff
-of the loop instead, as are stages the table refuses (a `ppermute` inside) and runs under
-`check_vma=False`.
+of the loop instead, as are stages the table refuses (a `ppermute` inside), stages that close
+over traced floating-point values (a function such as `lambda h: h * scale`, whose `scale` a
+custom VJP could give no gradient) and runs under `check_vma=False`.
 """
 
 import functools
@@ -242,7 +243,8 @@ def _table_runs(
     axis_name: AxisName, num_repeats: int,
 ) -> bool:  # fmt: skip
     """Whether the training table can run the stages: replication types tracked, a stage
-    without `ppermute` (its branches differ by device), and outputs to differentiate."""
+    without `ppermute` (its branches differ by device) that holds every value it computes
+    with as an array leaf, and outputs to differentiate."""
     if varies_over(jnp.zeros(()), axis_name) is None:
         return False
     if not jax.tree.leaves(eqx.filter(microbatches, eqx.is_inexact_array)):
@@ -251,8 +253,20 @@ def _table_runs(
     call_args, call_kwargs = arguments(args, kwargs)(0)
     if num_repeats > 1:
         stage = first_of_stack(stage)
+    arrays, static = eqx.partition((stage, call_args, call_kwargs), eqx.is_array)
+
+    def call(arrays: PyTree, h: PyTree) -> PyTree:
+        stage, call_args, call_kwargs = eqx.combine(arrays, static)
+        return stage(h, *call_args, **call_kwargs)
+
     with pipeline_stage(axis_name):
-        jaxpr = jax.make_jaxpr(lambda h: stage(h, *call_args, **call_kwargs))(first)
+        jaxpr = jax.make_jaxpr(call)(arrays, first)
+        # A stage that closes over traced floating-point values (a function holding the
+        # weights it is differentiated in, `lambda h: h * scale`) gets their gradients from
+        # autodiff only: a custom VJP gives none to what it closes over.
+        _, closed_over = jax.closure_convert(call, arrays, first)
+    if any(eqx.is_inexact_array(c) for c in closed_over):
+        return False
     return not uses_primitive(jaxpr, "ppermute")
 
 
@@ -276,7 +290,9 @@ def forward_program(num_stages: int, num_microbatches: int, num_repeats: int):
 def _training_program(num_stages: int, num_microbatches: int, num_repeats: int,
                       recompute: bool):  # fmt: skip
     schedule = CircularSchedule(num_stages, num_microbatches, num_repeats, include_backward=True)
-    return _program.compile_schedule(schedule, store_residuals=not recompute)
+    # The forward half returns the outputs: the last stage runs its forwards (and keeps their
+    # outputs) even where the backward recomputes them.
+    return _program.compile_schedule(schedule, store_residuals=not recompute, keep_outputs=True)
 
 
 def _first_backward_step(program: _program.Program) -> int:
