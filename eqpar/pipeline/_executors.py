@@ -125,10 +125,14 @@ def execute_pipeline(
 
     The batch is cut into `num_microbatches` equal microbatches that enter the first device
     one step apart; after `num_microbatches + S - 1` steps of one `lax.scan` (`S` the axis
-    size) every microbatch has passed every stage. Differentiate through it for training
-    (the backward pass runs the same steps in reverse); see `execute_schedule` for schedules
-    that hold fewer activations. With one device and one microbatch there is no loop: the stage
-    is called once on the batch.
+    size) every microbatch has passed every stage. Differentiate through it for training:
+    `jax.grad` runs the backward half of GPipe's training table (each forward
+    keeps what its backward reads, scanned layers one at a time), or autodiff of the loop
+    where the table cannot (an argument computed from what is differentiated, a stage that
+    closes over traced values or uses `ppermute`); forward-mode autodiff (`jax.jvp`) of a
+    multi-step run is not supported. See `execute_schedule` for schedules that hold fewer
+    activations. With one device and one microbatch there is no loop: the stage is called
+    once on the batch.
 
     **Arguments:**
 
@@ -312,7 +316,9 @@ def execute_circular_pipeline(
     so each device holds `V` non-adjacent stages and every microbatch goes round the ring `V`
     times. With `M >= S` microbatches this takes `V * M + S - 1` steps, a bubble of
     `(S - 1) / (V * M + S - 1)` instead of GPipe's `(S - 1) / (M + S - 1)` for the same model
-    cut into `S` stages. A microbatch that completes a trip waits in a buffer of
+    cut into `S` stages. Differentiated, it runs the backward half of the circular
+    training table, as `execute_pipeline` does GPipe's (never keeping a stage's weights per
+    step). A microbatch that completes a trip waits in a buffer of
     `max(M, S) - S + 1` microbatches on the first device until it is its turn again.
 
     **Arguments:**
