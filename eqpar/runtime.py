@@ -24,7 +24,7 @@ import socket
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 
@@ -418,6 +418,15 @@ def initialize(
             _listen(config.coordinator_bind_address, port=0).close()  # before JAX would crash
         if None not in config[:3] and (config.num_processes or 1) > 1:
             _rendezvous(config, float(initialization_timeout))
+        # Only the timeouts given: older JAX releases lack some of these parameters.
+        timeouts: dict[str, Any] = {
+            name: value
+            for name, value in (
+                ("heartbeat_timeout_seconds", heartbeat_timeout_seconds),
+                ("shutdown_timeout_seconds", shutdown_timeout_seconds),
+            )
+            if value is not None
+        }
         jax.distributed.initialize(
             coordinator_address=config.coordinator_address,
             num_processes=config.num_processes,
@@ -428,14 +437,7 @@ def initialize(
             cluster_detection_method=cluster_detection_method,
             initialization_timeout=initialization_timeout,
             coordinator_bind_address=config.coordinator_bind_address,
-            **{
-                name: value
-                for name, value in (
-                    ("heartbeat_timeout_seconds", heartbeat_timeout_seconds),
-                    ("shutdown_timeout_seconds", shutdown_timeout_seconds),
-                )
-                if value is not None
-            },
+            **timeouts,
         )
         _initialized_by_eqpar = config
         return config

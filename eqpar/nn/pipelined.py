@@ -1126,7 +1126,8 @@ def _check_arguments(
     ]
     for k, var in enumerate(outputs):
         where = f"argument leaf {k} of the pipelined blocks (beside their input)"
-        if jnp.issubdtype(var.aval.dtype, jnp.inexact) and from_parameters[k]:
+        aval: Any = var.aval
+        if jnp.issubdtype(aval.dtype, jnp.inexact) and from_parameters[k]:
             raise ValueError(
                 f"value_and_grad: {where} is computed from the model's parameters; a schedule "
                 f"that runs the loss inside the pipeline gives the blocks' other arguments no "
