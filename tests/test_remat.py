@@ -68,9 +68,11 @@ def test_from_layers_gives_each_layer_the_policy_and_refuses_unknown_ones():
 
 
 def test_circular_pipeline_keeps_the_layers_policy():
-    """The circular schedule checkpoints each stage call (to keep no copy of the stage's
-    weights per step) under the policy of the layers inside: with "full" its temp falls as
-    GPipe's does, and stays within 1.1x of GPipe's (exact compiler figures)."""
+    """Differentiated, the circular schedule runs its training table's backward (which keeps
+    no copy of the stage's weights per step) under the policy of the layers inside: with
+    "full" its temp falls as GPipe's does, and stays within 1.1x of GPipe's plus one batch of
+    activations (exact compiler figures; at this small size the tables differ by 1.09x, and
+    `jax.grad` adds the outputs it returns to each)."""
     from jax.sharding import Mesh
     from jax.sharding import PartitionSpec as P
 
@@ -93,7 +95,7 @@ def test_circular_pipeline_keeps_the_layers_policy():
     circular = {remat: temp(2, remat) for remat in ("none", "full")}
     gpipe_full = temp(1, "full")
     assert circular["full"] < circular["none"] / 2, circular
-    assert circular["full"] <= 1.1 * gpipe_full, (circular, gpipe_full)
+    assert circular["full"] <= 1.1 * gpipe_full + x.nbytes, (circular, gpipe_full)
 
 
 def test_data_parallel_layers_reduce_each_gradient_inside_the_backward_scan():
