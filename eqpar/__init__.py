@@ -37,6 +37,9 @@ from .layout import partition_specs as partition_specs
 from .mesh import DeviceMesh as DeviceMesh
 from .mesh import list_devices as list_devices
 from .nn.pipelined import value_and_grad as value_and_grad
+from .parity import CheckReport as CheckReport
+from .parity import ParityError as ParityError
+from .parity import check as check
 from .plan import ColumnParallel as ColumnParallel
 from .plan import ContextParallel as ContextParallel
 from .plan import ExpertParallel as ExpertParallel
@@ -63,6 +66,7 @@ __version__ = "0.1.0"
 __all__ = [
     "DEFAULT_FSDP_MIN_SIZE_BYTES",
     "FSDP",
+    "CheckReport",
     "ColumnParallel",
     "ContextParallel",
     "DataParallel",
@@ -74,6 +78,7 @@ __all__ = [
     "HeadParallel",
     "LayoutMap",
     "ModelParallel",
+    "ParityError",
     "Pipeline",
     "Precision",
     "Remat",
@@ -87,6 +92,7 @@ __all__ = [
     "VocabParallel",
     "build_model",
     "build_sharded",
+    "check",
     "checkpoint",
     "collectives",
     "context",

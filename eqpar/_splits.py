@@ -28,7 +28,9 @@ class Split(NamedTuple):
     entries `eqpar.context.sequence_positions` gives).
 
     `kind` is `"features"` (`dim=-1`), `"sequence"` (`dim=0`: one example's sequence comes
-    first), or `"features_of_tokens"`: the output of a sequence-parallel column linear,
+    first), `"heads"` (the heads of a block under `HeadParallel(fields=...)`, at the
+    dimension of that size, found per activation by `split_of`), or `"features_of_tokens"`:
+    the output of a sequence-parallel column linear,
     `[n, block]` per token, where row `j` is the token at the same place in device `j`'s
     block of the sequence and the features are split.
     """
@@ -78,8 +80,28 @@ def open_splits() -> tuple[Split, ...]:
 
 
 def split_of(shape: tuple[int, ...], axis_name: Hashable) -> Split | None:
-    """The most recent open split on `axis_name` that an array of `shape` can be a block of."""
+    """The most recent open split on `axis_name` that an array of `shape` can be a block of.
+
+    A `"heads"` split (a block whose head counts `HeadParallel(fields=...)` divides: every
+    activation of it with a dimension of that many heads holds this device's heads) comes
+    first, at the one dimension of its size; two such dimensions cannot be told apart."""
     for split in reversed(_OPEN.get()):
+        if split.axis_name != axis_name or split.kind != "heads":
+            continue
+        dims = [i for i, size in enumerate(shape) if size == split.block]
+        if len(dims) > 1:
+            raise ValueError(
+                f"an activation of shape {shape} inside a block whose heads are split over "
+                f"{axis_name!r} ({split.block} here) has several dimensions of that size; "
+                f"eqpar cannot tell which holds the heads, to draw this device's block of the "
+                f"serial dropout mask. Choose sizes that differ from the local head count "
+                f"(e.g. another sequence length), or keep the dropout out of the block."
+            )
+        if dims:
+            return split._replace(dim=dims[0])
+    for split in reversed(_OPEN.get()):
+        if split.kind == "heads":
+            continue
         rank_needed = split.dim + 1 if split.dim >= 0 else -split.dim
         if split.axis_name != axis_name or len(shape) < rank_needed:
             continue

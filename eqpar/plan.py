@@ -30,6 +30,7 @@ from .nn._plan_blocks import (
     author_declared_specs,
     block_options,
     convert_block,
+    mark_head_checks,
     serial_block,
 )
 from .nn.attention import ContextParallelAttention, HeadParallelAttention
@@ -183,31 +184,85 @@ class RowParallel(Style):
 
 @dataclasses.dataclass(frozen=True)
 class HeadParallel(Style):
-    """Split an `eqx.nn.MultiheadAttention`'s heads over `axis_name`
-    (`HeadParallelAttention`): replicated in, replicated out, one `psum`; with
-    `sequence_parallel=True`, sequence-sharded in and out (one all-gather, one
-    reduce-scatter).
+    """Split attention heads over `axis_name`.
+
+    On an `eqx.nn.MultiheadAttention` (`HeadParallelAttention`): replicated in, replicated
+    out, one `psum`; with `sequence_parallel=True`, sequence-sharded in and out (one
+    all-gather, one reduce-scatter).
+
+    On a hand-written attention block that keeps its head counts in int fields
+    (`fields=("n_heads",)`, also `"n_kv_heads"` for grouped-query attention): the block
+    sees each of those fields divided by the axis size inside a region that is manual over
+    `axis_name`, and the global count everywhere else (`unparallelize`, checkpoints, the
+    serial model), so `q.reshape(seq, self.n_heads, -1)` splits this device's features of a
+    `ColumnParallel` projection into its own heads. Its linears take `ColumnParallel` /
+    `RowParallel` keys of their own. Without it, such a reshape is refused at trace time
+    (the error names the field and this style).
 
     ```python
-    import equinox as eqx, jax, eqpar
+    import equinox as eqx, jax, jax.numpy as jnp, eqpar
     from eqpar.nn import HeadParallelAttention
     attention = eqx.nn.MultiheadAttention(4, 16, key=jax.random.key(0))
     parallel = eqpar.parallelize({"attention": attention}, {"attention": eqpar.HeadParallel()})
     assert isinstance(parallel["attention"], HeadParallelAttention)
+
+    class Attention(eqx.Module):  # hand-written, the head count in an int field
+        qkv: eqx.nn.Linear
+        out: eqx.nn.Linear
+        n_heads: int = eqx.field(static=True)
+        def __call__(self, x):
+            q, k, v = (y.reshape(x.shape[0], self.n_heads, -1)
+                       for y in jnp.split(jax.vmap(self.qkv)(x), 3, axis=-1))
+            return jax.vmap(self.out)(jax.nn.dot_product_attention(q, k, v).reshape(x.shape[0], -1))
+
+    k1, k2 = jax.random.split(jax.random.key(0))
+    block = Attention(eqx.nn.Linear(16, 48, key=k1), eqx.nn.Linear(16, 16, key=k2), 4)
+    plan = {"": eqpar.HeadParallel(fields=("n_heads",))}
+    assert eqpar.unparallelize(eqpar.parallelize(block, plan)).n_heads == 4
     ```
     """
 
     axis_name: Hashable = "model"
     sequence_parallel: bool = False
+    fields: tuple[str, ...] = ()
     accepts = (eqx.nn.MultiheadAttention,)
 
+    def __post_init__(self) -> None:
+        if isinstance(self.fields, str) or not all(isinstance(f, str) for f in self.fields):
+            raise TypeError(
+                f"HeadParallel: `fields` must be a tuple of field names, e.g. "
+                f"fields=('n_heads',); got {self.fields!r}."
+            )
+        if self.fields and self.sequence_parallel:
+            raise ValueError(
+                "HeadParallel: `sequence_parallel` applies to an eqx.nn.MultiheadAttention; "
+                "with `fields`, the block's own linears take sequence_parallel=True in "
+                "their ColumnParallel / RowParallel keys."
+            )
+
     def convert(self, layer: PyTree) -> PyTree:
+        if self.fields:
+            self.split_sizes(layer)  # every field an int of the block
+            local = tuple((name, self.axis_name) for name in self.fields)
+            return convert_block(layer, "HeadParallel", local_fields=local)
         return HeadParallelAttention(
             layer, axis_name=self.axis_name, sequence_parallel=self.sequence_parallel
         )
 
     def split_sizes(self, layer: PyTree) -> dict[str, int]:
-        return {"num_heads": layer.num_heads}
+        if not self.fields:
+            return {"num_heads": layer.num_heads}
+        sizes = {}
+        for name in self.fields:
+            value = getattr(layer, name, None)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise TypeError(
+                    f"HeadParallel(fields={self.fields!r}): the block, a "
+                    f"{type(layer).__name__}, has no int field {name!r} (got "
+                    f"{type(value).__name__}); name the int fields that count its heads."
+                )
+            sizes[name] = value
+        return sizes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -690,6 +745,13 @@ class ExpertParallel(Style):
 _BLOCK_STYLES = (Remat, SplitSequence, ExpertParallel)
 
 
+def _is_block_style(style: Style) -> bool:
+    """Whether a style converts a block of the model (or a list of them), not a layer."""
+    return isinstance(style, _BLOCK_STYLES) or (
+        isinstance(style, HeadParallel) and bool(style.fields)
+    )
+
+
 def _is_plannable(node: object) -> bool:
     return isinstance(node, _PLANNABLE)
 
@@ -805,7 +867,7 @@ def parallelize(
     ```
     """
     all_patterns = _check_plan(plan)
-    block_patterns = {k: p for k, p in all_patterns.items() if isinstance(plan[k], _BLOCK_STYLES)}
+    block_patterns = {k: p for k, p in all_patterns.items() if _is_block_style(plan[k])}
     _check_block_styles(plan)
     array_patterns = {k: p for k, p in all_patterns.items() if isinstance(plan[k], Sharded)}
     pipeline_patterns = {k: p for k, p in all_patterns.items() if isinstance(plan[k], Pipeline)}
@@ -826,7 +888,7 @@ def parallelize(
             if key is not None:
                 used.add(key)
                 style = plan[key]
-                if isinstance(style, ExpertParallel) and axis_sizes is not None:
+                if isinstance(style, ExpertParallel | HeadParallel) and axis_sizes is not None:
                     _check_axis(style, node, where, axis_sizes)
                 try:
                     if isinstance(node, list | tuple):
@@ -886,6 +948,7 @@ def parallelize(
 
     converted = jax.tree_util.tree_map_with_path(convert, model, is_leaf=_is_plannable)
     _check_columns_in_a_row(converted, plan, chosen)
+    converted = mark_head_checks(converted)
     if pipeline_patterns:
         converted = _pipeline_lists(converted, plan, pipeline_patterns, used, axis_sizes)
     unused = [key for key in plan if key not in used]
@@ -901,7 +964,9 @@ def parallelize(
             f"array leaves "
             f"(`eqpar.leaf_paths(model)` lists leaf paths; drop the last part such as "
             f"'/weight'). The projections inside a MultiheadAttention are "
-            f"not layers of their own here: HeadParallel() on the attention splits them all."
+            f"not layers of their own here: HeadParallel() on the attention splits them all. "
+            f"A hand-written attention block that keeps its head count in an int field "
+            f"takes HeadParallel(fields=('n_heads',)) keyed by the block's path."
         )
         if strict:
             raise ValueError(message + " Pass strict=False to only warn.")

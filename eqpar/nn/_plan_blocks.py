@@ -20,6 +20,7 @@ from jaxtyping import PyTree
 from .._axes import bound_axis_size
 from .._declare import declared_partition_specs
 from ._twins import instance_with
+from .heads import check_head_reshapes, head_splits, int_fields, localized
 from .sequence import gather_sequence, scatter_sequence
 from .stacks import REMAT_POLICIES
 
@@ -35,6 +36,11 @@ class BlockOptions(NamedTuple):
     split_on_entry: Hashable | None = None
     gather_on_exit: Hashable | None = None
     specs: tuple[tuple[str, PartitionSpec], ...] = ()  # for its raw array leaves (`Sharded`)
+    # Int fields seen divided by an axis's size inside a region manual over it
+    # (`HeadParallel(fields=...)`), as `(field, axis)` pairs.
+    local_fields: tuple[tuple[str, Hashable], ...] = ()
+    # The axes of the column-parallel linears the block holds: its head reshapes are checked.
+    head_check: tuple[Hashable, ...] = ()
 
     @property
     def changes_call(self) -> bool:
@@ -42,6 +48,8 @@ class BlockOptions(NamedTuple):
             self.remat != "none"
             or self.split_on_entry is not None
             or (self.gather_on_exit is not None)
+            or bool(self.local_fields)
+            or bool(self.head_check)
         )
 
 
@@ -118,7 +126,15 @@ def _block_call(base: type, options: BlockOptions) -> Any:
                     f"`[seq, ...]` positionally."
                 )
             args = (scatter_sequence(args[0], options.split_on_entry), *args[1:])
-        out = run(self, args, kwargs)
+        if options.local_fields:
+            self = localized(self, base, options.local_fields)
+        if options.head_check:
+            local = tuple(name for name, _ in options.local_fields)
+            check_head_reshapes(
+                base, self, base_call, args, kwargs, axes=options.head_check, local_fields=local
+            )
+        with head_splits(self, options.local_fields):
+            out = run(self, args, kwargs)
         if options.gather_on_exit is not None:
             out = gather_sequence(out, options.gather_on_exit)
         return out
@@ -167,3 +183,53 @@ def convert_block(block: PyTree, owner: str, **changes: Any) -> PyTree:
 def serial_block(block: PyTree) -> PyTree:
     """The block in its author's class (the same fields)."""
     return convert_block(block, "serial_block", **BlockOptions()._asdict())
+
+
+def mark_head_checks(model: PyTree) -> PyTree:
+    """Every block of the author's that holds column-parallel linears (as fields, or in
+    lists and dicts of them) and int fields, converted to check its head reshapes at trace
+    time (`eqpar.nn.heads`). Equinox's and eqpar's own modules are left as they are: they
+    read no head count from a field."""
+    from .linear import ColumnParallelLinear
+
+    def column_axes(node: PyTree) -> tuple:
+        axes: dict = {}
+
+        def visit(child: object) -> None:
+            if isinstance(child, ColumnParallelLinear):
+                axes[child.axis_name] = None
+            elif isinstance(child, list | tuple | dict) and not isinstance(child, eqx.Module):
+                for item in child.values() if isinstance(child, dict) else child:
+                    visit(item)
+
+        for field in dataclasses.fields(node):
+            visit(getattr(node, field.name, None))
+        return tuple(axes)
+
+    def convert(node: PyTree) -> PyTree:
+        if isinstance(node, eqx.Module) and callable(node):
+            base = _author_class(node)
+            own = base.__module__.split(".")[0] not in ("equinox", "eqpar")
+            if own and int_fields(node):
+                axes = column_axes(node)
+                if axes:
+                    node = convert_block(node, "parallelize", head_check=axes)
+        return node
+
+    def walk(node: PyTree) -> PyTree:
+        if isinstance(node, ColumnParallelLinear):
+            return node
+        if isinstance(node, eqx.Module):
+            rebuilt = instance_with(
+                type(node),
+                {f.name: walk(getattr(node, f.name)) for f in dataclasses.fields(node)},
+            )
+            return convert(rebuilt)
+        if isinstance(node, list | tuple):
+            items = [walk(item) for item in node]
+            return type(node)(items) if not hasattr(node, "_fields") else type(node)(*items)
+        if isinstance(node, dict):
+            return type(node)({k: walk(v) for k, v in node.items()})
+        return node
+
+    return walk(model)

@@ -43,6 +43,7 @@ from ._twins import (
     gather_replicated,
     rebuilt,
 )
+from .heads import mark_column_output
 
 __all__ = [
     "ColumnParallelLinear",
@@ -735,7 +736,7 @@ class ColumnParallelLinear(eqx.nn.Linear):
         # Until the row-parallel partner, the features are split: a dropout between reads this.
         kind = "features_of_tokens" if self.sequence_parallel else "features"
         open_split(Split(self.axis_name, kind, -1, self.out_features // n))
-        return y
+        return mark_column_output(y)
 
 
 def _column_input_error(
