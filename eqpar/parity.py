@@ -13,6 +13,7 @@ indexing, not a parallel program that computes other numbers than its serial twi
 """
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Hashable, Mapping
 from typing import Any
@@ -21,6 +22,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax.sharding import PartitionSpec
 
 from ._paths import path_to_str
@@ -392,9 +394,13 @@ def _with_first_difference(
     mesh: jax.sharding.Mesh,
     own_step: bool,
 ) -> CheckReport:
+    # One example per device of the batch's axes, the first one on each: the serial and the
+    # parallel records then hold the same values wherever the outputs are whole.
+    shards = max(
+        math.prod(mesh.shape[a] for a in _spec_axes(spec) if a is not None) for spec in specs
+    )
     repeated = jax.tree.map(
-        lambda leaf: jnp.repeat(leaf[:1], leaf.shape[0], axis=0) if jnp.ndim(leaf) else leaf,
-        batch,
+        lambda leaf: jnp.repeat(leaf[:1], shards, axis=0) if jnp.ndim(leaf) else leaf, batch
     )
     try:
         serial_records = _probe_run(
@@ -413,7 +419,7 @@ def _with_first_difference(
         )
     except Exception as error:
         note = f"(the probed forward pass could not run: {type(error).__name__}: {error})"
-        return dataclasses.replace(report, probe_note=note[:500])
+        return dataclasses.replace(report, probe_note=note[:3000])
     order, serial_out, _ = serial_records
     _, parallel_out, kinds = parallel_records
     for path in order:
@@ -479,7 +485,6 @@ def _probe_run(run: Callable, model: PyTree, batch: tuple) -> tuple[list, dict, 
     kinds: dict[str, str] = {}
     probed = _with_probes(model, (), order, outputs, kinds)
     jax.block_until_ready(run(probed, *batch))
-    jax.effects_barrier()
     return order, outputs, kinds
 
 
@@ -523,23 +528,34 @@ def _with_probes(node: PyTree, path: tuple, order: list, outputs: dict, kinds: d
 
 
 def _probe_class(base: type, where: str, order: list, outputs: dict, kinds: dict) -> type:
+    def record(rank: int, *values: Any) -> np.ndarray:
+        outputs.setdefault(where, []).append([np.asarray(v, np.float64) for v in values])
+        batched = np.shape(values[0])[: np.ndim(values[0]) - rank]  # the vmaps' dimensions
+        return np.zeros(batched, np.float32)
+
     def __call__(self: PyTree, *args: Any, **kwargs: Any) -> Any:
         out = base.__call__(self, *args, **kwargs)
         if where not in kinds:
             order.append(where)  # trace order: the order the model calls its modules
             kinds[where] = _kind(base)
-        leaves = [leaf for leaf in jax.tree.leaves(out) if eqx.is_inexact_array(leaf)]
-        if leaves:
-            jax.debug.callback(
-                lambda *values: outputs.setdefault(where, []).append(
-                    [np.asarray(np.asarray(v), np.float64) for v in values]
-                ),
-                *leaves,
+        leaves, treedef = jax.tree.flatten(out)
+        floats = [i for i, leaf in enumerate(leaves) if eqx.is_inexact_array(leaf)]
+        if floats:
+            # A pure callback, called once per batch under `jax.vmap` (a debug callback runs
+            # once per element), kept alive by adding its zero to the output; no gradient
+            # flows through it.
+            zero = jax.pure_callback(
+                functools.partial(record, leaves[floats[0]].ndim),
+                jax.ShapeDtypeStruct((), jnp.float32),
+                *(lax.stop_gradient(leaves[i]) for i in floats),
+                vmap_method="broadcast_all",
             )
+            first = floats[0]
+            leaves[first] = leaves[first] + lax.stop_gradient(zero).astype(leaves[first].dtype)
+            out = jax.tree.unflatten(treedef, leaves)
         return out
 
-    cls = type(base.__name__, (base,), {"__call__": __call__, "__module__": base.__module__})
-    return cls
+    return type(base.__name__, (base,), {"__call__": __call__, "__module__": base.__module__})
 
 
 def _kind(cls: type) -> str:

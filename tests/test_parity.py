@@ -1,0 +1,152 @@
+"""`eqpar.check` and hand-written attention: a GPT-2 port whose head count is an `int` field.
+
+Under the documented Column/Row plan each device holds `n_head / n` heads of the query, key
+and value projections, but the author's `x.reshape(seq, self.n_head, -1)` splits them into
+`n_head` groups: silently wrong before. Now the block is refused at trace time naming the
+field, `HeadParallel(fields=("n_head",))` makes it right, and `eqpar.check` names the first
+module whose output differs in the cases no trace-time rule sees.
+"""
+
+import equinox as eqx
+import gpt2_port as gpt
+import jax
+import jax.numpy as jnp
+import pytest
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+import eqpar
+
+TP = {
+    r"blocks/\d+/attn/(q|k|v)_proj": eqpar.ColumnParallel(),
+    r"blocks/\d+/attn/c_proj": eqpar.RowParallel(),
+    r"blocks/\d+/mlp/c_fc": eqpar.ColumnParallel(),
+    r"blocks/\d+/mlp/c_proj": eqpar.RowParallel(),
+}
+HEADS = {r"blocks/\d+/attn": eqpar.HeadParallel(fields=("n_head",))}
+
+
+def mesh_of(shape: tuple[int, ...], names: tuple[str, ...]) -> eqpar.DeviceMesh:
+    return eqpar.DeviceMesh(shape, names, devices=jax.devices()[: int(jnp.prod(jnp.array(shape)))])
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+    return gpt.GPT(key=jax.random.key(0)), gpt.batch(4)
+
+
+def test_a_reshape_by_a_global_head_count_is_refused_naming_the_field(gpt2):
+    model, (tokens, keys) = gpt2
+    mesh = mesh_of((2, 4), ("data", "model"))
+    parallel = eqpar.parallelize(model, TP, mesh=mesh)
+    step = eqpar.shard_map(
+        lambda m, t, k: lax.pmean(gpt.loss(m, t, k), "data"),
+        mesh=mesh,
+        in_specs=(eqpar.partition_specs(parallel), P("data"), P("data")),
+        out_specs=P(),
+    )
+    with pytest.raises(
+        ValueError, match=r"int field `n_head` \(4\).*HeadParallel\(fields=\('n_head',\)"
+    ):
+        step(parallel, tokens, keys)
+
+
+@pytest.mark.parametrize(
+    ("shape", "fsdp"), [((2, 4), False), ((4, 2), True)], ids=["dp2xtp4", "fsdp4xtp2"]
+)
+def test_head_parallel_fields_equal_one_device(gpt2, shape, fsdp):
+    """Loss and every gradient leaf against one device at 1e-5 of its scale, by `eqpar.check`
+    (the parameters are the same, so an SGD update `w - lr * g` agrees as its gradient
+    does); dropout on the attention weights included: each device draws its heads' block of
+    the serial mask."""
+    model, batch = gpt2
+    mesh = mesh_of(shape, ("data", "model"))
+    parallel = eqpar.parallelize(model, {**TP, **HEADS}, mesh=mesh)
+    assert eqpar.unparallelize(parallel).blocks[0].attn.n_head == gpt.HEADS
+    if fsdp:
+        storage = eqpar.FSDP(mesh, axis="data", min_size_bytes=0).partition_specs(parallel)
+        parallel = eqx.filter_shard(parallel, eqpar.named_shardings(storage, mesh))
+    report = eqpar.check(gpt.loss, parallel, *batch, mesh=mesh, batch_specs=P("data"))
+    assert report.ok and len(report.leaves) > 30
+
+
+def test_head_parallel_fields_refuse_what_they_cannot_split(gpt2):
+    model, _ = gpt2
+    with pytest.raises(TypeError, match="no int field 'n_heads'"):
+        eqpar.parallelize(model, {r"blocks/\d+/attn": eqpar.HeadParallel(fields=("n_heads",))})
+    with pytest.raises(ValueError, match="n_head=4, which does not divide by the size of axis"):
+        eqpar.parallelize(model, {**TP, **HEADS}, mesh=mesh_of((8,), ("model",)))
+    with pytest.raises(TypeError, match="fields"):
+        eqpar.HeadParallel(fields="n_head")  # type: ignore[arg-type]
+
+
+class ConstantHeads(eqx.Module):
+    """Attention whose head count is a module-level constant: no field for a rule to read."""
+
+    qkv: eqx.nn.Linear
+    out: eqx.nn.Linear
+
+    def __call__(self, x):
+        seq = x.shape[0]
+        q, k, v = (y.reshape(seq, 4, -1) for y in jnp.split(jax.vmap(self.qkv)(x), 3, axis=-1))
+        return jax.vmap(self.out)(jax.nn.dot_product_attention(q, k, v).reshape(seq, -1))
+
+
+class Model(eqx.Module):
+    embed: eqx.nn.Embedding
+    attention: ConstantHeads
+    head: eqx.nn.Linear
+
+    def __call__(self, tokens):
+        x = jax.vmap(self.embed)(tokens)
+        return jax.vmap(self.head)(x + self.attention(x))
+
+
+def constant_heads_model() -> Model:
+    k = jax.random.split(jax.random.key(3), 4)
+    attention = ConstantHeads(eqx.nn.Linear(16, 48, key=k[0]), eqx.nn.Linear(16, 16, key=k[1]))
+    return Model(eqx.nn.Embedding(32, 16, key=k[2]), attention, eqx.nn.Linear(16, 32, key=k[3]))
+
+
+def lm_loss(model, tokens):
+    logits = jax.vmap(model)(tokens[:, :-1])
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1))
+
+
+def test_check_names_the_first_differing_module_where_no_rule_sees_the_cause():
+    """The three columns of one fused projection split per device (each device's block holds
+    pieces of q, k and v alike): silently wrong, and only the numbers show it."""
+    model = constant_heads_model()
+    tokens = jax.random.randint(jax.random.key(4), (4, 9), 0, 32)
+    mesh = mesh_of((2, 2), ("data", "model"))
+    plan = {"attention/qkv": eqpar.ColumnParallel(), "attention/out": eqpar.RowParallel()}
+    report = eqpar.check(lm_loss, model, tokens, mesh=mesh, plan=plan, raise_on_mismatch=False)
+    assert not report.ok
+    assert report.first_difference == "attention/out" and report.first_kind == "RowParallelLinear"
+    assert any("mixes devices' features" in cause for cause in report.causes)
+    with pytest.raises(
+        eqpar.ParityError, match="first module whose output differs: 'attention/out'"
+    ):
+        eqpar.check(lm_loss, model, tokens, mesh=mesh, plan=plan)
+
+
+def test_check_catches_a_dropout_kept_plain_on_split_heads(gpt2):
+    """The earlier rounds' silently wrong dropout: one mask on every device's block."""
+    model, batch = gpt2
+    mesh = mesh_of((2, 4), ("data", "model"))
+    plan = {**TP, **HEADS, r"blocks/\d+/attn/attn_dropout": eqpar.Replicated()}
+    report = eqpar.check(gpt.loss, model, *batch, mesh=mesh, plan=plan, raise_on_mismatch=False)
+    assert not report.ok
+    assert report.first_difference == "blocks/0/attn/c_proj"
+    assert any("'blocks/0/attn/attn_dropout' is a plain eqx.nn.Dropout" in c for c in report.causes)
+    assert "FAIL" in str(report)
+
+
+def test_check_refuses_bad_arguments():
+    model = constant_heads_model()
+    mesh = mesh_of((2,), ("data",))
+    with pytest.raises(ValueError, match="pass a small batch"):
+        eqpar.check(lm_loss, model, mesh=mesh)
+    with pytest.raises(ValueError, match="one per batch argument"):
+        eqpar.check(lm_loss, model, jnp.zeros((2, 9), int), mesh=mesh, batch_specs=(P(), P()))
