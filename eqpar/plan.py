@@ -277,6 +277,12 @@ class ContextParallel(Style):
     `eqpar.context.balance_sequence` order). `head_axis_name` also splits the heads over a
     tensor-parallel axis.
 
+    Keyed by a hand-written attention block (an `eqx.Module` of the author's that calls
+    `jax.nn.dot_product_attention`), the block's own call becomes ring attention over the
+    axis on its block of the sequence (`causal` is then the call's `is_causal`); split the
+    sequence where the blocks begin with `SplitSequence(axis_name)`. Attention written as an
+    einsum and a softmax is refused when traced, naming this route.
+
     The parameters stay whole on every device of the context axis; the rest of a
     transformer (norms, MLPs, embeddings of this device's tokens) runs on its tokens
     unchanged, so the author's model runs with its sequence split by `shard_map`'s
@@ -305,7 +311,19 @@ class ContextParallel(Style):
             "ContextParallel", self.layout, self.strategy, self.axis_name, self.head_axis_name
         )
 
+    def check_block(self) -> None:
+        """Refuse the options that a hand-written attention block cannot take."""
+        if self.strategy != "ring" or self.head_axis_name is not None:
+            raise ValueError(
+                f"parallelize: {self!r} names a hand-written attention block, whose "
+                f"jax.nn.dot_product_attention becomes ring attention: strategy='ring' only, "
+                f"and no head_axis_name (split its heads with ColumnParallel keys and "
+                f"HeadParallel(fields=...))."
+            )
+
     def convert(self, layer: PyTree) -> PyTree:
+        if not isinstance(layer, eqx.nn.MultiheadAttention):  # a hand-written block
+            return convert_block(layer, "ContextParallel", context=(self.axis_name, self.layout))
         return ContextParallelAttention(
             layer,
             axis_name=self.axis_name,
@@ -747,7 +765,7 @@ _BLOCK_STYLES = (Remat, SplitSequence, ExpertParallel)
 
 def _is_block_style(style: Style) -> bool:
     """Whether a style converts a block of the model (or a list of them), not a layer."""
-    return isinstance(style, _BLOCK_STYLES) or (
+    return isinstance(style, (*_BLOCK_STYLES, ContextParallel)) or (
         isinstance(style, HeadParallel) and bool(style.fields)
     )
 
@@ -871,10 +889,12 @@ def parallelize(
     _check_block_styles(plan)
     array_patterns = {k: p for k, p in all_patterns.items() if isinstance(plan[k], Sharded)}
     pipeline_patterns = {k: p for k, p in all_patterns.items() if isinstance(plan[k], Pipeline)}
-    patterns = {
+    patterns = {  # ContextParallel keys name attention layers or hand-written blocks
         k: p
         for k, p in all_patterns.items()
-        if k not in block_patterns and k not in array_patterns and k not in pipeline_patterns
+        if (k not in block_patterns or isinstance(plan[k], ContextParallel))
+        and k not in array_patterns
+        and k not in pipeline_patterns
     }
     axis_sizes = None if mesh is None else dict(as_jax_mesh(mesh).shape)
     used: set[str] = set()
@@ -885,6 +905,11 @@ def parallelize(
         if block_patterns:
             where = path_to_str(path)
             key = single_match(block_patterns, where, "parallelize")
+            if key is not None and isinstance(plan[key], ContextParallel):
+                if _is_plannable(node) or not isinstance(node, eqx.Module):
+                    key = None  # an eqx.nn.MultiheadAttention: converted as a layer below
+                else:
+                    plan[key].check_block()
             if key is not None:
                 used.add(key)
                 style = plan[key]

@@ -46,6 +46,20 @@ class CausalSelfAttention(eqx.Module):
         return jax.vmap(self.c_proj)(out)
 
 
+class FusedAttention(CausalSelfAttention):
+    """The same attention through `jax.nn.dot_product_attention` (no dropout on the weights,
+    which that function does not expose), as ports that want the fused kernel write it."""
+
+    def __call__(self, x: Float[Array, "seq dim"], *, key: PRNGKeyArray | None) -> Array:
+        seq = x.shape[0]
+        q, k, v = (
+            jax.vmap(proj)(x).reshape(seq, self.n_head, -1)
+            for proj in (self.q_proj, self.k_proj, self.v_proj)
+        )
+        out = jax.nn.dot_product_attention(q, k, v, is_causal=True).reshape(seq, -1)
+        return jax.vmap(self.c_proj)(out)
+
+
 class MLP(eqx.Module):
     c_fc: eqx.nn.Linear
     c_proj: eqx.nn.Linear
@@ -66,10 +80,10 @@ class Block(eqx.Module):
     mlp: MLP
     dropout: eqx.nn.Dropout
 
-    def __init__(self, *, key: PRNGKeyArray):
+    def __init__(self, *, key: PRNGKeyArray, fused: bool = False):
         k1, k2 = jax.random.split(key)
         self.ln_1, self.ln_2 = eqx.nn.LayerNorm(DIM), eqx.nn.LayerNorm(DIM)
-        self.attn = CausalSelfAttention(key=k1)
+        self.attn = (FusedAttention if fused else CausalSelfAttention)(key=k1)
         self.mlp = MLP(key=k2)
         self.dropout = eqx.nn.Dropout(DROPOUT)
 
@@ -88,11 +102,11 @@ class GPT(eqx.Module):
     ln_f: eqx.nn.LayerNorm
     lm_head: eqx.nn.Linear
 
-    def __init__(self, *, key: PRNGKeyArray):
+    def __init__(self, *, key: PRNGKeyArray, fused: bool = False):
         keys = jax.random.split(key, LAYERS + 3)
         self.wte = eqx.nn.Embedding(VOCAB, DIM, key=keys[0])
         self.wpe = eqx.nn.Embedding(CONTEXT, DIM, key=keys[1])
-        self.blocks = [Block(key=k) for k in keys[2:-1]]
+        self.blocks = [Block(key=k, fused=fused) for k in keys[2:-1]]
         self.ln_f = eqx.nn.LayerNorm(DIM)
         self.lm_head = eqx.nn.Linear(DIM, VOCAB, use_bias=False, key=keys[-1])
 

@@ -150,3 +150,31 @@ def test_check_refuses_bad_arguments():
         eqpar.check(lm_loss, model, mesh=mesh)
     with pytest.raises(ValueError, match="one per batch argument"):
         eqpar.check(lm_loss, model, jnp.zeros((2, 9), int), mesh=mesh, batch_specs=(P(), P()))
+
+
+CP = {
+    "blocks": eqpar.SplitSequence("context"),
+    r"blocks/\d+/attn": eqpar.ContextParallel(axis_name="context"),
+}
+
+
+def test_context_parallel_on_a_hand_written_block_that_calls_dot_product_attention():
+    """The block's own `jax.nn.dot_product_attention(..., is_causal=True)` runs as ring
+    attention on its block of the sequence; the learned positions, sliced by `[:seq]` before
+    the blocks, stay global; the residual dropouts draw their rows of the serial mask."""
+    model = gpt.GPT(key=jax.random.key(0), fused=True)
+    mesh = mesh_of((2, 4), ("data", "context"))
+    report = eqpar.check(gpt.loss, model, *gpt.batch(4), mesh=mesh, plan=CP, batch_specs=P("data"))
+    assert report.ok
+    assert (
+        type(eqpar.unparallelize(eqpar.parallelize(model, CP)).blocks[0].attn) is gpt.FusedAttention
+    )
+
+
+def test_context_parallel_on_einsum_attention_is_refused_naming_the_route(gpt2):
+    model, batch = gpt2
+    mesh = mesh_of((2, 4), ("data", "context"))
+    with pytest.raises(ValueError, match=r"without calling jax.nn.dot_product_attention.*Call jax"):
+        eqpar.check(gpt.loss, model, *batch, mesh=mesh, plan=CP, batch_specs=P("data"))
+    with pytest.raises(ValueError, match="strategy='ring' only"):
+        eqpar.parallelize(model, {r"blocks/\d+/attn": eqpar.ContextParallel(strategy="all_gather")})

@@ -20,6 +20,7 @@ from jaxtyping import PyTree
 from .._axes import bound_axis_size
 from .._declare import declared_partition_specs
 from ._twins import instance_with
+from .attention_calls import rebound_call, refuse_unreached
 from .heads import check_head_reshapes, head_splits, int_fields, localized
 from .sequence import gather_sequence, scatter_sequence
 from .stacks import REMAT_POLICIES
@@ -41,6 +42,9 @@ class BlockOptions(NamedTuple):
     local_fields: tuple[tuple[str, Hashable], ...] = ()
     # The axes of the column-parallel linears the block holds: its head reshapes are checked.
     head_check: tuple[Hashable, ...] = ()
+    # `(axis, layout)`: the block's jax.nn.dot_product_attention runs as ring attention over
+    # the axis where it is manual (`ContextParallel` keyed by a hand-written attention block).
+    context: tuple = ()
 
     @property
     def changes_call(self) -> bool:
@@ -50,6 +54,7 @@ class BlockOptions(NamedTuple):
             or (self.gather_on_exit is not None)
             or bool(self.local_fields)
             or bool(self.head_check)
+            or bool(self.context)
         )
 
 
@@ -110,8 +115,8 @@ def author_declared_specs(block: PyTree) -> dict[str, PartitionSpec]:
 def _block_call(base: type, options: BlockOptions) -> Any:
     base_call = base.__call__
 
-    def run(block: PyTree, args: tuple, kwargs: dict) -> PyTree:
-        return base_call(block, *args, **kwargs)
+    def run(block: PyTree, args: tuple, kwargs: dict, call: Any) -> PyTree:
+        return call(block, *args, **kwargs)
 
     if options.remat != "none":
         run = eqx.filter_checkpoint(run, policy=REMAT_POLICIES[options.remat])
@@ -133,8 +138,13 @@ def _block_call(base: type, options: BlockOptions) -> Any:
             check_head_reshapes(
                 base, self, base_call, args, kwargs, axes=options.head_check, local_fields=local
             )
+        call, attention_calls = base_call, None
+        if options.context and bound_axis_size(options.context[0]) is not None:
+            call, attention_calls = rebound_call(base.__name__, base_call, *options.context)
         with head_splits(self, options.local_fields):
-            out = run(self, args, kwargs)
+            out = run(self, args, kwargs, call)
+        if attention_calls is not None and not attention_calls:
+            refuse_unreached(base.__name__, options.context[0])
         if options.gather_on_exit is not None:
             out = gather_sequence(out, options.gather_on_exit)
         return out
