@@ -142,7 +142,8 @@ def check(
     with the axes that `Sharded` keys split left to the compiler; a model with only
     `Sharded` leaves runs under `jax.jit` on placed arrays. The loss and each gradient leaf
     are compared relative to the leaf's scale (its largest magnitude, at least a thousandth
-    of the largest leaf's), within a tolerance from the dtype (float32: 1e-5). On a
+    of the largest leaf's), within a tolerance from the dtype (float32: 1e-5; bfloat16:
+    4e-2, also for float32 leaves of a step whose matrix products run in bfloat16). On a
     mismatch, the forward pass runs again on a batch of the first example repeated, with
     probes on the model's modules, and the report names the first module whose whole output
     differs and the likely causes for its kind.
@@ -200,8 +201,13 @@ def check(
     value, grads = parallel_step(_placed(parallel, jax_mesh), *placed_batch)
     grads = unparallelize(grads)
 
-    leaves = [_compare("loss", value, serial_value, rtol, None)]
-    leaves.extend(_compare_trees(grads, serial_grads, rtol))
+    if rtol is None:  # a program that multiplies in bfloat16 rounds as bfloat16 does
+        floor = _compute_rtol(loss_fn, serial, serial_batch)
+        rtol_of = lambda dtype: max(_RTOL.get(jnp.dtype(dtype), 1e-5), floor)
+    else:
+        rtol_of = lambda dtype: rtol
+    leaves = [_compare("loss", value, serial_value, rtol_of, None)]
+    leaves.extend(_compare_trees(grads, serial_grads, rtol_of))
     report = CheckReport(loss=float(value), serial_loss=float(serial_value), leaves=tuple(leaves))
     if not report.ok:
         report = _with_first_difference(
@@ -301,7 +307,31 @@ def _placed(model: PyTree, mesh: jax.sharding.Mesh) -> PyTree:
     return eqx.filter_shard(model, named_shardings(partition_specs(model), mesh))
 
 
-def _compare_trees(actual: PyTree, expected: PyTree, rtol: float | None) -> list[LeafDifference]:
+def _compute_rtol(loss_fn: Callable, model: PyTree, batch: tuple) -> float:
+    """The tolerance of the least precise dtype the serial step multiplies in (its matrix
+    products' operands, read off its jaxpr), or 0."""
+    jaxpr = jax.make_jaxpr(eqx.filter_value_and_grad(loss_fn))(model, *batch)
+    found = 0.0
+
+    def visit(inner: Any) -> None:
+        nonlocal found
+        for eqn in inner.eqns:
+            if eqn.primitive.name in ("dot_general", "conv_general_dilated"):
+                for var in eqn.invars:
+                    dtype = getattr(getattr(var, "aval", None), "dtype", None)
+                    if dtype is not None and jnp.issubdtype(dtype, jnp.floating):
+                        found = max(found, _RTOL.get(jnp.dtype(dtype), 0.0))
+            for param in eqn.params.values():
+                for sub in param if isinstance(param, tuple | list) else (param,):
+                    sub = getattr(sub, "jaxpr", sub)
+                    if hasattr(sub, "eqns"):
+                        visit(sub)
+
+    visit(jaxpr.jaxpr)
+    return found
+
+
+def _compare_trees(actual: PyTree, expected: PyTree, rtol_of: Callable) -> list[LeafDifference]:
     got = dict(_float_leaves(actual))
     want = dict(_float_leaves(expected))
     if set(got) != set(want):
@@ -315,8 +345,12 @@ def _compare_trees(actual: PyTree, expected: PyTree, rtol: float | None) -> list
     scales = {
         path: float(np.max(np.abs(leaf))) if leaf.size else 0.0 for path, leaf in want.items()
     }
-    floor = _FLOOR * max(scales.values(), default=0.0)
-    return [_compare(path, got[path], want[path], rtol, max(scales[path], floor)) for path in want]
+    # The floor grows with the rounding of the step's least precise dtype (bfloat16: 1e-2).
+    fraction = max(_FLOOR, rtol_of(jnp.float32) / 4)
+    floor = fraction * max(scales.values(), default=0.0)
+    return [
+        _compare(path, got[path], want[path], rtol_of, max(scales[path], floor)) for path in want
+    ]
 
 
 def _float_leaves(tree: PyTree) -> list[tuple[str, np.ndarray]]:
@@ -328,11 +362,11 @@ def _float_leaves(tree: PyTree) -> list[tuple[str, np.ndarray]]:
 
 
 def _compare(
-    path: str, actual: Any, expected: Any, rtol: float | None, scale: float | None
+    path: str, actual: Any, expected: Any, rtol_of: Callable, scale: float | None
 ) -> LeafDifference:
     a = np.asarray(actual, np.float64)
     e = np.asarray(expected, np.float64)
-    tolerance = rtol if rtol is not None else _RTOL.get(jnp.asarray(expected).dtype, 1e-5)
+    tolerance = rtol_of(jnp.asarray(expected).dtype)
     if a.shape != e.shape:
         return LeafDifference(path, math.inf, tolerance)
     finite = np.isfinite(e)

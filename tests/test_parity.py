@@ -178,3 +178,17 @@ def test_context_parallel_on_einsum_attention_is_refused_naming_the_route(gpt2):
         eqpar.check(gpt.loss, model, *batch, mesh=mesh, plan=CP, batch_specs=P("data"))
     with pytest.raises(ValueError, match="strategy='ring' only"):
         eqpar.parallelize(model, {r"blocks/\d+/attn": eqpar.ContextParallel(strategy="all_gather")})
+
+
+def test_bfloat16_compute_is_checked_at_bfloat16_tolerance(gpt2):
+    """float32 parameters, bfloat16 matrix products: `check` reads the compute dtype off the
+    step and compares at bfloat16's tolerance."""
+    model, batch = gpt2
+    policy = eqpar.Precision.bfloat16()
+
+    def loss(m, tokens, keys):
+        return policy.cast_to_output(gpt.loss(policy.cast_to_compute(m), tokens, keys))
+
+    mesh = mesh_of((2, 4), ("data", "model"))
+    report = eqpar.check(loss, model, *batch, mesh=mesh, plan={**TP, **HEADS})
+    assert report.ok and report.leaves[0].tolerance == pytest.approx(4e-2)
