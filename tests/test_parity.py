@@ -192,3 +192,33 @@ def test_bfloat16_compute_is_checked_at_bfloat16_tolerance(gpt2):
     mesh = mesh_of((2, 4), ("data", "model"))
     report = eqpar.check(loss, model, *batch, mesh=mesh, plan={**TP, **HEADS})
     assert report.ok and report.leaves[0].tolerance == pytest.approx(4e-2)
+
+
+def test_a_checkpoint_restores_onto_another_tensor_parallel_size(gpt2, tmp_path):
+    """Head counts stay global outside the parallel region, so a checkpoint written with 4
+    heads split over model=4 restores bit for bit into the abstract model split over
+    model=2, which then trains as one device does."""
+    model, batch = gpt2
+    plan = {**TP, **HEADS}
+    mesh4 = mesh_of((2, 4), ("data", "model"))
+    parallel = eqpar.parallelize(model, plan, mesh=mesh4)
+    parallel = eqx.filter_shard(
+        parallel, eqpar.named_shardings(eqpar.partition_specs(parallel), mesh4)
+    )
+    mesh2 = mesh_of((4, 2), ("data", "model"))
+    abstract = eqpar.parallelize(eqx.filter_eval_shape(gpt.GPT, key=jax.random.key(0)), plan)
+    shardings = eqpar.named_shardings(eqpar.partition_specs(abstract), mesh2)
+    arrays, rest = eqx.partition(abstract, lambda x: isinstance(x, jax.ShapeDtypeStruct))
+    target = jax.tree.map(
+        lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
+        arrays,
+        shardings,
+    )
+    target = eqx.combine(target, rest)
+    with eqpar.checkpoint.Checkpointer(tmp_path) as checkpointer:
+        checkpointer.save(0, parallel)
+        restored = checkpointer.restore(target=target)
+    assert restored.blocks[0].attn.q_proj.weight.sharding.spec == P("model", None)
+    assert restored.blocks[0].attn.q_proj.weight.sharding.mesh.shape["model"] == 2
+    assert eqx.tree_equal(eqpar.unparallelize(restored), model)
+    assert eqpar.check(gpt.loss, restored, *batch, mesh=mesh2, batch_specs=P("data")).ok
