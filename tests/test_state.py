@@ -260,6 +260,9 @@ def test_statistics_over_a_batch_and_a_sequence_split_over_devices():
         forward, mesh=mesh, in_specs=(P(), P(), split), out_specs=(split, P())
     )
     assert_tree_close(sharded(norm, state, x), forward(norm, state, x))
+    _, state = forward(norm, state, x)  # running statistics to use
+    inference = eqx.nn.inference_mode(norm)
+    assert_tree_close(sharded(inference, state, x), forward(inference, state, x))
 
 
 def test_a_stateful_layer_of_ones_own_gets_the_fix():
