@@ -600,6 +600,37 @@ def _mismatches(saved: dict[str, dict], plan: Sequence[_Leaf], reshape: bool) ->
     ]
 
 
+# Where eqpar keeps a list of blocks stacked (`PipelinedBlocks`, `PipelineModule`): the leaf
+# paths of a parallelized model that its plain twin does not have.
+_STACKED = ("pipeline/stages/", "stages/layers/")
+
+
+def _structure_fix(saved: dict[str, dict], plan: Sequence[_Leaf]) -> str:
+    """The fix a mismatch message ends with; where the leaves differ by path between a model
+    parallelized by a plan and its plain twin, which structure to restore into."""
+    in_target = {leaf.path for leaf in plan}
+    only_saved = [path for path in saved if path not in in_target]
+    only_target = [path for path in in_target if path not in saved]
+    stacked = lambda paths: any(marker in path for path in paths for marker in _STACKED)
+    if only_saved and only_target and (stacked(only_saved) or stacked(only_target)):
+        if stacked(only_saved):
+            return (
+                "The checkpoint holds a parallelized model (its pipelined blocks stored "
+                "stacked) and `target` a plain one: restore into the parallelized structure, "
+                "`eqpar.parallelize(eqx.filter_eval_shape(Model, ...), plan)` with the plan it "
+                "was saved under (pass `shardings=` or give its ShapeDtypeStructs a sharding; "
+                "`eqpar.unparallelize` the result for the plain model), or save "
+                "`eqpar.unparallelize(model)` instead, which plain targets restore."
+            )
+        return (
+            "`target` is a parallelized model (its pipelined blocks stored stacked) but the "
+            "checkpoint holds a plain one: restore into the plain structure "
+            "(`eqx.filter_eval_shape(Model, ...)`) and `eqpar.parallelize` the result, or "
+            "save the parallelized model."
+        )
+    return "Build `target` like the state that was saved (same constructors)."
+
+
 def _kind_contradiction(record: dict) -> str | None:
     """How a saved leaf's recorded kind contradicts the array orbax stored for it, or `None`.
     A Python scalar is stored as a 0-d array of its NumPy dtype, a PRNG key as its key data;
@@ -1256,7 +1287,7 @@ class Checkpointer:
             raise CheckpointMismatchError(
                 f"Checkpoint step {step} at {step_dir} does not have the structure of `target`; "
                 f"first mismatching leaf: {problems[0]}.\nAll {len(problems)} differences:\n"
-                f"{listed}\nBuild `target` like the state that was saved (same constructors).",
+                f"{listed}\n{_structure_fix(saved, plan)}",
                 step=step,
                 path=str(step_dir),
             )

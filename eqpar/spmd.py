@@ -24,6 +24,12 @@ from .layout import (
     partition_specs,
 )
 from .mesh import DeviceMesh, as_jax_mesh
+from .nn.stateful import (
+    check_batch_stats,
+    manual_stateful_layers,
+    serial_stateful_layers,
+    stateful_layer_kinds,
+)
 
 
 def shard_map(
@@ -36,6 +42,7 @@ def shard_map(
     check_vma: bool = True,
     axis_names: Set[Hashable] | None = None,
     stored_specs: PyTree | None = None,
+    batch_stats: str | tuple[Hashable, ...] = "global",
 ) -> Callable:
     """`jax.shard_map` for functions that take and return Equinox modules.
 
@@ -71,6 +78,15 @@ def shard_map(
       a result computed from it over them (`lax.pmean` of one that is the same on each
       device), as a loss over a split batch is; a gradient that `fn` takes itself is that
       share, and an out_spec that leaves the axis out refuses it.
+    - `batch_stats`: what batch statistics the model's `eqx.nn.BatchNorm` layers compute
+      (they, and `eqx.nn.SpectralNorm`, run as their twins `eqpar.nn.ParallelBatchNorm` /
+      `ParallelSpectralNorm` inside `fn`, the original classes back in the results; the
+      `eqx.nn.State` enters and leaves replicated, `P()`). `"global"` (the default): over the
+      whole batch, as on one device: the mean over the vmap axis and every mesh axis the
+      norm's input is split over (the data axes; a sequence split). `"per_shard"`: over
+      each device's examples, with the running statistics averaged over the devices. A tuple
+      of mesh axes: over those (the form `check_vma=False` needs, where JAX does not say how
+      the input is split).
 
     **Returns:** the mapped function (or a decorator when `fn` is omitted).
 
@@ -97,6 +113,15 @@ def shard_map(
     )
     grads = eqx.filter_jit(eqx.filter_grad(loss))(stored, x)
     assert grads.layers[0].weight.sharding.spec == P("data", None)
+
+    # A stateful model, unchanged: BatchNorm's statistics are the whole batch's.
+    norm, state = eqx.nn.make_with_state(eqx.nn.BatchNorm)(4, "batch", mode="batch")
+    forward = lambda norm, state, x: jax.vmap(
+        norm, axis_name="batch", in_axes=(0, None), out_axes=(0, None))(x, state)
+    out, new_state = eqpar.shard_map(
+        forward, mesh=mesh, in_specs=(P(), P(), P("data")), out_specs=(P("data"), P())
+    )(norm, state, x + jnp.arange(16.0)[:, None])
+    assert jnp.allclose(out.mean(axis=0), 0.0, atol=1e-5)  # normalised over all 16 rows
     ```
     """
     if fn is None:
@@ -108,10 +133,20 @@ def shard_map(
             check_vma=check_vma,
             axis_names=axis_names,
             stored_specs=stored_specs,
+            batch_stats=batch_stats,
         )
     if not callable(fn):
         raise TypeError(f"shard_map: fn must be callable; got {type(fn).__name__}.")
     jax_mesh = as_jax_mesh(mesh) if mesh is not None else None
+    batch_stats = check_batch_stats(batch_stats, "shard_map")
+    if isinstance(batch_stats, tuple) and jax_mesh is not None:
+        manual = set(jax_mesh.axis_names if axis_names is None else axis_names)
+        unknown = [name for name in batch_stats if name not in manual]
+        if unknown:
+            raise ValueError(
+                f"shard_map: batch_stats names {unknown[0]!r}, which is not a manual axis here "
+                f"({sorted(manual, key=str)}); name the mesh axes the batch is split over."
+            )
     extra = {} if axis_names is None else {"axis_names": frozenset(axis_names)}
 
     @functools.wraps(fn)
@@ -145,8 +180,21 @@ def shard_map(
             local_dynamic = tuple(
                 _gathered(arg, plans) for arg, plans in zip(local_dynamic, gathers)
             )
+            local_args = eqx.combine(local_dynamic, static)
+            stateful = stateful_layer_kinds(local_args)
+            if stateful:
+                if eqx.nn.BatchNorm in stateful:
+                    _check_batch_stats(batch_stats, check_vma, name)
+                local_args = manual_stateful_layers(local_args, batch_stats=batch_stats)
             with fresh_record():
-                out = fn(*eqx.combine(local_dynamic, static))
+                try:
+                    out = fn(*local_args)
+                except ValueError as error:
+                    if _STATE_SET_ERROR not in str(error):
+                        raise
+                    raise ValueError(_state_set_fix(name, error)) from error
+            if stateful:
+                out = serial_stateful_layers(out)
             out_dynamic, out_static = eqx.partition(out, eqx.is_array)
             static_out.append(out_static)
             if check_vma:
@@ -167,6 +215,35 @@ def shard_map(
         return eqx.combine(out_dynamic, static_out[-1])
 
     return mapped
+
+
+# The start of `eqx.nn.State.set`'s refusal of a value of another type than the old one's.
+_STATE_SET_ERROR = "Old and new values have different structures/shapes/dtypes"
+
+
+def _check_batch_stats(batch_stats: str | tuple, check_vma: bool, name: str) -> None:
+    if not check_vma and not isinstance(batch_stats, tuple):
+        raise ValueError(
+            f"shard_map: {name} gets an eqx.nn.BatchNorm with check_vma=False, "
+            f"where JAX does not say which mesh axes split the batch, so batch_stats="
+            f"{batch_stats!r} cannot find them. Name them, e.g. batch_stats=('data',), or "
+            f"leave check_vma=True."
+        )
+
+
+def _state_set_fix(name: str, error: ValueError) -> str:
+    return (
+        f"shard_map: a stateful layer in {name} stored a new value of another type than its "
+        f"old one ({error}). Where the shapes and dtypes agree, the two differ in how JAX "
+        f"types them inside shard_map: the eqx.nn.State enters replicated (in_specs P()) and "
+        f"typed with the mesh, and the new value must match. Either it was computed from "
+        f"values that differ between devices (a statistic of this device's share of a split "
+        f"batch): average it over the axes the batch is split over "
+        f"(`jax.lax.pmean(value, 'data')`) before `state.set`; or it is a fresh constant "
+        f"(`jnp.array(False)`): build it from the old value (`jnp.zeros_like(old)`, "
+        f"`old + 1`). eqpar runs eqx.nn.BatchNorm and eqx.nn.SpectralNorm as twins that do "
+        f"this (see `batch_stats`)."
+    )
 
 
 def _argument_specs(

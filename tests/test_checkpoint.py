@@ -1181,6 +1181,123 @@ def test_reshape_refuses_other_layers_of_the_same_size(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
+# Restore targets for every plan: `parallelize` on an abstract model
+
+
+class _PlannedBlock(eqx.Module):
+    attention: eqx.nn.MultiheadAttention
+    up: eqx.nn.Linear
+    down: eqx.nn.Linear
+    norm: eqx.nn.LayerNorm
+    dropout: eqx.nn.Dropout
+    raw: jax.Array
+
+    def __init__(self, key):
+        k1, k2, k3, k4 = jax.random.split(key, 4)
+        self.attention = eqx.nn.MultiheadAttention(2, 8, key=k1)
+        self.up, self.down = eqx.nn.Linear(8, 16, key=k2), eqx.nn.Linear(16, 8, key=k3)
+        self.norm, self.dropout = eqx.nn.LayerNorm(8), eqx.nn.Dropout(0.1)
+        self.raw = jax.random.normal(k4, (8, 8))
+
+    def __call__(self, x):
+        return x + self.down(jax.nn.gelu(self.up(self.norm(x)))) @ self.raw
+
+
+class _PlannedModel(eqx.Module):
+    embed: eqx.nn.Embedding
+    layers: list
+
+    def __init__(self, key):
+        keys = jax.random.split(key, 5)
+        self.embed = eqx.nn.Embedding(16, 8, key=keys[0])
+        self.layers = [_PlannedBlock(k) for k in keys[1:]]
+
+    def __call__(self, x):
+        x = self.embed(x)
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+_BLOCK = r"layers/\d+"
+_TP = {f"{_BLOCK}/up": eqpar.ColumnParallel(), f"{_BLOCK}/down": eqpar.RowParallel()}
+_PLANS = {
+    "column-row": _TP,
+    "head": {f"{_BLOCK}/attention": eqpar.HeadParallel()},
+    "context": {f"{_BLOCK}/attention": eqpar.ContextParallel()},
+    "vocab": {"embed": eqpar.VocabParallel()},
+    "feature": {"embed": eqpar.FeatureParallel()},
+    "sequence": {f"{_BLOCK}/dropout": eqpar.SequenceParallel()},
+    "replicated": {f"{_BLOCK}/norm": eqpar.Replicated()},
+    "remat": {_BLOCK: eqpar.Remat()},
+    "split-sequence": {"layers": eqpar.SplitSequence()},
+    "sharded": {f"{_BLOCK}/raw": eqpar.Sharded(P(None, "model"))},
+    "pipeline": {"layers": eqpar.Pipeline(stages=2, microbatches=2)},
+    "circular": {"layers": eqpar.Pipeline(stages=2, microbatches=2, repeats=2)},
+    "1f1b": {"layers": eqpar.Pipeline(stages=2, microbatches=2, schedule="1f1b")},
+    "pipeline-tp": {"layers": eqpar.Pipeline(stages=2, microbatches=2), **_TP},
+}
+
+
+@pytest.mark.parametrize("plan", list(_PLANS.values()), ids=list(_PLANS))
+def test_parallelize_builds_the_abstract_parallel_model_with_every_style(plan):
+    """`parallelize(eqx.filter_eval_shape(...), plan)` is the parallel model with
+    ShapeDtypeStructs for arrays: the structure, shapes, dtypes and layout of the concrete
+    one (a restore target), and `unparallelize` gives the abstract plain model back. (The
+    ExpertParallel style: tests/test_experts.py.) On the old code a Pipeline entry failed:
+    "the layers have no array leaves"."""
+    abstract = eqx.filter_eval_shape(_PlannedModel, jax.random.key(0))
+    parallel = eqpar.parallelize(abstract, plan)
+    concrete = eqpar.parallelize(_PlannedModel(jax.random.key(0)), plan)
+    is_array = lambda leaf: isinstance(leaf, jax.Array)
+    assert not any(map(is_array, jax.tree.leaves(parallel)))
+    assert jax.tree.structure(parallel) == jax.tree.structure(concrete)
+    structs = lambda tree: [
+        (leaf.shape, leaf.dtype) for leaf in jax.tree.leaves(tree) if is_data(leaf)
+    ]
+    assert structs(parallel) == structs(concrete)
+    assert eqpar.partition_specs(parallel) == eqpar.partition_specs(concrete)
+    back = eqpar.unparallelize(parallel)
+    assert jax.tree.structure(back) == jax.tree.structure(abstract)
+    assert structs(back) == structs(abstract)
+
+
+def test_a_pipelined_checkpoint_restores_into_the_abstract_parallel_model(tmp_path):
+    """Saved from a model pipelined by a plan, restored into `parallelize(filter_eval_shape(
+    ...), plan)` placed by its own specs; a plain target gets a mismatch that names the fix."""
+    plan = {"layers": eqpar.Pipeline(stages=2, microbatches=2)}
+    mesh = mesh_of((2,), ("pipe",))
+    saved = eqpar.parallelize(_PlannedModel(jax.random.key(0)), plan)
+    saved = eqx.filter_shard(saved, eqpar.named_shardings(eqpar.partition_specs(saved), mesh))
+    abstract = eqx.filter_eval_shape(_PlannedModel, jax.random.key(1))
+    with Checkpointer(tmp_path) as checkpointer:
+        checkpointer.save(0, saved)
+        target = eqpar.parallelize(abstract, plan)
+        shardings = eqpar.named_shardings(eqpar.partition_specs(target), mesh)
+        restored = checkpointer.restore(target=target, shardings=shardings)
+        assert_bitwise_equal(restored, saved)
+        stacked = restored.layers.pipeline.stages.layers.up.weight
+        assert stacked.sharding.spec[0] == "pipe" and stacked.shape == (2, 2, 16, 8)
+        assert_bitwise_equal(eqpar.unparallelize(restored), eqpar.unparallelize(saved))
+
+        with pytest.raises(CheckpointMismatchError) as caught:
+            checkpointer.restore(target=abstract)
+        message = str(caught.value)
+        assert "`layers/0/up/weight` (missing leaf)" in message
+        assert (
+            "The checkpoint holds a parallelized model (its pipelined blocks stored stacked) "
+            "and `target` a plain one: restore into the parallelized structure, "
+            "`eqpar.parallelize(eqx.filter_eval_shape(Model, ...), plan)`" in message
+        )
+        assert "or save `eqpar.unparallelize(model)` instead" in message
+
+        # The other way round: a plain checkpoint, a parallelized target.
+        checkpointer.save(1, eqpar.unparallelize(saved))
+        with pytest.raises(CheckpointMismatchError, match="restore into the plain structure"):
+            checkpointer.restore(1, target=target, shardings=shardings)
+
+
+# ---------------------------------------------------------------------------------------------
 # Guarantees under faults: quarantine, damaged metadata, step identity, one writer, atomic
 # removal of old steps, a save on only some processes
 

@@ -26,6 +26,8 @@ from .sequence import scatter_sequence as scatter_sequence
 from .stacks import ScannedLayers as ScannedLayers
 from .stacks import stack_layers as stack_layers
 from .stacks import unstack_layers as unstack_layers
+from .stateful import ParallelBatchNorm as ParallelBatchNorm
+from .stateful import ParallelSpectralNorm as ParallelSpectralNorm
 
 __all__ = [
     "ColumnParallelLinear",
@@ -34,8 +36,10 @@ __all__ = [
     "HeadParallelAttention",
     "MixtureOfExperts",
     "ModelParallelismWrapper",
+    "ParallelBatchNorm",
     "ParallelDropout",
     "ParallelRotaryEmbedding",
+    "ParallelSpectralNorm",
     "PipelineModule",
     "PipelinedBlocks",
     "RouterLosses",

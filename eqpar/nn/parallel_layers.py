@@ -25,6 +25,8 @@ are split over the axis on the feature dimension, and the block ends with one re
 | `ParallelDropout` (every other dropout) | nothing | any block | its block of the serial mask |
 | `ParallelRotaryEmbedding` | nothing | this device's tokens | rotated by global positions |
 | `ContextParallelAttention` | the sequence | this device's tokens | its tokens' output |
+| `ParallelBatchNorm` (`shard_map`) | nothing | its examples | normed by the batch's statistics |
+| `ParallelSpectralNorm` (`shard_map`) | nothing | as `SpectralNorm` | as `SpectralNorm` |
 
 Gradients need no help from the user: with `shard_map`'s default `check_vma=True`, JAX
 types a replicated input that meets a split weight as varying, and the transpose of that
@@ -45,6 +47,7 @@ from .rotary import ParallelRotaryEmbedding as ParallelRotaryEmbedding
 from .sequence import SequenceParallelDropout as SequenceParallelDropout
 from .sequence import gather_sequence as gather_sequence
 from .sequence import scatter_sequence as scatter_sequence
+from .stateful import ParallelBatchNorm, ParallelSpectralNorm
 
 __all__ = [
     "ColumnParallelLinear",
@@ -74,6 +77,8 @@ PARALLEL_LAYERS = (
     ContextParallelAttention,
     ParallelDropout,
     ParallelRotaryEmbedding,
+    ParallelBatchNorm,
+    ParallelSpectralNorm,
 )
 
 

@@ -21,6 +21,7 @@ differentiates the pipeline (the one gradient rule: the gradient of the global l
 divided by hand).
 """
 
+import dataclasses
 import inspect
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
@@ -142,6 +143,22 @@ class PipelinedBlocks(eqx.Module):
                     f"{_OWNER}: `blocks[{index}]` is a {type(block).__name__}, which cannot be "
                     f"called; a pipeline runs the blocks one after another."
                 )
+        _refuse_state(blocks)
+        if _is_abstract(blocks):
+            # An abstract model (`eqx.filter_eval_shape`, a restore target): built as the
+            # concrete one would be, through `eval_shape`, so its arrays are ShapeDtypeStructs
+            # of the stacked shapes.
+            built = eqx.filter_eval_shape(
+                lambda b: PipelinedBlocks(
+                    b, num_stages=num_stages, num_microbatches=num_microbatches,
+                    num_repeats=num_repeats, axis_name=axis_name, remat=remat,
+                    batch_axis=batch_axis, schedule=schedule,
+                ),
+                blocks,
+            )  # fmt: skip
+            for field in dataclasses.fields(built):
+                setattr(self, field.name, getattr(built, field.name))
+            return
         if batch_axis not in (None, 0) or isinstance(batch_axis, bool):
             raise ValueError(
                 f"{_OWNER}: `batch_axis` is None (the model runs one example per call under "
@@ -204,6 +221,8 @@ class PipelinedBlocks(eqx.Module):
     def blocks(self) -> list[Any]:
         """The blocks as separate modules, in model order (the arrays indexed out of the
         stack; integer static fields that differ by block are Python values again)."""
+        if _is_abstract(self):
+            return eqx.filter_eval_shape(lambda owner: owner.blocks(), self)
         return unstack_layers(self.pipeline.to_layers())
 
     def serial(self) -> list | tuple:
@@ -277,6 +296,39 @@ class PipelinedBlocks(eqx.Module):
             return out, jax.tree.map(lambda _: True, out)
 
         return pipelined(params, x, per_layer_values, shared_values)
+
+
+def _refuse_state(blocks: Sequence[Any]) -> None:
+    """Refuse blocks holding stateful layers (an `eqx.nn.StateIndex`: `BatchNorm`,
+    `SpectralNorm`), naming the first and the routes that train them."""
+    is_index = lambda node: isinstance(node, eqx.nn.StateIndex)
+    found = [
+        path
+        for path, leaf in jax.tree_util.tree_flatten_with_path(list(blocks), is_leaf=is_index)[0]
+        if is_index(leaf)
+    ]
+    if found:
+        block, *inside = found[0][:-1]
+        where = f"block {getattr(block, 'idx', block)}" + (
+            f" at {path_to_str(tuple(inside))!r}" if inside else ""
+        )
+        raise ValueError(
+            f"{_OWNER}: the blocks hold stateful layers (an eqx.nn.StateIndex in {where}: "
+            f"an eqx.nn.BatchNorm, SpectralNorm or a layer of your own that keeps "
+            f"an eqx.nn.State). A pipeline runs each block on one microbatch at a time, so a "
+            f"block's batch statistics would be a microbatch's rather than the batch's, as on "
+            f"one device, and its state would be updated once per microbatch. Pipelined blocks "
+            f"must be stateless: keep the stateful layers outside the pipelined list (in the "
+            f"model's stem or head, which run on the whole batch), or train this model without "
+            f"a pipeline: DataParallel / FSDP, or `eqpar.shard_map` over data and model axes, "
+            f"where eqx.nn.BatchNorm computes the whole batch's statistics."
+        )
+
+
+def _is_abstract(tree: PyTree) -> bool:
+    """Whether `tree` holds abstract arrays (`jax.ShapeDtypeStruct`, as
+    `eqx.filter_eval_shape` gives)."""
+    return any(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree.leaves(tree))
 
 
 class _BlockCall:
@@ -869,7 +921,7 @@ class _AfterBlocks(eqx.Module):
         return cls(kept, *rest, unread=unread)
 
 
-def value_and_grad(loss_fn: Callable) -> Callable:
+def value_and_grad(loss_fn: Callable, *, has_aux: bool = False) -> Callable:
     """`loss_fn`'s value and gradients with respect to the model, for every mode, by the one
     gradient rule: the loss of the whole batch and its gradients (inside `shard_map`).
 
@@ -894,9 +946,13 @@ def value_and_grad(loss_fn: Callable) -> Callable:
 
     - `loss_fn`: `loss_fn(model, *batch) -> scalar`; every leaf of `batch` has the batch
       as its leading axis.
+    - `has_aux`: `loss_fn` returns `(loss, aux)`, as for `eqx.filter_value_and_grad`; `aux`
+      comes back as `loss_fn` gives it (e.g. the updated `eqx.nn.State` of a model with
+      `eqx.nn.BatchNorm`, whose statistics inside `eqpar.shard_map` are the whole batch's).
+      Not with the schedules that run the loss inside the pipeline (refused).
 
     **Returns:** a function `(model, *batch) -> (loss, grads)`, `grads` shaped as
-    `eqx.filter(model, eqx.is_inexact_array)`.
+    `eqx.filter(model, eqx.is_inexact_array)`; with `has_aux`, `((loss, aux), grads)`.
 
     ```python
     import equinox as eqx, jax, jax.numpy as jnp, eqpar
@@ -939,7 +995,7 @@ def value_and_grad(loss_fn: Callable) -> Callable:
             f"value_and_grad: `loss_fn` must be callable, got {type(loss_fn).__name__}."
         )
 
-    def run(model: PyTree, *batch: PyTree) -> tuple[jax.Array, PyTree]:
+    def run(model: PyTree, *batch: PyTree) -> tuple[Any, PyTree]:
         is_blocks = lambda node: isinstance(node, PipelinedBlocks)
         scheduled = [
             node
@@ -947,7 +1003,16 @@ def value_and_grad(loss_fn: Callable) -> Callable:
             if is_blocks(node) and node.schedule in TRAINING_SCHEDULES
         ]
         if not scheduled:
-            return _global_value_and_grad(loss_fn, model, batch)
+            return _global_value_and_grad(loss_fn, model, batch, has_aux)
+        if has_aux:
+            raise ValueError(
+                f"value_and_grad: has_aux=True with blocks pipelined by "
+                f"schedule={scheduled[0].schedule!r}, which runs the loss on one microbatch at "
+                f"a time inside the pipeline, so `loss_fn`'s other results (an eqx.nn.State, "
+                f"batch statistics) would be a microbatch's, not the batch's. Use "
+                f"schedule='gpipe' or 'circular' (differentiate the loss as on one device), or "
+                f"return the loss alone."
+            )
         if len(scheduled) > 1:
             raise ValueError(
                 "value_and_grad: the model holds several lists pipelined with a schedule that "
@@ -958,13 +1023,17 @@ def value_and_grad(loss_fn: Callable) -> Callable:
     return run
 
 
-def _global_value_and_grad(loss_fn: Callable, model: PyTree, batch: tuple) -> tuple:
-    def global_loss(model: PyTree) -> jax.Array:
-        loss = loss_fn(model, *batch)
+def _global_value_and_grad(
+    loss_fn: Callable, model: PyTree, batch: tuple, has_aux: bool = False
+) -> tuple:
+    def global_loss(model: PyTree) -> Any:
+        out = loss_fn(model, *batch)
+        loss, aux = out if has_aux else (out, None)
         axes = tuple(sorted(varying_axes(loss), key=str))
-        return jax.lax.pmean(loss, axes) if axes else loss
+        loss = jax.lax.pmean(loss, axes) if axes else loss
+        return (loss, aux) if has_aux else loss
 
-    return eqx.filter_value_and_grad(global_loss)(model)
+    return eqx.filter_value_and_grad(global_loss, has_aux=has_aux)(model)
 
 
 def _scheduled_value_and_grad(
