@@ -49,6 +49,12 @@ from eqpar.ragged import pack_splits
 INDEX = "corpus.json"  # the corpus's description, beside its ArrayRecord files
 
 
+class DataError(ValueError):
+    """A corpus that cannot be read as `--data` says (missing, damaged, or not the one a
+    checkpoint was trained on). The message names `--data`, the file and the fix;
+    `train_lm.py` prints it as a usage error (exit status 2)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Corpus:
     """A tokenized corpus on disk (see the module docstring).
@@ -111,22 +117,34 @@ def write_corpus(
 
 
 def open_corpus(directory: pathlib.Path | str) -> Corpus:
-    """The corpus in `directory` (written by `write_corpus`); a `SystemExit` that says how to
-    write one when there is none."""
+    """The corpus in `directory` (written by `write_corpus`); a `DataError` that says how to
+    write one when there is none, or which file is wrong."""
     directory = pathlib.Path(directory)
     try:
         index = json.loads((directory / INDEX).read_text())
     except FileNotFoundError:
-        raise SystemExit(
+        raise DataError(
             f"--data {directory}: no corpus there ({INDEX} is missing); write the demo corpus "
             f"with `python examples/data.py {directory} --vocab-size V` first."
         ) from None
-    return Corpus(
-        directory,
-        tuple(index["files"]),
-        int(index["vocab_size"]),
-        np.asarray(index["lengths"], dtype=np.int64),
-    )
+    except (OSError, ValueError) as error:
+        raise DataError(
+            f"--data {directory}: cannot read {directory / INDEX} ({error}); write the corpus "
+            "again (python examples/data.py DIR --vocab-size V)."
+        ) from None
+    try:
+        return Corpus(
+            directory,
+            tuple(str(name) for name in index["files"]),
+            int(index["vocab_size"]),
+            np.asarray(index["lengths"], dtype=np.int64),
+        )
+    except (KeyError, TypeError, ValueError) as error:
+        raise DataError(
+            f"--data {directory}: {directory / INDEX} is not a corpus description (expected "
+            f'an object with "files", "vocab_size" and "lengths"; {type(error).__name__}: '
+            f"{error}); write the corpus again (python examples/data.py DIR --vocab-size V)."
+        ) from None
 
 
 class RowSource(Protocol):
@@ -157,14 +175,24 @@ class PackedCorpus:
         self.width = seq_len + 1
         self.rows_per_epoch = int(corpus.lengths.sum()) // self.width
         if self.rows_per_epoch < batch_size:
-            raise SystemExit(
+            raise DataError(
                 f"--data {corpus.directory}: its {int(corpus.lengths.sum())} tokens make "
                 f"{self.rows_per_epoch} rows of {self.width} tokens, fewer than one batch of "
                 f"--batch-size {batch_size}: write a larger corpus or use a smaller batch."
             )
-        source = grain.sources.ArrayRecordDataSource(
-            [str(corpus.directory / name) for name in corpus.files]
-        )
+        paths = [str(corpus.directory / name) for name in corpus.files]
+        # Each file opened alone first, so that a damaged one is named (ArrayRecord's own
+        # error can be an empty `RuntimeError`), and its documents counted.
+        counts = [len(_open_shard(grain, corpus, path)) for path in paths]
+        if sum(counts) != len(corpus.lengths):
+            raise DataError(
+                f"--data {corpus.directory}: its files hold {sum(counts)} documents "
+                f"({', '.join(f'{name}: {n}' for name, n in zip(corpus.files, counts))}) but "
+                f"{INDEX} lists {len(corpus.lengths)}; the files do not belong to this "
+                f"{INDEX}: write the corpus again (python examples/data.py DIR --vocab-size V)."
+            )
+        self._file_ends = np.cumsum(counts)  # document ids run through the files in order
+        source = grain.sources.ArrayRecordDataSource(paths)
         self.documents = grain.MapDataset.source(source).map(
             lambda record: np.frombuffer(record, dtype="<i4")
         )
@@ -178,6 +206,27 @@ class PackedCorpus:
             starts = np.concatenate([[0], np.cumsum(self.corpus.lengths[order])])
             self._epochs = {epoch: (order, starts)}  # one epoch at a time is enough
         return self._epochs[epoch]
+
+    def _document(self, document: int) -> np.ndarray:
+        """The tokens of `document`, read with Grain; a `DataError` naming its file when
+        that cannot be read or does not hold what `corpus.json` says."""
+        file = self.corpus.files[int(np.searchsorted(self._file_ends, document, side="right"))]
+        try:
+            tokens = self.documents[document]
+        except Exception as error:
+            raise DataError(
+                f"--data {self.corpus.directory}: cannot read document {document} from "
+                f"{self.corpus.directory / file} ({type(error).__name__}: {error}); the file is "
+                f"damaged or truncated: write the corpus again (python examples/data.py DIR "
+                f"--vocab-size V)."
+            ) from None
+        if len(tokens) != self.corpus.lengths[document]:
+            raise DataError(
+                f"--data {self.corpus.directory}: document {document} in "
+                f"{self.corpus.directory / file} has {len(tokens)} tokens, {INDEX} says "
+                f"{self.corpus.lengths[document]}: write the corpus again."
+            )
+        return tokens
 
     def example_ids(self, position: int, rows: range) -> list[int]:
         """The ids (places in the run's order of examples) of rows `rows` at `position`."""
@@ -203,13 +252,26 @@ class PackedCorpus:
                 document = int(order[place])
                 lo = max(begin, int(starts[place])) - int(starts[place])
                 hi = min(end, int(starts[place + 1])) - int(starts[place])
-                tokens.append(self.documents[document][lo:hi])
+                tokens.append(self._document(document)[lo:hi])
                 offsets.append(offsets[-1] + hi - lo)
                 pieces.append([document, lo, hi])
             splits.append(splits[-1] + len(pieces))
             self.last_pieces.append(pieces)
         packed = pack_splits(np.concatenate(tokens), offsets, splits, capacity=self.width)
         return np.asarray(packed.tokens, dtype=np.int32)
+
+
+def _open_shard(grain: Any, corpus: Corpus, path: str) -> Any:
+    """`path`'s `grain.sources.ArrayRecordDataSource`, or a `DataError` naming it."""
+    try:
+        return grain.sources.ArrayRecordDataSource([path])
+    except Exception as error:
+        why = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+        raise DataError(
+            f"--data {corpus.directory}: cannot open {path} ({why}); the file is missing, "
+            f"unreadable, truncated or damaged: write the corpus again (python examples/data.py "
+            f"DIR --vocab-size V), or restore the file."
+        ) from None
 
 
 class SyntheticRows:
@@ -226,7 +288,7 @@ def process_rows(sharding: NamedSharding, shape: tuple[int, ...]) -> range:
     """The rows of a global array of `shape` split by `sharding` that this process's devices
     hold: a contiguous range (every process's, in one process all of them).
 
-    **Raises:** `SystemExit` when they are not contiguous, which no mesh of the example gives
+    **Raises:** `DataError` when they are not contiguous, which no mesh of the example gives
     whose data axis follows the processes (data first in `--mesh`)."""
     held = sorted(
         {
@@ -236,7 +298,7 @@ def process_rows(sharding: NamedSharding, shape: tuple[int, ...]) -> range:
         }
     )
     if held != list(range(held[0], held[-1] + 1)):
-        raise SystemExit(
+        raise DataError(
             f"--mesh: process {jax.process_index()}'s devices hold rows {held} of each batch, "
             f"not one contiguous block; put the data axis first in --mesh so that it follows "
             f"the processes."
@@ -274,7 +336,7 @@ def check_restored(state: dict[str, Any], source: RowSource | None) -> None:
     now = checkpoint_state(source)["data"]
     changed = [f"{name} {saved[name]} -> {now[name]}" for name in now if saved[name] != now[name]]
     if changed:
-        raise SystemExit(
+        raise DataError(
             f"--resume: the checkpoint's data order was made with other settings "
             f"({', '.join(changed)}); the next examples would not follow the ones it trained "
             f"on: resume with the saved --batch-size, --seed and --data."

@@ -7,8 +7,9 @@ of a job started by SLURM, `mpirun` or by hand.
 on `127.0.0.1:<free port>` (listening on loopback only), each with its own simulated CPU
 devices (`EQPAR_NUM_CPU_DEVICES`, by default 8 / N) and gloo collectives between them. The
 launcher prints every process's lines as they come, prefixed `[p<id>]`, and hides the start-up
-chatter of JAX's runtime and of Gloo (`[Gloo] Rank 0 is connected to 1 peer ranks...`) unless
-`--verbose`; a process that fails shows its hidden lines too. It bounds every process by
+chatter of JAX's runtime and of Gloo (`[Gloo] Rank 0 is connected to 1 peer ranks...`, also
+where the threads that write it cut it into pieces, and glog/absl lines) unless `--verbose`;
+a process that fails shows its hidden lines too. It bounds every process by
 `--timeout` seconds, gives the others `GRACE` seconds to fail on their own once one has failed,
 and only ever signals the process groups it created. Its exit status is 0 only if every process
 succeeded.
@@ -37,9 +38,19 @@ from typing import IO, Any
 LOOPBACK = "127.0.0.1"
 GRACE = 30.0  # seconds the other processes get to fail by themselves after one failed
 JOB_VARIABLES = ("EQPAR_COORDINATOR_ADDRESS", "EQPAR_NUM_PROCESSES", "EQPAR_PROCESS_ID")
-# Start-up chatter: Gloo's connection lines, and the C++ logs of JAX's runtime (glog/absl
-# lines such as `I1127 11:52:03.123 ... coordination_service_agent.cc:...`).
-CHATTER = re.compile(r"^\[Gloo\]|^[IWEF]\d{4} \d\d:\d\d:\d\d|^WARNING: All log messages before")
+# Start-up chatter, matched by what it says wherever it is in a line: the C++ threads of
+# Gloo and of JAX's runtime write to the same stream piece by piece, so one line can hold
+# pieces of two messages, or begin in the middle of one (`  peer ranks. Expected number of
+# connected peer ranks is : 3`, a lone `3`).
+CHATTER = re.compile(
+    r"\[Gloo\]"  # Gloo: `[Gloo] Rank 1 is connected to 3 peer ranks. Expected number of ...`
+    r"|\bis connected to \d+\b|\bpeer ranks\b"  # ... and the pieces of that line
+    r"|^\s*\d+\s*$"  # its last piece alone: the expected number
+    r"|\b[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+\s+\d+ [\w./-]+:\d+\]"  # glog/absl, from C++
+    r"|^[IWEF]\d{4} \d\d:\d\d:\d\d"  # the same, cut short
+    r"|^WARNING: All log messages before absl::InitializeLog"
+    r"|\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d+: [IWEF] [\w./-]+:\d+\]"  # TensorFlow's format
+)
 
 
 def free_port(host: str = LOOPBACK) -> int:
@@ -204,8 +215,9 @@ def launch(
 def launch_command(
     argv: Sequence[str], num_processes: int, *, timeout: float, verbose: bool, script: str
 ) -> int:
-    """`launch` `script` with `argv` on `num_processes` processes and report; the exit status
-    (0 only if every process succeeded)."""
+    """`launch` `script` with `argv` on `num_processes` processes and report; the exit status:
+    0 only if every process succeeded, the processes' own where all failed with the same one
+    (2: they refused the options), else 1."""
     # SIGTERM (e.g. from a test's timeout) unwinds `launch`, which kills what it started.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     print(
@@ -227,7 +239,9 @@ def launch_command(
     failed = [p.process_id for p in processes if not p.ok]
     if failed:
         print(f"FAILED: processes {failed} did not succeed", file=sys.stderr)
-        return 1
+        codes = {p.popen.returncode for p in processes}
+        # Every process refused the same way (a usage error: 2): the launcher says the same.
+        return codes.pop() if len(codes) == 1 and min(codes) > 0 else 1
     print(f"all {num_processes} processes succeeded")
     return 0
 

@@ -18,6 +18,7 @@ takes, `peak_flops` a device. The figures are per device: what one device holds.
 import contextlib
 import json
 import logging
+import math
 import os
 import pathlib
 from collections.abc import Iterator, Mapping, Sequence
@@ -266,17 +267,56 @@ def _plain(value: Any) -> Any:
     return value
 
 
+def strict(record: Mapping[str, Any]) -> dict[str, Any]:
+    """`record` as strict JSON can hold it (RFC 8259 has no NaN or infinity): NumPy and JAX
+    scalars as Python numbers, and each non-finite number as `null`, its key (`/`-joined
+    where nested, e.g. `memory/temp`) listed under `"nonfinite"` (after the names `record`
+    already lists there).
+
+    ```python
+    from metrics import strict
+    assert strict({"step": 3, "loss": float("nan"), "grad_norm": float("inf")}) == {
+        "step": 3, "loss": None, "grad_norm": None, "nonfinite": ["loss", "grad_norm"]
+    }
+    ```
+    """
+    names: list[str] = list(record.get("nonfinite", []))
+
+    def clean(value: Any, name: str) -> Any:
+        if isinstance(value, float) and not math.isfinite(value):
+            names.append(name)
+            return None
+        if isinstance(value, dict):
+            return {k: clean(v, f"{name}/{k}" if name else k) for k, v in value.items()}
+        if isinstance(value, list):
+            return [clean(v, name) for v in value]
+        return value
+
+    cleaned = clean(_plain(record), "")
+    if names:
+        cleaned["nonfinite"] = list(dict.fromkeys(names))
+    return cleaned
+
+
+def strict_json(record: Mapping[str, Any]) -> str:
+    """`record` as one line of strict JSON (`strict`: non-finite numbers as `null`, their
+    keys under `"nonfinite"`), which any JSON reader accepts."""
+    return json.dumps(strict(record), allow_nan=False)
+
+
 class JsonlWriter:
     """Records as JSON objects, one a line, flushed as written, so that a run killed midway
-    leaves every finished step's line. With `keep_until`, the file is first cut to the lines
-    of steps up to that one (a resumed run continues the file of the run it resumes)."""
+    leaves every finished step's line. The lines are strict JSON (`strict_json`): a NaN or
+    infinite value is written as `null` and its name listed under `"nonfinite"`. With
+    `keep_until`, the file is first cut to the lines of steps up to that one (a resumed run
+    continues the file of the run it resumes)."""
 
     def __init__(self, path: pathlib.Path, *, keep_until: int | None = None):
         self.path = pathlib.Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         kept = [] if keep_until is None else read_records(self.path, upto=keep_until)
         partial = self.path.with_name(self.path.name + ".partial")
-        partial.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        partial.write_text("".join(strict_json(r) + "\n" for r in kept))
         os.replace(partial, self.path)  # a kill midway leaves the earlier file whole
         self.file = self.path.open("a")
 
@@ -287,7 +327,7 @@ class JsonlWriter:
         self._write({key: value for key, value in record.items() if key != "extra"})
 
     def _write(self, record: Mapping[str, Any]) -> None:
-        self.file.write(json.dumps(_plain(record)) + "\n")
+        self.file.write(strict_json(record) + "\n")
         self.file.flush()
 
     def close(self) -> None:
@@ -313,8 +353,13 @@ def read_records(path: pathlib.Path, *, upto: int | None = None) -> list[dict[st
 
 
 def step_losses(records: Sequence[Mapping[str, Any]]) -> dict[int, float]:
-    """`{step: loss}` of the step records among `records` (the last one of a step wins)."""
-    return {int(r["step"]): float(r["loss"]) for r in records if "loss" in r}
+    """`{step: loss}` of the step records among `records` (the last one of a step wins; a
+    loss written as `null`, not finite, reads as NaN)."""
+    return {
+        int(r["step"]): math.nan if r["loss"] is None else float(r["loss"])
+        for r in records
+        if "loss" in r
+    }
 
 
 class TensorBoardWriter:

@@ -29,6 +29,12 @@ console (a progress bar on a terminal, a line every `--log-every` steps in a log
 `metrics.jsonl` and, with tensorboardX installed, to TensorBoard (`--out`/tensorboard). The
 loss curve and the pipeline schedule's picture go to `--out`.
 
+A step whose loss, gradient norm or updated state is not finite stops the run (exit status
+1) unsaved, so the checkpoints stay finite (`--allow-nonfinite` trains on); `metrics.jsonl`
+stays strict JSON (such values `null`, named in `"nonfinite"`). Every refusal of the
+options, the data or the checkpoint directory is one `train_lm.py: error: ...` line naming
+the option and the fix, with exit status 2.
+
 The same program runs as every process of a multi-process job, with every flag:
 `--processes N` starts N processes on this machine (`launch.py`), `--distributed` joins a job
 started by SLURM, `mpirun` or by hand (`eqpar.initialize()`). With `--data` the rows come from
@@ -39,12 +45,17 @@ the data position, so a resume on any number of processes continues with the nex
 import contextlib
 import dataclasses
 import functools
+import io
+import itertools
 import json
 import logging
+import math
 import os
 import pathlib
+import re
 import sys
 import time
+import types
 import typing
 from collections.abc import Callable, Iterator, Sequence
 from typing import Annotated, Any, Literal
@@ -84,6 +95,14 @@ from eqpar.spmd import gather_stored
 log = logging.getLogger(metrics.LOGGER)
 
 
+class ConfigError(ValueError):
+    """A refusal of the command line: a bad option, options that do not go together
+    (`TrainConfig.validate`), sizes the mesh cannot split (`check_sizes`), a checkpoint
+    directory that does not fit the run. The message names the options and the fix; `main`
+    prints it after `train_lm.py: error:` and exits with status 2 (tyro reports a
+    `ValueError` of an option's parser with the option's name)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
     mesh: dict[str, int]
@@ -115,7 +134,7 @@ def parse_mesh(text: str, device_count: int) -> dict[str, int]:
     for part in filter(None, text.split(",")):
         name, _, value = part.partition("=")
         if name not in AXES or not value.isdigit() or int(value) < 1:
-            raise SystemExit(
+            raise ConfigError(
                 f"--mesh: expected entries like data=2,pipe=2,model=2, data=2,context=4 or "
                 f"data=2,expert=4 with axes {sorted(AXES)}; got {part!r}."
             )
@@ -124,7 +143,7 @@ def parse_mesh(text: str, device_count: int) -> dict[str, int]:
     sizes = {name: given.get(name, 1) for name in names}
     product = int(np.prod(list(sizes.values())))
     if product != device_count:
-        raise SystemExit(
+        raise ConfigError(
             f"--mesh {text}: the axis sizes multiply to {product} but there are "
             f"{device_count} devices; choose sizes whose product is {device_count}."
         )
@@ -202,7 +221,8 @@ def make_mesh(sizes: dict[str, int], devices: Sequence[Any] | None = None) -> eq
 
 
 def check_sizes(config: lm.LMConfig, run: RunConfig) -> None:
-    """Refuse sizes the mesh cannot split, each problem with the flag that fixes it."""
+    """Refuse sizes the mesh cannot split (`ConfigError` naming every problem with the flag
+    that fixes it)."""
     pipe, model, data = run.mesh[lm.PIPE], run.mesh[lm.MODEL], run.mesh[lm.DATA]
     expert = expert_size(run)
     repeats, microbatches = pipeline_repeats(run), pipeline_microbatches(run)
@@ -254,7 +274,7 @@ def check_sizes(config: lm.LMConfig, run: RunConfig) -> None:
             f"that is a multiple of {rows} (e.g. {multiple}){fewer}"
         )
     if problems:
-        raise SystemExit("invalid sizes: " + "; ".join(problems) + ".")
+        raise ConfigError("; ".join(problems) + ".")
 
 
 def experts_problems(config: lm.LMConfig, run: RunConfig) -> list[str]:
@@ -433,10 +453,11 @@ def build_step(
     with_stats: bool = False,
 ) -> Any:
     """The jitted train step `(tokens, model, opt_state) -> (model, opt_state, loss)`; with
-    `with_stats`, `(model, opt_state, loss, stats, grad_norm)`, `stats` the parts of the loss
-    of an MoE model (`lm.LM.loss_and_stats`: cross entropy, auxiliary losses, dropped
-    assignments; `{}` for a dense one) and `grad_norm` the global norm of the gradients
-    before clipping.
+    `with_stats`, `(model, opt_state, loss, stats, grad_norm, finite)`, `stats` the parts of
+    the loss of an MoE model (`lm.LM.loss_and_stats`: cross entropy, auxiliary losses,
+    dropped assignments; `{}` for a dense one), `grad_norm` the global norm of the gradients
+    before clipping and `finite` whether every updated parameter and optimizer state value
+    is finite (a scalar: one reduction per array, no gather).
 
     Under a bfloat16 `run.precision` the float32 parameters are cast before they enter
     `shard_map`: everything inside, the gradient reductions over `data` included, runs in
@@ -511,7 +532,7 @@ def build_step(
             opt_state, eqpar.named_shardings(match_param_specs(opt_state, model, param_specs), mesh)
         )
         if with_stats:
-            return model, opt_state, loss, stats, global_norm(grads)
+            return model, opt_state, loss, stats, global_norm(grads), all_finite((model, opt_state))
         return model, opt_state, loss
 
     return step
@@ -548,6 +569,13 @@ def global_norm(tree: Any) -> jax.Array:
     sharding (a `vdot` would flatten the array, which gathers one split over devices: 10x a
     layer's parameters more per layer under FSDP)."""
     return jax.numpy.sqrt(sum(jax.numpy.sum(g * g) for g in jax.tree.leaves(tree)))
+
+
+def all_finite(tree: Any) -> jax.Array:
+    """Whether every value of `tree`'s floating-point arrays is finite (a boolean scalar; each
+    array reduced where it lives, as `global_norm`)."""
+    leaves = jax.tree.leaves(eqx.filter(tree, eqx.is_inexact_array))
+    return jax.numpy.stack([jax.numpy.isfinite(leaf).all() for leaf in leaves]).all()
 
 
 def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
@@ -590,7 +618,7 @@ def make_optimizer(run: RunConfig) -> Any:
         return optax.chain(clip_by_global_norm(1.0), optax.adam(learning_rate_schedule(run)))
     if run.optimizer == "sgd":
         return optax.sgd(SGD_LR_SCALE * run.lr, momentum=0.9)
-    raise SystemExit(f"--optimizer must be adam or sgd; got {run.optimizer!r}")
+    raise ConfigError(f"--optimizer must be adam or sgd; got {run.optimizer!r}")
 
 
 def learning_rate_schedule(run: RunConfig) -> optax.Schedule:
@@ -624,6 +652,131 @@ class CheckpointOptions:
 METRICS_FILE = "metrics.jsonl"
 
 
+def saved_steps(directory: pathlib.Path) -> list[int]:
+    """The committed checkpoint steps in `directory`, oldest first (`[]` where there is no
+    such directory; nothing is created)."""
+    from eqpar.checkpoint import Checkpointer
+
+    if not pathlib.Path(directory).is_dir():
+        return []
+    with Checkpointer(directory) as checkpointer:
+        return checkpointer.all_steps()
+
+
+def check_checkpoint_start(checkpoint: CheckpointOptions, steps: Sequence[int], last: int) -> None:
+    """Refuse a checkpoint directory holding `steps` that a run to step `last` with
+    `checkpoint` would not continue as asked (`ConfigError` naming the option and the fix):
+    `--resume` with nothing to resume (a typo in `--ckpt-dir`), a fresh run beside the steps
+    of another (whose saves would not happen: a step is never overwritten, and none is
+    written before the latest one), or a resume from a step past `--steps`."""
+    directory, latest = checkpoint.directory, max(steps, default=None)
+    if checkpoint.resume and latest is None:
+        where = (
+            "holds no checkpoint (no step saved there yet)"
+            if pathlib.Path(directory).is_dir()
+            else "does not exist"
+        )
+        raise ConfigError(
+            f"--resume: nothing to resume from: --ckpt-dir {directory} {where}. Check the path "
+            "(a typo?), or leave out --resume to start from step 0."
+        )
+    if not checkpoint.resume and latest is not None:
+        listed = ", ".join(map(str, steps)) if len(steps) <= 5 else f"{steps[0]}, ..., {latest}"
+        raise ConfigError(
+            f"--ckpt-dir {directory} already holds checkpoints (steps {listed}); without "
+            "--resume this run would start from step 0 beside them, and its saves up to step "
+            f"{latest} would not happen (a step is never overwritten). Pass --resume to "
+            f"continue from step {latest}, or another --ckpt-dir to start afresh."
+        )
+    if checkpoint.resume and latest is not None and latest > last:
+        raise ConfigError(
+            f"--resume: the latest checkpoint in --ckpt-dir {directory} is step {latest}, past "
+            f"--steps {last}: pass --steps above {latest} to train on from it, or another "
+            "--ckpt-dir."
+        )
+
+
+def restore_checkpoint(checkpointer: Any, target: dict[str, Any]) -> dict[str, Any]:
+    """`checkpointer.restore(target=target, reshape=True)`; a checkpoint of another structure
+    (`CheckpointMismatchError`) as a `ConfigError` naming its first difference and the fix."""
+    from eqpar.checkpoint import CheckpointMismatchError
+
+    try:
+        return checkpointer.restore(target=target, reshape=True)
+    except CheckpointMismatchError as error:
+        lines = str(error).splitlines()
+        count = next((line.rstrip(":") for line in lines if line.startswith("All ")), "")
+        directory = pathlib.Path(str(checkpointer.directory))
+        raise ConfigError(
+            f"--resume: the checkpoint in --ckpt-dir {directory} does not fit this run's "
+            f"model and optimizer: {lines[0].rstrip('.')}{f' ({count.lower()})' if count else ''}. "
+            "Resume with the "
+            f"options it was written with (--config {directory / CONFIG_FILE} --resume, where "
+            "its run wrote one), or start afresh in another --ckpt-dir."
+        ) from None
+
+
+# The options that say what a checkpoint holds: another value gives another model, optimizer
+# state or data position (`--data`: given or not); the others (mesh, schedule, FSDP, remat,
+# precision, ...) are layouts and ways of computing that a checkpoint restores under.
+RECORDED = ("size", "seq_len", "experts", "top_k", "optimizer", "data")
+
+
+def recorded_differences(recorded: dict[str, Any], options: "TrainConfig") -> list[str]:
+    """The options of `RECORDED` whose value in `recorded` (a checkpoint's `config.json`)
+    differs from `options` (resolved); `--data` only where one gives it and the other not,
+    `--top-k` only where both have `--experts`."""
+    differences = []
+    for name in RECORDED:
+        if name not in recorded:
+            continue
+        there, here = recorded[name], getattr(options, name)
+        if name == "data":  # another directory may hold the same corpus
+            differs = (there is None) != (here is None)
+        elif name == "top_k":
+            differs = None not in (recorded.get("experts"), options.experts) and there != here
+        else:
+            differs = there != here
+        if differs:
+            differences.append(name)
+    return differences
+
+
+def check_recorded_options(options: "TrainConfig") -> None:
+    """Refuse `--resume` with options that would not fit the checkpoint in `--ckpt-dir`, as
+    its `config.json` records them (`ConfigError` naming each option with its recorded and
+    given values, and the fix); nothing to check where there is no such file."""
+    assert options.ckpt_dir is not None
+    path = options.ckpt_dir / CONFIG_FILE
+    try:
+        recorded = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return  # no record (a run of `run_training` alone): the restore checks the structure
+    if not isinstance(recorded, dict):
+        return
+    differences = recorded_differences(recorded, options)
+    if not differences:
+        return
+
+    def shown(value: Any) -> str:
+        return "unset" if value is None else str(value)
+
+    found = "; ".join(
+        f"{_flag(name)} {shown(recorded[name])} there, {shown(getattr(options, name))} here"
+        for name in differences
+    )
+    fix = ", ".join(
+        f"no {_flag(name)}" if recorded[name] is None else f"{_flag(name)} {recorded[name]}"
+        for name in differences
+    )
+    raise ConfigError(
+        f"--resume: the checkpoint in --ckpt-dir {options.ckpt_dir} was written with other "
+        f"options ({path}): {found}. Its model and optimizer state would not fit this run: "
+        f"resume with the options it was written with ({fix}), or with --config {path} "
+        "--resume; or start afresh in another --ckpt-dir."
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class Training:
     """What `run_training` gives back.
@@ -641,6 +794,12 @@ class Training:
     - `memory`: the compiled step's memory per device (`metrics.memory_figures`; `{}` with no
       step to run).
     - `last`: the record of the last step (`metrics.Recorder.step`'s; `{}` with none).
+    - `stopped`: where a run stopped on a non-finite step (`None` where it did not): its
+      `step`, what was not finite (`nonfinite`: `loss`, `grad_norm`, `state` for the updated
+      parameters and optimizer state, and any MoE statistic), the last checkpoint on disk
+      (`last_checkpoint`, every one of them finite; `None` without one) and the `message`.
+    - `nonfinite_steps`: the steps with anything non-finite (with `allow_nonfinite`, all of
+      them; otherwise the one it stopped at).
     """
 
     losses: list[float]
@@ -653,6 +812,8 @@ class Training:
     compile_seconds: float | None = None
     memory: dict[str, int] = dataclasses.field(default_factory=dict)
     last: dict[str, Any] = dataclasses.field(default_factory=dict)
+    stopped: dict[str, Any] | None = None
+    nonfinite_steps: list[int] = dataclasses.field(default_factory=list)
 
 
 def training_flops_per_token(config: lm.LMConfig) -> float:
@@ -684,6 +845,8 @@ def run_training(
     tensorboard_dir: pathlib.Path | None = None,
     source: input_data.RowSource | None = None,
     example_log: input_data.ExampleLog | None = None,
+    allow_nonfinite: bool = False,
+    on_start: Callable[[int], Any] | None = None,
 ) -> Training:
     """Train until step `run.steps`, from step 0 or from the latest checkpoint.
 
@@ -701,7 +864,9 @@ def run_training(
     - `checkpoint`: save the model, optimizer state and data position every `save_every`
       steps and at the end; `resume` starts from the latest good checkpoint. Stacked layers
       are stored in model order under every layout, so a checkpoint restores under any other
-      mesh or schedule (`restore(..., reshape=True)` reshapes the stage stacks).
+      mesh or schedule (`restore(..., reshape=True)` reshapes the stage stacks). Refused
+      (`ConfigError`, before anything is built) where the directory does not fit:
+      `check_checkpoint_start`. A step with anything not finite is never saved.
     - `metrics_file`: a JSONL file for a start-up record and one record per step (process 0
       writes it); default `metrics.jsonl` in the checkpoint directory when checkpointing,
       else none. A resumed run keeps the lines up to the restored step and goes on.
@@ -711,6 +876,11 @@ def run_training(
       own devices (`data.place_rows`); the position, the global batches consumed, is the
       step.
     - `example_log`: write each step's example ids there (`--log-examples`).
+    - `allow_nonfinite`: train on after a step whose loss, gradient norm or updated state is
+      not finite (NaN or inf). By default the run stops after that step's record, without
+      saving it, and `Training.stopped` says where.
+    - `on_start`: called with the starting step once the run starts from it (after a
+      resume's restore succeeded), before compiling (`main` writes `config.json` there).
 
     **Returns:** a `Training`: this call's losses, the final model, the whole loss curve, the
     compilation time and memory per device, and the first step's time and tokens per second
@@ -718,32 +888,40 @@ def run_training(
     """
     config = lm.LMConfig() if config is None else config
     check_sizes(config, run)
-    log.info("building the model and placing it on the mesh...")
-    mesh = make_mesh(run.mesh, devices)
-    model = build_model(config, run, mesh)
-    optimizer = make_optimizer(run)
-    model, opt_state = place(model, optimizer, mesh, run.fsdp)
-    start = 0
     checkpointer = None
     if checkpoint is not None:
         from eqpar.checkpoint import Checkpointer
 
+        check_checkpoint_start(checkpoint, saved_steps(checkpoint.directory), run.steps)
         checkpointer = Checkpointer(
             checkpoint.directory, save_every=checkpoint.save_every, keep=checkpoint.keep
         )
         if metrics_file is None:
             metrics_file = pathlib.Path(checkpoint.directory) / METRICS_FILE
-        if checkpoint.resume and checkpointer.latest_step() is not None:
+    try:
+        log.info("building the model and placing it on the mesh...")
+        mesh = make_mesh(run.mesh, devices)
+        model = build_model(config, run, mesh)
+        optimizer = make_optimizer(run)
+        model, opt_state = place(model, optimizer, mesh, run.fsdp)
+        start = 0
+        if checkpointer is not None and checkpoint is not None and checkpoint.resume:
             target = {"model": model, "opt_state": opt_state, "position": 0}
             began = time.perf_counter()
             target.update(input_data.checkpoint_state(source))
-            state = checkpointer.restore(target=target, reshape=True)
+            state = restore_checkpoint(checkpointer, target)
             model, opt_state, start = state["model"], state["opt_state"], int(state["position"])
             input_data.check_restored(state, source)
             log.info(
                 f"resumed from step {checkpointer.restored_step} ({checkpoint.directory}, "
                 f"restored in {time.perf_counter() - began:.1f} s)"
             )
+        if on_start is not None:
+            on_start(start)
+    except BaseException:
+        if checkpointer is not None:
+            checkpointer.close()
+        raise
     history: dict[int, float] = {}
     if start and metrics_file is not None:
         history = metrics.step_losses(metrics.read_records(metrics_file, upto=start))
@@ -788,18 +966,46 @@ def run_training(
     def so_far(position: int) -> dict[int, float]:
         return {**history, **dict(zip(range(start + 1, position + 1), losses))}
 
-    def save(position: int, *, force: bool) -> None:
+    skipped: list[int] = []  # steps whose non-finite state was not saved
+
+    def save(position: int, *, force: bool, finite: bool) -> None:
         if checkpointer is None or checkpoint is None:
             return
-        if force or checkpointer.should_save(position):
-            began = time.perf_counter()
-            state = {"model": model, "opt_state": opt_state, "position": position}
-            state.update(input_data.checkpoint_state(source))
-            checkpointer.save(position, state, force=force)
+        if not (force or checkpointer.should_save(position)):
+            return
+        if not finite:
+            if not skipped:
+                log.warning(
+                    f"not saving step {position}: not finite (--allow-nonfinite trains on); "
+                    f"the checkpoints in {checkpoint.directory} stay those of finite steps "
+                    f"(latest: {checkpointer.latest_step()}), and later non-finite steps are "
+                    "not saved either"
+                )
+            skipped.append(position)
+            return
+        began = time.perf_counter()
+        state = {"model": model, "opt_state": opt_state, "position": position}
+        state.update(input_data.checkpoint_state(source))
+        if checkpointer.save(position, state, force=force):
             log.info(
                 f"saved the checkpoint of step {position} in {checkpoint.directory} "
                 f"({time.perf_counter() - began:.2f} s)"
             )
+        else:
+            steps = checkpointer.all_steps()
+            why = (
+                f"it already holds step {position} (a step is never overwritten)"
+                if position in steps
+                else f"it holds steps up to {max(steps)}, after it"
+                if steps and max(steps) > position
+                else "the checkpointer declined to write it"
+            )
+            log.warning(
+                f"the checkpoint of step {position} was NOT saved in {checkpoint.directory}: {why}"
+            )
+
+    stopped: dict[str, Any] | None = None
+    nonfinite_steps: list[int] = []
 
     try:
         if start < run.steps:
@@ -840,7 +1046,9 @@ def run_training(
             if position > start:
                 tokens = input_data.place_rows(source, position, rows, width)
             assert compiled is not None
-            model, opt_state, loss, step_stats, grad_norm = compiled(tokens, model, opt_state)
+            model, opt_state, loss, step_stats, grad_norm, state_finite = compiled(
+                tokens, model, opt_state
+            )
             losses.append(float(loss))  # waits for the step to finish
             if example_log is not None:
                 example_log.write(position + 1, losses[-1], source, rows, width)
@@ -869,8 +1077,30 @@ def run_training(
                 "step_seconds": now - began,
                 **stats,
             }
+            # Fetched with the step's other figures: no further wait for the devices.
+            nonfinite = [name for name, value in last.items()
+                         if isinstance(value, float) and not math.isfinite(value)]  # fmt: skip
+            if not bool(state_finite):
+                nonfinite.append("state")
+            if nonfinite:
+                last["nonfinite"] = nonfinite
+                nonfinite_steps.append(position + 1)
             recorder.step({**last, "extra": format_router_stats(stats)})
-            save(position + 1, force=position + 1 == run.steps)
+            if nonfinite and allow_nonfinite and len(nonfinite_steps) == 1:
+                log.warning(
+                    f"step {position + 1}: not finite: {', '.join(nonfinite)}; training on "
+                    "(--allow-nonfinite), without saving non-finite steps"
+                )
+            if nonfinite and not allow_nonfinite:
+                latest = None if checkpointer is None else checkpointer.latest_step()
+                stopped = {
+                    "step": position + 1,
+                    "nonfinite": nonfinite,
+                    "last_checkpoint": latest,
+                    "message": nonfinite_message(position + 1, last, checkpoint, latest),
+                }
+                break
+            save(position + 1, force=position + 1 == run.steps, finite=not nonfinite)
             saving += time.perf_counter() - now
     finally:
         recorder.close()
@@ -888,6 +1118,38 @@ def run_training(
         compile_seconds=compile_seconds,
         memory=memory,
         last=last,
+        stopped=stopped,
+        nonfinite_steps=nonfinite_steps,
+    )
+
+
+def nonfinite_message(
+    step: int,
+    record: dict[str, Any],
+    checkpoint: CheckpointOptions | None,
+    latest: int | None,
+) -> str:
+    """Why a run stopped at `step`, whose `record` holds non-finite values (its
+    `"nonfinite"` names them), and what is kept: the last checkpoint `latest` in
+    `checkpoint`'s directory."""
+    values = ", ".join(
+        "the updated parameters or optimizer state"
+        if name == "state"
+        else f"{name.replace('_', ' ')} {record[name]}"
+        for name in record["nonfinite"]
+    )
+    if checkpoint is None:
+        kept = "nothing was saved (no --ckpt-dir)"
+    elif latest is None:
+        kept = f"no checkpoint was saved in {checkpoint.directory} before it"
+    else:
+        kept = (
+            f"the last checkpoint, step {latest} in {checkpoint.directory}, is finite: resume "
+            f"from it with --resume (e.g. with a smaller --lr)"
+        )
+    return (
+        f"stopped at step {step}: not finite: {values}. The step was not saved; {kept}. "
+        "Pass --allow-nonfinite to train on regardless (non-finite states are never saved)."
     )
 
 
@@ -1034,11 +1296,6 @@ def largest_differences(a: lm.LM | list[np.ndarray], b: lm.LM | list[np.ndarray]
     return max(float(np.max(np.abs(x - y))) for x, y in zip(leaves_a, leaves_b))
 
 
-class ConfigError(ValueError):
-    """A bad option, or options that do not go together (`TrainConfig.validate`); the message
-    names them (tyro reports a `ValueError` with the option's name)."""
-
-
 def positive_int(text: str) -> int:
     """A count of at least 1 read from the command line (`ConfigError` saying what came)."""
     try:
@@ -1118,8 +1375,8 @@ class TrainConfig:
     data=2,expert=4) splits the experts over its devices (the batch rows split over data and
     expert), a model axis each expert's hidden units; not with a pipe axis (unset: a dense
     MLP)"""
-    top_k: PositiveInt = 2
-    """experts per token (with --experts)"""
+    top_k: PositiveInt | None = None
+    """experts per token (with --experts; unset: 2); refused without --experts"""
     seed: int = 0
     """initialization and data order"""
     precision: Precision = "float32"
@@ -1130,6 +1387,10 @@ class TrainConfig:
     """train the same steps again on one device with plain SGD under the same --precision
     and print PASS or FAIL: losses (relative) and parameters within 1e-05 (bfloat16: 3e-02);
     exit status 1 on FAIL"""
+    allow_nonfinite: bool = False
+    """train on after a step whose loss, gradient norm or updated parameters are not finite
+    (NaN or inf); by default the run stops there with exit status 1, keeping the last finite
+    checkpoint. A non-finite state is never saved either way"""
     size: Literal["small", "tiny"] = "small"
     """model size"""
     seq_len: PositiveInt | None = None
@@ -1151,13 +1412,16 @@ class TrainConfig:
     tensorboard: bool = True
     """TensorBoard events in --out/tensorboard where tensorboardX is installed"""
     ckpt_dir: pathlib.Path | None = None
-    """checkpoint directory (also gets config.json and metrics.jsonl)"""
+    """checkpoint directory (also gets config.json and metrics.jsonl); one that holds
+    another run's steps needs --resume"""
     save_every: PositiveInt = 20
     """checkpoint every N steps"""
     keep: PositiveInt = 3
     """checkpoints to keep"""
     resume: bool = False
-    """continue from the latest checkpoint in --ckpt-dir"""
+    """continue from the latest checkpoint in --ckpt-dir (refused where there is none, or
+    where its config.json records another --size, --seq-len, --experts, --top-k,
+    --optimizer or --data)"""
     config: pathlib.Path | None = None
     """read the options from this file (a config.json written by a run); options given
     beside it override the file's"""
@@ -1185,6 +1449,12 @@ class TrainConfig:
         sizes the mesh cannot split are `check_sizes`'s."""
         if self.resume and self.ckpt_dir is None:
             raise ConfigError("--resume needs --ckpt-dir DIR (the directory to resume from)")
+        if self.top_k is not None and self.experts is None:
+            raise ConfigError(
+                f"--top-k {self.top_k} chooses among the experts of --experts, and there is no "
+                f"--experts: add --experts E (E at least {self.top_k}) for a mixture of "
+                "experts, or leave --top-k out"
+            )
         if self.check and self.optimizer == "adam":
             # A config.json names the optimizer its run resolved: it cannot be left out there.
             fix = (
@@ -1216,6 +1486,7 @@ class TrainConfig:
             schedule=self.schedule or ("gpipe" if mesh[lm.PIPE] > 1 else None),
             optimizer=self.optimizer or ("sgd" if self.check else "adam"),
             seq_len=self.seq_len or SIZES[self.size].seq_len,
+            top_k=self.top_k or (DEFAULT_TOP_K if self.experts is not None else None),
         )
 
     def run_config(self, device_count: int) -> RunConfig:
@@ -1243,8 +1514,12 @@ class TrainConfig:
         if self.seq_len is not None:
             config = dataclasses.replace(config, seq_len=self.seq_len)
         if self.experts is not None:
-            config = dataclasses.replace(config, num_experts=self.experts, top_k=self.top_k)
+            top_k = DEFAULT_TOP_K if self.top_k is None else self.top_k
+            config = dataclasses.replace(config, num_experts=self.experts, top_k=top_k)
         return config
+
+
+DEFAULT_TOP_K = 2  # experts per token of --experts without --top-k
 
 
 def default_mesh(device_count: int) -> str:
@@ -1281,7 +1556,9 @@ def save_config(options: TrainConfig, path: pathlib.Path) -> pathlib.Path:
 
 def config_arguments(path: pathlib.Path) -> list[str]:
     """The options saved in `path` as the command line they stand for (`--steps 20 --fsdp
-    ...`), so that tyro checks a file's values as it checks typed ones."""
+    ...`), so that tyro reads a file's values as it reads typed ones. Each value is first
+    checked against its option's type (`ConfigError` naming the file, the entry and the
+    option)."""
     try:
         saved = json.loads(pathlib.Path(path).read_text())
     except (OSError, ValueError) as error:
@@ -1293,43 +1570,144 @@ def config_arguments(path: pathlib.Path) -> list[str]:
             f"--config {path}: expected a JSON object of the options {sorted(known)} (the "
             f"config.json a run writes); got {unknown!r}"
         )
+    if saved.get("experts") is None and saved.get("top_k") == DEFAULT_TOP_K:
+        del saved["top_k"]  # written before --top-k was refused without --experts: its default
+    hints = typing.get_type_hints(TrainConfig, include_extras=True)
+    problems = [
+        f'"{name}": {json.dumps(value)} is not {expected} (for {_flag(name)})'
+        for name, value in saved.items()
+        if (expected := _not_a(value, hints[name])) is not None
+    ]
+    if problems:
+        raise ConfigError(f"--config {path}: " + "; ".join(problems))
     words: list[str] = []
     for name, value in saved.items():
-        flag = "--" + name.replace("_", "-")
         if isinstance(value, bool):
-            words.append(flag if value else "--no-" + name.replace("_", "-"))
+            words.append(_flag(name) if value else "--no-" + _flag(name)[2:])
         else:
-            words += [flag, "None" if value is None else str(value)]
+            words += [_flag(name), "None" if value is None else str(value)]
     return words
+
+
+def _flag(name: str) -> str:
+    """The command-line flag of the option `name` (`batch_size` -> `--batch-size`)."""
+    return "--" + name.replace("_", "-")
+
+
+def _not_a(value: Any, hint: Any) -> str | None:
+    """What a JSON `value` is not, for an option of type `hint` (e.g. `"a bool (true or
+    false)"`), or `None` where it fits."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        (rest,) = [arg for arg in args if arg is not type(None)]
+        return _not_a(value, rest)
+    if value is None:
+        return "a value (null is not allowed here)"
+    if origin is Annotated:  # PositiveInt, PositiveFloat
+        base = args[0]
+        if isinstance(value, bool) or not isinstance(value, int if base is int else int | float):
+            return "a positive integer" if base is int else "a number above 0"
+        parse = positive_int if base is int else positive_float
+        try:
+            parse(str(value))
+        except ConfigError:
+            return "a positive integer" if base is int else "a number above 0"
+        return None
+    if origin is Literal:
+        return None if value in args else "one of " + ", ".join(json.dumps(a) for a in args)
+    if hint is bool:
+        return None if isinstance(value, bool) else "a bool (true or false)"
+    if hint is int:
+        return None if isinstance(value, int) and not isinstance(value, bool) else "an integer"
+    if hint in (str, pathlib.Path):
+        return None if isinstance(value, str) else "a string"
+    return None
 
 
 def parse_options(argv: Sequence[str] | None, device_count: int | None = None) -> TrainConfig:
     """The options of the command line `argv` (default `sys.argv[1:]`): with `--config FILE`,
     the file's options first, then `argv`'s over them; with `device_count`, validated
-    (`TrainConfig.validate`). A usage error exits with status 2 and the reason on stderr, as
-    argparse's do. Without `device_count` it touches no device (`main`: a launcher starts
-    its processes, and a process joins its job, before JAX picks its devices)."""
+    (`TrainConfig.validate`). A usage error exits with status 2 and the reason on stderr
+    after `train_lm.py: error:`, as argparse's do. Without `device_count` it touches no
+    device (`main`: a launcher starts its processes, and a process joins its job, before JAX
+    picks its devices)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    options = tyro.cli(TrainConfig, args=argv, prog=_PROG, description=__doc__)
     with _usage_errors():
+        options = _read_options(argv)
         if options.config is not None:
             words = [*config_arguments(options.config), *argv]
-            options = tyro.cli(TrainConfig, args=words, prog=_PROG, description=__doc__)
+            try:
+                options = _read_options(words)
+            except ConfigError as error:  # `argv` alone was fine: the file's values are not
+                raise ConfigError(f"--config {options.config}: {error}") from None
         if device_count is not None:
             options.validate(device_count)
     return options
 
 
 _PROG = "train_lm.py"
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")  # colours, where tyro writes to a terminal
+
+
+def _read_options(words: list[str]) -> TrainConfig:
+    """`TrainConfig` from the command line `words` through tyro; its parse errors as one
+    `ConfigError` (tyro draws them in a box on stderr: its text, unboxed, becomes the
+    message, with a hint where a flag was given a value)."""
+    captured = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(captured):
+            options = tyro.cli(TrainConfig, args=words, prog=_PROG, description=__doc__)
+    except SystemExit as exit_:
+        if exit_.code in (0, None):  # --help
+            raise
+        raise ConfigError(_unboxed(captured.getvalue(), words)) from None
+    sys.stderr.write(captured.getvalue())  # tyro's warnings, if any
+    return options
+
+
+def _unboxed(text: str, words: list[str]) -> str:
+    """tyro's error box `text` as plain lines: its first part (the error) on one line, the
+    rest (help on the option) indented below. tyro draws the box with UTF-8 characters where
+    stdout's encoding is UTF-8, else with a title line and dashes."""
+    lines = [line for line in (_ANSI.sub("", raw).rstrip() for raw in text.splitlines()) if line]
+    if lines and not lines[0].lstrip().startswith("╭"):
+        lines = lines[1:]  # the title, on a line of its own
+    parts: list[list[str]] = [[]]
+    for line in lines:
+        inner = line.strip()
+        if inner[:1] in ("╭", "╰"):  # the top edge (with the title) and the bottom edge
+            continue
+        if inner.startswith("│") and inner.endswith("│"):
+            line = inner[1:-1].rstrip()
+        if set(line.strip()) <= {"─", "-"}:  # a rule between parts
+            parts.append([])
+        else:
+            parts[-1].append(line)
+    indent = min((len(line) - len(line.lstrip()) for part in parts for line in part), default=0)
+    parts = [[line[indent:] for line in part] for part in parts]
+    parts = [part for part in parts if part]
+    if not parts:
+        return f"cannot read the options {' '.join(words)!r}"
+    message = " ".join(line.strip() for line in parts[0])
+    if message.startswith("Unrecognized options:"):
+        flags = {_flag(f.name) for f in dataclasses.fields(TrainConfig) if f.type is bool}
+        given = [w for w, after in itertools.pairwise(words) if w in flags and after[:2] != "--"]
+        message += "".join(f"; {flag} takes no value: write {flag} or --no-{flag[2:]}"
+                           for flag in given)  # fmt: skip
+    rest = [f"  {line}" for part in parts[1:] for line in part]
+    return "\n".join([message, *rest])
 
 
 @contextlib.contextmanager
 def _usage_errors() -> Iterator[None]:
-    """A `ConfigError` inside exits with status 2 and the reason on stderr."""
+    """A `ConfigError` or `data.DataError` inside exits with status 2 and the reason on
+    stderr, after `train_lm.py: error:` (every refusal of the example's options)."""
     try:
         yield
-    except ConfigError as error:
-        print(f"{_PROG}: error: {error}", file=sys.stderr)
+    except (ConfigError, input_data.DataError) as error:
+        print(f"{_PROG}: error: {error}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
 
 
@@ -1397,7 +1775,8 @@ def check_against_one_device(
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Run the command line `argv` (default `sys.argv[1:]`; see `TrainConfig` for the
     options); returns the summary that `--json` writes (with `--processes N` outside a job,
-    the launcher's exit status)."""
+    the launcher's exit status). Every refusal of the options, the data or the checkpoint
+    directory prints `train_lm.py: error: ...` on stderr and exits with status 2."""
     options = parse_options(argv)
     if options.processes > 1 and not (launch.in_job() or options.distributed):
         command = list(sys.argv[1:] if argv is None else argv)  # start them here
@@ -1415,10 +1794,18 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 f"--processes {options.processes}: this job has {jax.process_count()}"
             )
         options.validate(count)
-    run, config = options.run_config(count), options.model_config()
-    check_sizes(config, run)  # before any output: a usage error comes first
-    with metrics.console_logging():
-        return _main(options.resolved(count), run, config)
+        run, config = options.run_config(count), options.model_config()
+        check_sizes(config, run)  # before any output: a usage error comes first
+        options = options.resolved(count)
+        if options.ckpt_dir is not None:
+            checkpoint = CheckpointOptions(
+                options.ckpt_dir, options.save_every, options.keep, options.resume
+            )
+            check_checkpoint_start(checkpoint, saved_steps(options.ckpt_dir), run.steps)
+            if options.resume:
+                check_recorded_options(options)
+    with metrics.console_logging(), _usage_errors():
+        return _main(options, run, config)
 
 
 def _main(options: TrainConfig, run: RunConfig, config: lm.LMConfig) -> dict[str, Any]:
@@ -1449,13 +1836,18 @@ def _main(options: TrainConfig, run: RunConfig, config: lm.LMConfig) -> dict[str
     tensorboard_dir = None
     if options.tensorboard and metrics.tensorboard_available():
         tensorboard_dir = options.out / "tensorboard"
-    if first:
-        for directory in (options.out, options.ckpt_dir):
-            if directory is not None:
-                log.info(f"wrote {save_config(options, directory / CONFIG_FILE)}")
-        if tensorboard_dir is None and options.tensorboard:
-            log.info('no TensorBoard events: tensorboardX is not installed (pip install -e '
-                     '".[tensorboard]")')  # fmt: skip
+    if first and tensorboard_dir is None and options.tensorboard:
+        log.info('no TensorBoard events: tensorboardX is not installed (pip install -e '
+                 '".[tensorboard]")')  # fmt: skip
+
+    def write_configs(start: int) -> None:
+        # Once the run starts from what the files will say: a resume that fails (another
+        # model, a damaged checkpoint) leaves the checkpoint's record as it was.
+        if first:
+            for directory in (options.out, options.ckpt_dir):
+                if directory is not None:
+                    log.info(f"wrote {save_config(options, directory / CONFIG_FILE)}")
+
     started = time.perf_counter()
     training = run_training(
         run,
@@ -1468,6 +1860,8 @@ def _main(options: TrainConfig, run: RunConfig, config: lm.LMConfig) -> dict[str
         tensorboard_dir=tensorboard_dir,
         source=source,
         example_log=example_log,
+        allow_nonfinite=options.allow_nonfinite,
+        on_start=write_configs,
     )
     losses, model = training.losses, training.model
     trained = host_parameters(model)
@@ -1488,13 +1882,16 @@ def _main(options: TrainConfig, run: RunConfig, config: lm.LMConfig) -> dict[str
         "metrics_file": str(metrics_file),
         "tensorboard_dir": None if tensorboard_dir is None else str(tensorboard_dir),
         "config": json.loads(json.dumps(dataclasses.asdict(options), default=str)),
+        "nonfinite_steps": training.nonfinite_steps,
     }
+    if training.stopped is not None:
+        summary["stopped"] = {k: v for k, v in training.stopped.items() if k != "message"}
     if options.json and first:
         options.json.parent.mkdir(parents=True, exist_ok=True)
     if not losses:
         log.info(f"nothing to do: already at step {run.steps}")
         if options.json and first:
-            options.json.write_text(json.dumps(summary))
+            options.json.write_text(metrics.strict_json(summary))
         return summary
     rate = training.tokens_per_second
     after = "" if rate is None else f"; {rate:.0f} tokens/s after the first step"
@@ -1503,18 +1900,25 @@ def _main(options: TrainConfig, run: RunConfig, config: lm.LMConfig) -> dict[str
         f"{'' if len(losses) == 1 else 's'} ({seconds:.1f} s, compiling "
         f"{training.compile_seconds:.1f} s{after})"
     )
+    if training.nonfinite_steps and training.stopped is None:
+        log.warning(
+            f"{len(training.nonfinite_steps)} steps were not finite (from step "
+            f"{training.nonfinite_steps[0]}; --allow-nonfinite), none of them saved"
+        )
     if training.router_stats:
         log.info(f"experts at the last step: {format_router_stats(training.router_stats)}")
     if first:
         for path in write_pictures(curve, run, options.out, steps=steps, resumed_at=training.start):
             log.info(f"wrote {path}")
         log.info(f"metrics of every step in {metrics_file}")
-    if options.check:
+    if training.stopped is not None:
+        log.error(training.stopped["message"])
+    elif options.check:
         summary["check"] = check_against_one_device(
             run, config, training, source=source, trained=trained
         )
     if options.json and first:
-        options.json.write_text(json.dumps(summary))
+        options.json.write_text(metrics.strict_json(summary))
     return summary
 
 
@@ -1523,7 +1927,7 @@ def open_data(directory: pathlib.Path, config: lm.LMConfig, run: RunConfig) -> A
     fit the model's vocabulary."""
     corpus = input_data.open_corpus(directory)
     if corpus.vocab_size > config.vocab_size:
-        raise SystemExit(
+        raise ConfigError(
             f"--data {directory}: its vocabulary has {corpus.vocab_size} tokens, the model's "
             f"{config.vocab_size}: choose a --size with at least {corpus.vocab_size} or write "
             f"the corpus with --vocab-size {config.vocab_size}."
@@ -1534,11 +1938,14 @@ def open_data(directory: pathlib.Path, config: lm.LMConfig, run: RunConfig) -> A
 
 
 def exit_status(argv: Sequence[str] | None = None) -> int:
-    """The command's exit status: 1 on a failed `--check` (so that scripts and CI notice),
-    the launcher's with `--processes`, else 0."""
+    """The command's exit status: 1 on a failed `--check` or a run stopped on a non-finite
+    step (so that scripts and CI notice), the launcher's with `--processes`, 2 on a refusal
+    of the options (`SystemExit`), else 0."""
     summary = main(argv)
     if "exit_status" in summary:
         return summary["exit_status"]
+    if "stopped" in summary:
+        return 1
     return 0 if summary.get("check", {}).get("passed", True) else 1
 
 

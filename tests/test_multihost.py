@@ -139,7 +139,7 @@ def test_killed_job_resumes_on_two_then_one_process_with_exactly_the_next_exampl
     output_b = _finish(launcher, TIMEOUT + 30)
     assert launcher.returncode == 0, output_b
     assert "all 2 processes succeeded" in output_b
-    assert "[Gloo]" not in output_b  # the start-up chatter is hidden
+    assert "[Gloo]" not in output_b and "peer ranks" not in output_b  # the chatter is hidden
     start_b = int(re.search(r"\[p0\] resumed from step (\d+)", output_b)[1])
     assert killed_at <= start_b < 4
     after_b = _log_lines(log)
@@ -220,15 +220,33 @@ def test_place_rows_builds_the_global_batch(examples, tmp_path):
 
 def test_data_errors_say_what_to_do(examples, tmp_path):
     data, _, _ = examples
-    with pytest.raises(SystemExit, match=r"python examples/data.py .* --vocab-size V"):
+    with pytest.raises(data.DataError, match=r"python examples/data.py .* --vocab-size V"):
         data.open_corpus(tmp_path / "missing")
     corpus = data.write_corpus(tmp_path, num_documents=4)
-    with pytest.raises(SystemExit, match=r"fewer than one batch of --batch-size 64"):
+    with pytest.raises(data.DataError, match=r"fewer than one batch of --batch-size 64"):
         data.PackedCorpus(corpus, batch_size=64, seq_len=15)
     source = data.PackedCorpus(corpus, batch_size=2, seq_len=15)
     saved = data.checkpoint_state(data.PackedCorpus(corpus, batch_size=4, seq_len=15))
-    with pytest.raises(SystemExit, match=r"batch_size 4 -> 2.*resume with the saved"):
+    with pytest.raises(data.DataError, match=r"batch_size 4 -> 2.*resume with the saved"):
         data.check_restored(saved, source)
+    # A damaged file is named, with --data and the fix: truncated (found when it is opened),
+    # or damaged inside (found when a document is read).
+    shard = corpus.directory / corpus.files[1]
+    whole = shard.read_bytes()
+    shard.write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(data.DataError) as error_info:
+        data.PackedCorpus(corpus, batch_size=2, seq_len=15)
+    assert str(error_info.value).startswith(f"--data {tmp_path}: cannot open {shard} (")
+    assert "truncated or damaged: write the corpus again" in str(error_info.value)
+    shard.write_bytes(whole[:200] + bytes(200) + whole[400:])  # inside its records
+    source = data.PackedCorpus(corpus, batch_size=2, seq_len=15)
+    with pytest.raises(data.DataError, match=rf"--data {tmp_path}: cannot read document \d+ "
+                       rf"from {shard} \(RuntimeError: Corrupted"):  # fmt: skip
+        for position in range(source.rows_per_epoch // 2):
+            source.rows(position, range(2))
+    (tmp_path / "corpus.json").write_text("{")
+    with pytest.raises(data.DataError, match=r"cannot read .*corpus.json"):
+        data.open_corpus(tmp_path)
 
 
 def _fake_script(tmp_path: Path, body: str) -> list[str]:
@@ -252,6 +270,35 @@ def test_launcher_prefixes_lines_and_hides_start_up_chatter(examples, tmp_path):
     shown.clear()
     launch.launch(_fake_script(tmp_path, body), 1, verbose=True, write=shown.append)
     assert shown == ["[p0] [Gloo] Rank 0", "[p0] step 1 of 1"]
+
+
+# What Gloo's and JAX's C++ threads write while processes connect, as it reaches the launcher:
+# Gloo writes its line piece by piece from several threads, so a line can hold pieces of two
+# (`[p1]  peer ranks. ...` was shown before), or be the last piece alone.
+CHATTER = [
+    "[Gloo] Rank 1 is connected to 3 peer ranks. Expected number of connected peer ranks is : 3",
+    "[Gloo] Rank 0 is connected to 0[Gloo] Rank 0 is connected to 0 peer ranks. Expected "
+    "number of connected peer ranks is : 0",
+    " peer ranks. Expected number of connected peer ranks is : 0",
+    " is connected to 7 peer ranks. Expected number of connected peer ranks is : 7",
+    "Expected number of connected peer ranks is : 7",
+    "7",
+    "I0000 00:00:1732700000.123456   12345 coordination_service_agent.cc:372] Coordination "
+    "agent has successfully connected.",
+    "E1127 11:52:03.123456    4242 client.cc:99] Polled an error",
+    "WARNING: All log messages before absl::InitializeLog() is called are written to STDERR",
+    "2024-11-27 11:52:03.123456: W external/xla/xla/pjrt/cpu/gloo_collectives.cc:12] text",
+]
+
+
+def test_launcher_hides_chatter_by_what_it_says(examples, tmp_path):
+    _, launch, _ = examples
+    body = f"for line in {CHATTER!r}:\n    print(line)\nprint('step 1 of 2')\n"
+    shown: list[str] = []
+    processes = launch.launch(_fake_script(tmp_path, body), 2, write=shown.append)
+    assert all(p.ok for p in processes)
+    assert sorted(shown) == ["[p0] step 1 of 2", "[p1] step 1 of 2"]
+    assert [list(p.hidden) for p in processes] == [CHATTER, CHATTER]  # shown if it fails
 
 
 def test_launcher_kills_past_the_timeout_and_after_a_peer_failed(examples, tmp_path):

@@ -216,22 +216,23 @@ def test_serial_form_is_the_same_model():
 
 
 def test_cli_errors_name_the_problem(capsys):
-    with pytest.raises(SystemExit, match="multiply to 4 but there are 8 devices"):
+    ConfigError = train_lm.ConfigError
+    with pytest.raises(ConfigError, match="multiply to 4 but there are 8 devices"):
         train_lm.parse_mesh("data=2,model=2", 8)
-    with pytest.raises(SystemExit, match="got 'tensor=2'"):
+    with pytest.raises(ConfigError, match="got 'tensor=2'"):
         train_lm.parse_mesh("tensor=2", 2)
     run = dataclasses.replace(run_config("pipe=8"), schedule="circular", repeats=2)
-    with pytest.raises(SystemExit, match="num_layers=4 must divide by pipe x repeats = 16: "
+    with pytest.raises(ConfigError, match="num_layers=4 must divide by pipe x repeats = 16: "
                        "choose a smaller pipe in --mesh or fewer --repeats"):  # fmt: skip
         train_lm.check_sizes(TINY, run)
-    with pytest.raises(SystemExit, match=r"batch_size=8 must divide by data x microbatches = 16: "
+    with pytest.raises(ConfigError, match=r"batch_size=8 must divide by data x microbatches = 16: "
                        r"use a --batch-size that is a multiple of 16 \(e.g. 16\) or fewer "
                        r"--microbatches"):  # fmt: skip
         train_lm.check_sizes(TINY, run_config("data=4,pipe=2", microbatches=4))
-    with pytest.raises(SystemExit, match=r"batch_size=4 must divide by data = 8: use a "
+    with pytest.raises(ConfigError, match=r"batch_size=4 must divide by data = 8: use a "
                        r"--batch-size that is a multiple of 8 \(e.g. 8\)\.$"):  # fmt: skip
         train_lm.check_sizes(TINY, dataclasses.replace(run_config("data=8"), batch_size=4))
-    with pytest.raises(SystemExit, match=r"seq_len=12 must divide by 2 x context = 8 .*: use a "
+    with pytest.raises(ConfigError, match=r"seq_len=12 must divide by 2 x context = 8 .*: use a "
                        r"--seq-len that is a multiple of 8 \(e.g. 16\) or context=1, 2, 3 or 6 "
                        r"in --mesh\.$"):  # fmt: skip
         train_lm.check_sizes(dataclasses.replace(TINY, seq_len=12), run_config("data=2,context=4"))
@@ -315,7 +316,8 @@ def test_help_shows_the_defaults(capsys):
     assert "a context axis (e.g. data=2,context=4) splits every sequence" in text
     assert "--seq-len {None}|N tokens per sequence (unset: the --size's: 32 for small" in text
     assert "--schedule {None,gpipe,circular,1f1b,zb-h1} pipeline schedule" in text
-    assert "--experts {None}|N a mixture of E experts" in text and "--top-k N" in text
+    assert "--experts {None}|N a mixture of E experts" in text
+    assert "--top-k {None}|N experts per token (with --experts; unset: 2)" in text
     assert "--precision {float32,bfloat16}" in text and "(default: float32)" in text
 
 
@@ -442,7 +444,10 @@ def test_config_files_are_checked_as_the_command_line(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         train_lm.parse_options(["--config", str(path)])
     assert exit_info.value.code == 2
-    assert "Error parsing --steps: must be a positive integer, got '0'" in capsys.readouterr().err
+    error = capsys.readouterr().err
+    assert error == (
+        f'train_lm.py: error: --config {path}: "steps": 0 is not a positive integer (for --steps)\n'
+    )
     path.write_text(json.dumps({"stepz": 3}))
     with pytest.raises(SystemExit):
         train_lm.parse_options(["--config", str(path)])
@@ -594,7 +599,7 @@ def test_experts_in_3d_with_fsdp_train_like_one_device(serial_experts):
 
 def test_experts_bad_combinations_are_refused(capsys):
     def refused(config, mesh, match, **options):
-        with pytest.raises(SystemExit, match=match):
+        with pytest.raises(train_lm.ConfigError, match=match):
             train_lm.check_sizes(config, dataclasses.replace(run_config(mesh), **options))
 
     refused(
@@ -608,9 +613,12 @@ def test_experts_bad_combinations_are_refused(capsys):
     refused(MOE, "data=2,expert=4", "--schedule 1f1b runs the pipeline's own", schedule="1f1b")
     refused(TINY, "data=2,expert=4", "expert=4 in --mesh splits the experts .* give --experts")
     refused(MOE, "data=4,expert=2", r"batch_size=4 must divide by data x expert = 8", batch_size=4)
-    with pytest.raises(SystemExit, match="--experts 6 must divide by expert=4"):
+    with pytest.raises(SystemExit) as exit_info:
         train_lm.main(["--experts", "6", "--mesh", "data=2,expert=4", "--size", "tiny"])
-    assert capsys.readouterr().out == ""  # refused before any output
+    assert exit_info.value.code == 2
+    out, err = capsys.readouterr()
+    assert out == ""  # refused before any output
+    assert err.startswith("train_lm.py: error: --experts 6 must divide by expert=4")
 
 
 def test_utilisation_needs_a_known_peak():
@@ -639,3 +647,200 @@ def test_utilisation_needs_a_known_peak():
     config = train_lm.SIZES["tiny"]  # d 32, hidden 64, 4 layers, vocab 32, seq 16
     forward = 2 * (4 * (4 * 32 * 32 + 2 * 32 * 64 + 2 * 16 * 32) + 32 * 32)
     assert train_lm.training_flops_per_token(config) == 3 * forward
+
+
+# --- a run that goes bad stops before it loses anything, and says what it did --------------
+
+# A learning rate far too large: plain SGD at 30 x 1e4 makes the loss non-finite in a few
+# steps (step 1 is always finite: the initial parameters).
+NONFINITE = ["--size", "tiny", "--mesh", "data=8", "--batch-size", "8", "--optimizer", "sgd",
+             "--lr", "1e4", "--steps", "6", "--no-progress", "--no-tensorboard"]  # fmt: skip
+
+
+def strict_json(text: str):
+    """`json.loads` as strict readers read: NaN and Infinity are not JSON."""
+
+    def refuse(constant):
+        raise ValueError(f"not JSON: {constant}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def restored_state(directory, run):
+    """The latest checkpoint in `directory` of a tiny model trained by `run`."""
+    from eqpar.checkpoint import Checkpointer
+
+    mesh = train_lm.make_mesh(run.mesh)
+    optimizer = train_lm.make_optimizer(run)
+    model, opt_state = train_lm.place(
+        train_lm.build_model(TINY, run, mesh), optimizer, mesh, run.fsdp
+    )
+    with Checkpointer(directory) as checkpointer:
+        return checkpointer.restore(target={"model": model, "opt_state": opt_state, "position": 0})
+
+
+@pytest.fixture(scope="module")
+def nonfinite_run(tmp_path_factory):
+    """The run above with --save-every 1 --keep 2: its exit status, console and directory."""
+    import contextlib
+    import io
+
+    directory = tmp_path_factory.mktemp("nonfinite")
+    argv = [*NONFINITE, "--save-every", "1", "--keep", "2", "--ckpt-dir", str(directory / "ckpt"),
+            "--out", str(directory / "out"), "--json", str(directory / "summary.json")]  # fmt: skip
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        status = train_lm.exit_status(argv)
+    return status, out.getvalue(), directory
+
+
+def test_a_run_that_goes_non_finite_stops_and_keeps_its_finite_checkpoints(nonfinite_run):
+    status, out, directory = nonfinite_run
+    ckpt = directory / "ckpt"
+    assert status == 1, out
+    # Every file a strict JSON reader accepts: non-finite values as null, flagged.
+    summary = strict_json((directory / "summary.json").read_text())
+    records = [strict_json(line) for line in (ckpt / "metrics.jsonl").read_text().splitlines()]
+    stop = summary["stopped"]["step"]
+    assert [r["step"] for r in records[1:]] == list(range(1, stop + 1))  # none after it
+    bad = records[-1]
+    assert bad["loss"] is None and "loss" in bad["nonfinite"]
+    assert "loss" in summary["stopped"]["nonfinite"] and summary["losses"][-1] is None
+    assert all("nonfinite" not in r for r in records[1:-1])
+    # The message names the step, what was kept and the option that trains on.
+    assert f"stopped at step {stop}: not finite: loss nan" in out
+    assert f"the last checkpoint, step {stop - 1} in {ckpt}, is finite" in out
+    assert "Pass --allow-nonfinite to train on" in out
+    assert summary["config"]["allow_nonfinite"] is False
+    # The non-finite step was not saved and rotated nothing out: the last finite steps stay.
+    assert stop >= 2 and summary["stopped"]["last_checkpoint"] == stop - 1
+    assert train_lm.saved_steps(ckpt) == list(range(max(1, stop - 2), stop))
+    run = train_lm.parse_options([*NONFINITE]).run_config(8)
+    state = restored_state(ckpt, run)
+    assert state["position"] == stop - 1
+    leaves = jax.tree.leaves(eqx.filter((state["model"], state["opt_state"]), eqx.is_inexact_array))
+    assert all(bool(jnp.isfinite(leaf).all()) for leaf in leaves)
+
+
+def test_a_checkpoint_directory_that_does_not_fit_is_refused_naming_the_fix(
+    nonfinite_run, tmp_path, capsys
+):
+    _, _, directory = nonfinite_run
+    ckpt = directory / "ckpt"
+    record = (ckpt / "config.json").read_text()
+    steps = train_lm.saved_steps(ckpt)
+
+    def refused(*argv, before_any_output=True):
+        with pytest.raises(SystemExit) as exit_info:
+            train_lm.main([*argv, "--out", str(tmp_path / "out")])
+        out, err = capsys.readouterr()
+        assert exit_info.value.code == 2 and (out == "" or not before_any_output), out
+        assert err.startswith("train_lm.py: error: ") and "Traceback" not in err
+        return " ".join(err.split())
+
+    # Resumed without the options it was written with: each named, with both values.
+    err = refused("--ckpt-dir", str(ckpt), "--resume", "--mesh", "data=8")
+    assert (
+        f"--resume: the checkpoint in --ckpt-dir {ckpt} was written with other options "
+        f"({ckpt / 'config.json'}): --size tiny there, small here; --seq-len 16 there, 32 "
+        "here; --optimizer sgd there, adam here." in err
+    )
+    assert "resume with the options it was written with (--size tiny, --seq-len 16, " in err
+    assert f"or with --config {ckpt / 'config.json'} --resume" in err
+    corpus = tmp_path / "corpus"
+    err = refused(*NONFINITE, "--ckpt-dir", str(ckpt), "--resume", "--data", str(corpus))
+    assert f"--data unset there, {corpus} here" in err and "(no --data)" in err
+    # A directory that holds another run's steps, without --resume.
+    err = refused(*NONFINITE, "--ckpt-dir", str(ckpt))
+    assert f"--ckpt-dir {ckpt} already holds checkpoints (steps {steps[0]}, {steps[1]})" in err
+    assert f"Pass --resume to continue from step {steps[-1]}, or another --ckpt-dir" in err
+    # --resume that finds nothing: a typo in --ckpt-dir; nothing is created there.
+    typo = directory / "ckpt-typo"
+    err = refused(*NONFINITE, "--ckpt-dir", str(typo), "--resume")
+    assert f"--resume: nothing to resume from: --ckpt-dir {typo} does not exist" in err
+    assert "leave out --resume to start from step 0" in err and not typo.exists()
+    err = refused(*NONFINITE, "--ckpt-dir", str(ckpt), "--resume", "--steps", "1")
+    assert f"is step {steps[-1]}, past --steps 1: pass --steps above {steps[-1]}" in err
+    assert (ckpt / "config.json").read_text() == record  # the record is untouched
+    assert train_lm.saved_steps(ckpt) == steps
+
+    # Without a record (or past it), the restore's own check, as a usage error naming the
+    # first difference; config.json is written only once a restore succeeded.
+    import shutil
+
+    bare = tmp_path / "bare"
+    shutil.copytree(ckpt, bare, ignore=shutil.ignore_patterns("config.json", "*.lock"))
+    err = refused(
+        *NONFINITE, "--ckpt-dir", str(bare), "--resume", "--experts", "4", before_any_output=False
+    )
+    assert f"--resume: the checkpoint in --ckpt-dir {bare} does not fit this run's model" in err
+    assert "first mismatching leaf: `model/body/stages/layers/" in err
+    assert not (bare / "config.json").exists()
+
+
+def test_allow_nonfinite_trains_on_without_saving_and_a_save_that_did_not_happen_says_so(
+    tmp_path, capsys, monkeypatch
+):
+    from eqpar.checkpoint import Checkpointer
+
+    save = Checkpointer.save
+
+    def save_but_step_1(self, step, state, *, force=False):  # as if orbax declined it
+        return False if step == 1 else save(self, step, state, force=force)
+
+    monkeypatch.setattr(Checkpointer, "save", save_but_step_1)
+    ckpt = tmp_path / "ckpt"
+    argv = [*NONFINITE, "--allow-nonfinite", "--save-every", "1", "--keep", "9",
+            "--ckpt-dir", str(ckpt), "--out", str(tmp_path)]  # fmt: skip
+    assert train_lm.exit_status(argv) == 0
+    out = capsys.readouterr().out
+    assert "saved the checkpoint of step 1" not in out
+    assert f"the checkpoint of step 1 was NOT saved in {ckpt}: the checkpointer declined" in out
+    records = [strict_json(line) for line in (ckpt / "metrics.jsonl").read_text().splitlines()]
+    bad = [r["step"] for r in records[1:] if "nonfinite" in r]
+    assert [r["step"] for r in records[1:]] == [1, 2, 3, 4, 5, 6] and bad == list(range(bad[0], 7))
+    assert f"step {bad[0]}: not finite: loss" in out and "training on (--allow-nonfinite)" in out
+    assert f"not saving step {bad[0]}: not finite" in out
+    assert train_lm.saved_steps(ckpt) == list(range(2, bad[0]))  # finite steps only
+
+
+def test_every_refusal_has_one_prefix_and_exit_status_2(tmp_path, capsys):
+    import data as input_data
+
+    corpus = input_data.write_corpus(tmp_path / "corpus", num_documents=40)
+    shard = corpus.directory / corpus.files[1]
+    with shard.open("r+b") as file:
+        file.truncate(shard.stat().st_size // 2)
+    cases = {
+        ("--mesh", "data=3"): "--mesh data=3: the axis sizes multiply to 3 but there are 8",
+        ("--mesh", "data=2,pipe=4", "--batch-size", "3"): "batch_size=3 must divide by data x",
+        ("--top-k", "4"): "--top-k 4 chooses among the experts of --experts, and there is no "
+        "--experts: add --experts E (E at least 4) for a mixture of experts, or leave --top-k out",
+        ("--lr", "0"): "Error parsing --lr: must be a number above 0, got '0'",
+        ("--fsdp", "yes"): "Unrecognized options: yes; --fsdp takes no value",
+        ("--size", "tiny", "--data", str(corpus.directory)): f"--data {corpus.directory}: "
+        f"cannot open {shard} (RuntimeError); the file is missing, unreadable, truncated",
+    }
+    for argv, message in cases.items():
+        with pytest.raises(SystemExit) as exit_info:
+            train_lm.main([*argv, "--out", str(tmp_path / "out")])
+        assert exit_info.value.code == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith(f"train_lm.py: error: {message}"), err
+        assert err.count("train_lm.py: error:") == 1
+
+
+def test_config_file_errors_name_the_file_the_entry_and_the_option(tmp_path, capsys):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"fsdp": "yes", "schedule": "2f2b", "steps": 3, "lr": "fast"}))
+    with pytest.raises(SystemExit) as exit_info:
+        train_lm.main(["--config", str(path)])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == (
+        f'train_lm.py: error: --config {path}: "fsdp": "yes" is not a bool (true or false) '
+        f'(for --fsdp); "schedule": "2f2b" is not one of "gpipe", "circular", "1f1b", "zb-h1" '
+        f'(for --schedule); "lr": "fast" is not a number above 0 (for --lr)\n'
+    )
+    # A file written before --top-k was refused without --experts still reads.
+    path.write_text(json.dumps({"experts": None, "top_k": 2, "steps": 3}))
+    assert train_lm.parse_options(["--config", str(path)]).top_k is None
