@@ -130,6 +130,8 @@ def check(
     plan: Mapping[str, Style] | None = None,
     batch_specs: PartitionSpec | tuple | None = None,
     step: Callable | None = None,
+    serial: PyTree | None = None,
+    serial_step: Callable | None = None,
     rtol: float | None = None,
     raise_on_mismatch: bool = True,
 ) -> CheckReport:
@@ -158,6 +160,10 @@ def check(
     - `plan`: the plan to apply to `model` (omit it when `model` is already parallelized).
     - `batch_specs`: the `PartitionSpec` of the batch (one for all, or one per argument);
       default: the batch split over the mesh axes that no plan style names.
+    - `serial`, `serial_step`: the one-device model and step, where `unparallelize(model)`
+      and `eqx.filter_value_and_grad(loss_fn)` are not (a model built for one device by
+      your own code); leaves are matched by path, and a leaf of stacked layers by reshape
+      (stacked layers are stored in model order, whatever the stage count).
     - `step`: your own parallel step, `step(model, *batch) -> (loss, grads)`, where the
       default route is not the one you train with.
     - `rtol`: the tolerance for every leaf (default: from each leaf's dtype).
@@ -179,11 +185,14 @@ def check(
         raise TypeError(f"check: `loss_fn` must be callable, got {type(loss_fn).__name__}.")
     if not batch:
         raise ValueError("check: pass a small batch after the model: check(loss, model, *batch).")
+    for name, fn in (("step", step), ("serial_step", serial_step)):
+        if fn is not None and not callable(fn):
+            raise TypeError(f"check: `{name}` must be callable, got {type(fn).__name__}.")
     if step is not None and not callable(step):
         raise TypeError(f"check: `step` must be callable, got {type(step).__name__}.")
     jax_mesh = as_jax_mesh(mesh)
     parallel = model if plan is None else parallelize(model, plan, mesh=jax_mesh)
-    serial = unparallelize(parallel)
+    serial = unparallelize(parallel) if serial is None else serial
     specs = _batch_specs(batch_specs, batch, parallel, plan, jax_mesh)
     parallel_step = step or _parallel_step(loss_fn, parallel, specs, jax_mesh)
 
@@ -191,9 +200,9 @@ def check(
     arrays, rest = eqx.partition(serial, eqx.is_array)
     serial = eqx.combine(jax.device_put(arrays, one), rest)
     serial_batch = jax.device_put(batch, one)
-    serial_value, serial_grads = eqx.filter_jit(eqx.filter_value_and_grad(loss_fn))(
-        serial, *serial_batch
-    )
+    serial_value, serial_grads = (
+        serial_step or eqx.filter_jit(eqx.filter_value_and_grad(loss_fn))
+    )(serial, *serial_batch)
     placed_batch = tuple(
         jax.device_put(arg, jax.sharding.NamedSharding(jax_mesh, spec))
         for arg, spec in zip(batch, specs, strict=True)
@@ -367,6 +376,8 @@ def _compare(
     a = np.asarray(actual, np.float64)
     e = np.asarray(expected, np.float64)
     tolerance = rtol_of(jnp.asarray(expected).dtype)
+    if a.shape != e.shape and a.size == e.size:
+        a = a.reshape(e.shape)  # stacked layers, in model order whatever the stage count
     if a.shape != e.shape:
         return LeafDifference(path, math.inf, tolerance)
     finite = np.isfinite(e)

@@ -444,20 +444,9 @@ def runs_own_backward(run: RunConfig) -> bool:
     return run.schedule in ("1f1b", "zb-h1") or run.mesh[lm.PIPE] > 1
 
 
-def build_step(
-    model: lm.LM,
-    mesh: eqpar.DeviceMesh,
-    run: RunConfig,
-    optimizer: Any,
-    *,
-    with_stats: bool = False,
-) -> Any:
-    """The jitted train step `(tokens, model, opt_state) -> (model, opt_state, loss)`; with
-    `with_stats`, `(model, opt_state, loss, stats, grad_norm, finite)`, `stats` the parts of
-    the loss of an MoE model (`lm.LM.loss_and_stats`: cross entropy, auxiliary losses,
-    dropped assignments; `{}` for a dense one), `grad_norm` the global norm of the gradients
-    before clipping and `finite` whether every updated parameter and optimizer state value
-    is finite (a scalar: one reduction per array, no gather).
+def build_loss_and_grads(model: lm.LM, mesh: eqpar.DeviceMesh, run: RunConfig) -> Any:
+    """`(model, tokens) -> ((loss, stats), grads)` on `mesh`: the loss of the whole batch
+    and its gradients, shaped as the model's parameters.
 
     Under a bfloat16 `run.precision` the float32 parameters are cast before they enter
     `shard_map`: everything inside, the gradient reductions over `data` included, runs in
@@ -519,6 +508,26 @@ def build_step(
 
         loss_and_grads = eqx.filter_value_and_grad(loss_and_stats, has_aux=True)
 
+    return loss_and_grads
+
+
+def build_step(
+    model: lm.LM,
+    mesh: eqpar.DeviceMesh,
+    run: RunConfig,
+    optimizer: Any,
+    *,
+    with_stats: bool = False,
+) -> Any:
+    """The jitted train step `(tokens, model, opt_state) -> (model, opt_state, loss)`; with
+    `with_stats`, `(model, opt_state, loss, stats, grad_norm, finite)`, `stats` the parts of
+    the loss of an MoE model (`lm.LM.loss_and_stats`: cross entropy, auxiliary losses,
+    dropped assignments; `{}` for a dense one), `grad_norm` the global norm of the gradients
+    before clipping and `finite` whether every updated parameter and optimizer state value
+    is finite (a scalar: one reduction per array, no gather). The gradients are
+    `build_loss_and_grads`'."""
+    loss_and_grads = build_loss_and_grads(model, mesh, run)
+    param_specs = storage_specs(model, mesh, run.fsdp)
     param_shardings = eqpar.named_shardings(param_specs, mesh)
 
     @eqx.filter_jit(donate="all-except-first")
