@@ -86,6 +86,20 @@ class PipelinedBlocks(eqx.Module):
     `lax.map`, or a vmap a `jit` / `checkpoint` hides) are refused: the pipeline would take
     one example's first axis for the batch.
 
+    A block may return `(x, aux...)` instead of `x` alone: a cache, an auxiliary loss,
+    attention weights. The first item is what the next block takes; the auxiliary outputs
+    travel through the pipeline with the activations (one row per block, per microbatch:
+    their bytes join each hop between stages) and reach the loop as the serial loop receives
+    them. Before the last block's call they are stand-ins the loop may collect
+    (`caches.append(cache)`) and add up (`aux_loss = aux_loss + aux`); once it is called
+    they are the values (per block, the batch whole), and behave and return as arrays. A
+    block that takes the whole batch must return them per example (leading axis the batch).
+    A residual written around the call, `x = x + block(x)` (or `h, aux = block(x); x = x +
+    h`) for every block, runs inside each stage; the last block's output then becomes a value
+    added to its input the same way. Blocks whose static fields differ in other than ints and
+    bools (a per-instance `cache_key`) stack where every block's call traces to block 0's
+    program (checked on the first run; refused, naming the field, where it does not).
+
     Arguments that every block receives as the same object are passed once (split into
     microbatches where they are per example: under the vmap, those it batches; with
     `batch_axis=0`, those wrapped in `eqpar.pipeline.Microbatched`, and a plain array as
