@@ -137,6 +137,8 @@ def test_an_auxiliary_loss_added_up_by_the_loop_and_a_residual_around_the_call(s
         )
         loss, grads = eqx.filter_jit(eqx.filter_value_and_grad(run))(parallel, *batch)
         updated = eqpar.unparallelize(sgd(parallel, grads))
+        # Outside shard_map the blocks run one after another (the serial twin).
+        assert_tree_close(aux_loss_fn(parallel, *batch), serial_loss, what="serial twin")
     assert_tree_close(loss, serial_loss, what="loss")
     assert_arrays_close(updated, serial_model)
 
@@ -171,7 +173,11 @@ class Loop(eqx.Module):
             else:
                 x = h
             total = total + aux
-        return x + total
+        return x, total
+
+
+def mean_of_outputs(out):
+    return sum(jnp.mean(leaf) for leaf in jax.tree.leaves(out))
 
 
 @pytest.mark.parametrize(
@@ -186,6 +192,8 @@ class Loop(eqx.Module):
         ("aux read before the last block", ("tanh",) * 4, ValueError,
          r"auxiliary output 0 of block 0 was used before the last block was called"),
     ],
+    ids=["static field read", "residual for some blocks", "last block without it",
+         "aux read early"],
 )  # fmt: skip
 def test_what_the_loop_does_that_a_pipeline_cannot_run_is_refused(mode, styles, error, match):
     keys = jax.random.split(jax.random.key(0), 4)
@@ -194,7 +202,7 @@ def test_what_the_loop_does_that_a_pipeline_cannot_run_is_refused(mode, styles, 
         Loop(blocks, mode), {"blocks": eqpar.Pipeline(stages=2, microbatches=2)}
     )
     run = eqpar.shard_map(
-        lambda m, x: jnp.mean(jax.vmap(m)(x)),
+        lambda m, x: mean_of_outputs(jax.vmap(m)(x)),
         mesh=mesh_of((1, 2), MESH_DP_PP[1]),
         in_specs=(eqpar.partition_specs(parallel), P()),
         out_specs=P(),
@@ -211,13 +219,28 @@ class WholeBatchAux(eqx.Module):
         h = jnp.tanh(jax.vmap(self.linear)(x))
         if self.returns == "a mean over the batch":
             return h, jnp.mean(h**2)
+        if self.returns == "per example":
+            return h, jnp.mean(h**2, axis=-1)
         return h[:, :2], h  # the activation is not what the block takes
 
 
-def test_outputs_a_pipeline_cannot_put_back_together_are_refused():
-    """A block that takes the whole batch and returns a mean over it (each microbatch's
-    would differ), and a block whose first output is not what the next block takes."""
+def test_whole_batch_blocks_return_per_example_outputs_and_nothing_else():
+    """With `batch_axis=0` a block's auxiliary output per example comes back with the batch
+    put together from the microbatches; a mean over the batch (each microbatch's would
+    differ), or a first output that is not what the next block takes, is refused."""
     mesh = mesh_of((1, 2), MESH_DP_PP[1])
+    keys = jax.random.split(jax.random.key(0), 2)
+    model = Loop([WholeBatchAux(eqx.nn.Linear(3, 3, key=k), "per example") for k in keys], "")
+    plan = {"blocks": eqpar.Pipeline(stages=2, microbatches=2, batch_axis=0)}
+    parallel = eqpar.parallelize(model, plan)
+    run = eqpar.shard_map(
+        lambda m, x: m(x),
+        mesh=mesh,
+        in_specs=(eqpar.partition_specs(parallel), P()),
+        out_specs=P(),
+    )
+    x = jax.random.normal(jax.random.key(1), (4, 3))
+    assert_tree_close(eqx.filter_jit(run)(parallel, x), model(x), what="outputs")
     for returns, match in [
         ("a mean over the batch", r"shape \[\], which has not the batch as its leading axis"),
         ("another activation", r"must return what it takes \(float32\[4, 3\]\).*float32\[4, 2\]"),
@@ -227,7 +250,7 @@ def test_outputs_a_pipeline_cannot_put_back_together_are_refused():
         plan = {"blocks": eqpar.Pipeline(stages=2, microbatches=2, batch_axis=0)}
         parallel = eqpar.parallelize(Loop(blocks, "loop"), plan)
         run = eqpar.shard_map(
-            lambda m, x: jnp.mean(m(x)),
+            lambda m, x: mean_of_outputs(m(x)),
             mesh=mesh,
             in_specs=(eqpar.partition_specs(parallel), P()),
             out_specs=P(),

@@ -412,17 +412,11 @@ def with_values(tree: Any, paths: tuple[FieldPath, ...], values: Sequence[Any]) 
     return tree
 
 
-def _abstract(tree: PyTree) -> PyTree:
-    return jax.tree.map(
-        lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)) if eqx.is_array(a) else a,
-        tree,
-    )
-
-
 def program_of(call: Callable, block: PyTree, *inputs: Any) -> tuple[str, list]:
-    """The traced program of `call(block, *inputs)` on abstract values: its text and its
-    constants (what two blocks must share to run as one stacked program)."""
-    closed = eqx.filter_make_jaxpr(call)(_abstract(block), *_abstract(inputs))[0]
+    """The traced program of `call(block, *inputs)` (the values traced for their types, with
+    the mesh axes they vary over): its text and its constants, what two blocks must share
+    to run as one stacked program."""
+    closed = eqx.filter_make_jaxpr(call)(block, *inputs)[0]
     return str(closed.jaxpr), list(closed.consts)
 
 
