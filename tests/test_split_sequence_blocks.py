@@ -11,6 +11,8 @@ laid out by `Sharded` (the compiled route), and linears called per token.
   block whose own code reshapes that into heads is refused with the route that works.
 """
 
+import re
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -107,10 +109,14 @@ class PerTokenHeads(eqx.Module):
     W_q: eqx.nn.Linear
     W_o: eqx.nn.Linear
     n_heads: int = eqx.field(static=True)
+    gated: bool = eqx.field(static=True, default=False)
 
     def __call__(self, x):
         seq = x.shape[0]
-        q = jax.vmap(self.W_q)(x).reshape(seq, self.n_heads, DIM // self.n_heads)
+        projected = jax.vmap(self.W_q)(x)
+        if self.gated:  # the input gated by its own projection, token by token
+            x = x * jax.nn.sigmoid(projected)
+        q = projected.reshape(seq, self.n_heads, DIM // self.n_heads)
         attended = jax.nn.dot_product_attention(q, q, q)
         return x + jax.vmap(self.W_o)(attended.reshape(seq, DIM)), q
 
@@ -118,27 +124,23 @@ class PerTokenHeads(eqx.Module):
 def test_a_sequence_parallel_linear_called_per_token_into_hand_written_heads_is_refused():
     """The per-token `[n, out / n]` reshaped into heads and back: the row-parallel partner
     gets one token's whole features, or (with no partner) the block returns with the split
-    still open, which would be silently wrong; each error says why and names the route
-    (tensor parallelism without the sequence split)."""
+    still open, which would be silently wrong; where the author's own code fails on it (a
+    gate), the error gets a note. Each says why and names the route (tensor parallelism
+    without the sequence split)."""
     keys = jax.random.split(jax.random.key(2), 4)
-    model = CachingModel(
-        [
-            PerTokenHeads(eqx.nn.Linear(DIM, DIM, key=a), eqx.nn.Linear(DIM, DIM, key=b), 2)
-            for a, b in (keys[:2], keys[2:])
-        ]
-    )
-    plans = {
-        "row partner": {r"blocks/\d+/W_o": eqpar.RowParallel(sequence_parallel=True)},
-        "no partner": {},
-    }
-    for name, match in [
-        ("row partner", r"one token's whole \[in_features\] = \[8\]"),
-        ("no partner", r"has no RowParallel\(sequence_parallel=True\) partner"),
+    row = {r"blocks/\d+/W_o": eqpar.RowParallel(sequence_parallel=True)}
+    for name, gated, partner, error, match in [
+        ("row partner", False, row, ValueError, r"one token's whole \[in_features\] = \[8\]"),
+        ("no partner", False, {}, ValueError, r"no RowParallel\(sequence_parallel=True\) partner"),
+        ("the author's code fails", True, row, ValueError, r"Incompatible shapes"),
     ]:
+        linears = [(eqx.nn.Linear(DIM, DIM, key=a), eqx.nn.Linear(DIM, DIM, key=b))
+                   for a, b in (keys[:2], keys[2:])]  # fmt: skip
+        model = CachingModel([PerTokenHeads(q, o, 2, gated) for q, o in linears])
         plan = {
             "blocks": eqpar.SplitSequence("model"),
             r"blocks/\d+/W_q": eqpar.ColumnParallel(sequence_parallel=True),
-            **plans[name],
+            **partner,
         }
         parallel = eqpar.parallelize(model, plan)
         run = eqpar.shard_map(
@@ -147,9 +149,11 @@ def test_a_sequence_parallel_linear_called_per_token_into_hand_written_heads_is_
             in_specs=(eqpar.partition_specs(parallel), P()),
             out_specs=P(),
         )
-        fix = r".*gives \[n, out / n\] per token.*without sequence_parallel=True and no SplitSeq"
-        with pytest.raises(ValueError, match=match + fix):
+        fix = r"gives \[n, out / n\] per token.*without sequence_parallel=True and no SplitSeq"
+        with pytest.raises(error, match=match) as caught:
             jax.eval_shape(run, parallel, jnp.ones((2, SEQ, DIM)))
+        told = "\n".join([str(caught.value), *getattr(caught.value, "__notes__", [])])
+        assert re.search(fix, told, re.DOTALL), (name, told)
 
 
 def test_raw_arrays_with_a_sequence_split_on_the_compiled_route():
