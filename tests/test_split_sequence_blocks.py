@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import llama_style as llama
 import pytest
 from jax import lax
+from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 from numerics import assert_arrays_close, assert_tree_close
 from test_any_model import LLAMA_TENSOR_PARALLEL, mesh_of, serial_step, sgd
@@ -159,7 +160,8 @@ def test_a_sequence_parallel_linear_called_per_token_into_hand_written_heads_is_
 def test_raw_arrays_with_a_sequence_split_on_the_compiled_route():
     """`Sharded` keys and `SplitSequence` on the Llama (its own attention, reshapes and
     rotary code): under `jax.jit` with the mesh in context the split is a layout, and the
-    step is the serial one. Without the mesh in context, one message names it."""
+    step is the serial one. Without the mesh in context, one message names it; an Explicit
+    axis (where the block's own matmuls would have to type their shardings) is refused."""
     model = llama.Llama(key=jax.random.key(0))
     tokens = llama.batch(4)
     serial_loss, serial_model = serial_step(llama.loss, model, tokens)
@@ -176,3 +178,6 @@ def test_raw_arrays_with_a_sequence_split_on_the_compiled_route():
         loss, updated = serial_step(llama.loss, placed, batch)
     assert_tree_close(loss, serial_loss, what="loss")
     assert_arrays_close(eqpar.unparallelize(updated), serial_model)
+    explicit = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+    with jax.set_mesh(explicit), pytest.raises(ValueError, match=r"'model' is an Explicit"):
+        jax.eval_shape(llama.loss, parallel, tokens)

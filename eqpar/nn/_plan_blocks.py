@@ -185,8 +185,8 @@ def _gather(x: Any, axis: Hashable, owner: str) -> Any:
 
 def _lay_out(x: Any, axis: Hashable, owner: str, *, split: bool) -> Any:
     """The compiled route: the sequence axis (`x`'s first) constrained to be split over `axis`
-    (or whole), by the mesh in context; the other axes as the compiler (or, on Explicit mesh
-    axes, `x`'s own sharding) has them."""
+    (or whole), by the mesh in context (an Auto axis); the other axes as the compiler has
+    them."""
     names = axis if isinstance(axis, tuple) else (axis,)
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or any(name not in mesh.axis_names for name in names):
@@ -200,12 +200,17 @@ def _lay_out(x: Any, axis: Hashable, owner: str, *, split: bool) -> Any:
         )
     if jax.numpy.ndim(x) == 0:
         raise ValueError(f"{owner}: SplitSequence needs a sequence axis first; got a scalar.")
-    first = axis if split else None
     types = {mesh.axis_types[mesh.axis_names.index(name)] for name in names}
-    if types == {AxisType.Explicit}:
-        current = jax.typeof(x).sharding.spec
-        rest = tuple(current)[1:] + (None,) * (jax.numpy.ndim(x) - len(tuple(current)))
-        return jax.sharding.reshard(x, PartitionSpec(first, *rest[: jax.numpy.ndim(x) - 1]))
+    if AxisType.Explicit in types:
+        raise ValueError(
+            f"{owner}: SplitSequence({axis!r}) lays the sequence out over {axis!r} for the "
+            f"compiler, but {axis!r} is an Explicit mesh axis, where every operation's output "
+            f"sharding is typed and the block's own code (a matmul with weights split over "
+            f"{axis!r}) would have to choose one. Make {axis!r} an Auto axis "
+            f"(`eqpar.DeviceMesh`, or `jax.make_mesh(..., axis_types=...)` with "
+            f"`AxisType.Auto` for it), where the compiler chooses."
+        )
+    first = axis if split else None
     rest = (PartitionSpec.UNCONSTRAINED,) * (jax.numpy.ndim(x) - 1)
     return jax.lax.with_sharding_constraint(x, PartitionSpec(first, *rest))
 
