@@ -91,7 +91,7 @@ class AuxModel(eqx.Module):
     blocks: list
 
     def __call__(self, x):
-        aux_loss = 0.0
+        aux_loss = jnp.zeros(())
         for block in self.blocks:
             h, aux = block(x)
             x = x + h
@@ -169,7 +169,7 @@ class Loop(eqx.Module):
             elif self.mode == "residual but not on the last block":
                 x = h * 2.0 if last else x + h
             elif self.mode == "aux read before the last block":
-                x, aux = h, aux if index else jnp.exp(aux)
+                x, aux = h, aux if index else aux.sum()
             else:
                 x = h
             total = total + aux

@@ -241,8 +241,12 @@ class Later:
             shape, dtype = (), None
         return Later(self._where, tuple(shape), dtype, compute, operands)
 
-    def __jax_array__(self) -> Any:
-        return self.value()
+    @property
+    def __jax_array__(self) -> Callable | None:  # type: ignore[override]
+        # JAX reads this attribute with `getattr(x, "__jax_array__", None)`: `None` until the
+        # value can be computed, so that `array + later` defers to `later.__radd__` (lazy)
+        # instead of asking for the value.
+        return self.value if self._ready() else None
 
     def __array__(self, *args: Any, **kwargs: Any) -> Any:
         return np.asarray(self.value(), *args, **kwargs)
