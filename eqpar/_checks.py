@@ -42,6 +42,25 @@ def columns_in_a_row_fix(second: str, first: str) -> str:
     )
 
 
+def per_token_sequence_fix(axis_name: Hashable) -> str:
+    """Why a sequence-parallel column linear's per-token output cannot be reshaped or mixed
+    across tokens, and the route that works (shared by the block conversion's check and
+    the row-parallel partner's)."""
+    return (
+        f"A ColumnParallel(sequence_parallel=True) linear called per token on this device's "
+        f"block of the sequence (`jax.vmap(self.linear)(x)`) gives [n, out / n] per token: "
+        f"the token at the same place in each of the {axis_name!r} devices' blocks, this "
+        f"device's features. Only elementwise code may use that before a "
+        f"RowParallel(sequence_parallel=True) linear brings it back to the token's [out]; "
+        f"code that reshapes it (into attention heads) or mixes tokens (attention written by "
+        f"hand) needs the whole sequence, which a block under SplitSequence does not hold. "
+        f"For such a block use tensor parallelism without sequence parallelism: "
+        f"ColumnParallel() / RowParallel() without sequence_parallel=True and no "
+        f"SplitSequence on its list (or eqx.nn.MultiheadAttention with "
+        f"HeadParallel(sequence_parallel=True), which gathers the sequence itself)."
+    )
+
+
 def check_context_options(
     owner: str, layout: str, strategy: str, axis_name: Hashable, head_axis_name: Hashable | None
 ) -> None:

@@ -468,7 +468,11 @@ class SplitSequence(Style):
     on entry and gathered on exit). The first block's first positional argument must be the
     sequence, `[seq, ...]` per example; its length must divide by the axis size (pad it and
     mask the padding otherwise: the error says so). Everything before the list (embeddings,
-    which need whole positions) and after it (the head) sees the whole sequence.
+    which need whole positions) and after it (the head) sees the whole sequence. Blocks that
+    return `(x, aux...)` have `x` split and gathered, and their per-token auxiliary outputs
+    (a cache, `[seq, ...]`) gathered on exit, so the loop collects the serial ones. Outside
+    `shard_map` over `axis_name` (raw arrays laid out by `Sharded`, run under `jax.jit` with
+    `jax.set_mesh(mesh)`) the split is a sharding constraint the compiler honours.
 
     ```python
     import equinox as eqx, jax, jax.numpy as jnp, eqpar
@@ -499,14 +503,18 @@ class SplitSequence(Style):
 
     def convert(self, layer: PyTree) -> PyTree:
         axis = self.axis_name
-        return convert_block(layer, "SplitSequence", split_on_entry=axis, gather_on_exit=axis)
+        return convert_block(
+            layer, "SplitSequence", split_on_entry=axis, gather_on_exit=axis, gather_aux=axis
+        )
 
     def convert_list(self, layers: list | tuple) -> list | tuple:
         if not layers:
             raise TypeError("SplitSequence applies to a non-empty list of blocks; got none.")
-        converted = list(layers)
-        converted[0] = convert_block(converted[0], "SplitSequence", split_on_entry=self.axis_name)
-        converted[-1] = convert_block(converted[-1], "SplitSequence", gather_on_exit=self.axis_name)
+        axis = self.axis_name
+        # Every block gathers the per-token outputs it returns beside the activation.
+        converted = [convert_block(block, "SplitSequence", gather_aux=axis) for block in layers]
+        converted[0] = convert_block(converted[0], "SplitSequence", split_on_entry=axis)
+        converted[-1] = convert_block(converted[-1], "SplitSequence", gather_on_exit=axis)
         return type(layers)(converted)
 
 
@@ -570,7 +578,13 @@ class Pipeline(Style):
     the batch cut into `microbatches` (GPipe with `repeats=1`, the circular schedule with
     `repeats` stages per device), and differentiating the loss trains it: the gradient of the
     global loss, as on one device. Other plan keys convert layers inside the blocks (tensor
-    parallelism within each stage); blocks that differ only in integer static fields stack.
+    parallelism within each stage); blocks that differ only in integer static fields stack,
+    and so do blocks whose other static fields differ where their calls trace to the same
+    program (a per-instance `cache_key`). Blocks may return `(x, aux...)` (a cache, an
+    auxiliary loss): the pipeline carries `x` and the auxiliary outputs with it, and the
+    loop receives each block's as the serial loop would (`caches.append(cache)`,
+    `aux_loss += aux`), computed when the last block is called. A residual written around
+    the call, `x = x + block(x)` for every block, runs inside each stage.
 
     **Arguments:**
 

@@ -3,6 +3,11 @@
 Nothing here knows about eqpar: raw weight arrays rather than `eqx.nn.Linear`, its own RMSNorm
 and rotary code, a Python list of layers, each knowing its index as a static field, one
 sequence per call (the loss `jax.vmap`s over the batch).
+
+`CachedLlama` is the inference-minded variant of the same port: each decoder layer returns
+`(x, cache)`, its keys and values, names its cache by a per-instance static key
+(`str(id(self))`, which its computation never reads), and the model's loop collects the
+caches and returns them with the logits.
 """
 
 import equinox as eqx
@@ -52,14 +57,24 @@ class LlamaLayer(eqx.Module):
         self.layer_index = layer_index
 
     def __call__(self, x: Float[Array, "seq dim"], positions: Int[Array, " seq"]) -> Array:
-        seq = x.shape[0]
-        h = rms_norm(x, self.attention_norm)
-        heads = lambda w: (h @ w).reshape(seq, HEADS, DIM // HEADS)
-        q, k = rotate(heads(self.wq), positions), rotate(heads(self.wk), positions)
-        attended = jax.nn.dot_product_attention(q, k, heads(self.wv), is_causal=True)
-        x = x + attended.reshape(seq, DIM) @ self.wo
-        h = rms_norm(x, self.mlp_norm)
-        return x + (jax.nn.silu(h @ self.w_gate) * (h @ self.w_up)) @ self.w_down
+        return decoder_layer(self, x, positions)[0]
+
+
+def decoder_layer(layer, x: Float[Array, "seq dim"], positions: Int[Array, " seq"]) -> tuple:
+    """Attention and MLP of a layer holding the weights of `LlamaLayer`: `(output, (keys,
+    values))`, the keys rotated, both `[seq, heads, head_size]`."""
+    seq = x.shape[0]
+    h = rms_norm(x, layer.attention_norm)
+    heads = lambda w: (h @ w).reshape(seq, HEADS, DIM // HEADS)
+    q, k, v = (
+        rotate(heads(layer.wq), positions),
+        rotate(heads(layer.wk), positions),
+        heads(layer.wv),
+    )
+    attended = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    x = x + attended.reshape(seq, DIM) @ layer.wo
+    h = rms_norm(x, layer.mlp_norm)
+    return x + (jax.nn.silu(h @ layer.w_gate) * (h @ layer.w_up)) @ layer.w_down, (k, v)
 
 
 class Llama(eqx.Module):
@@ -89,3 +104,59 @@ def loss(model: Llama, tokens: Int[Array, "batch seq"]) -> Float[Array, ""]:
 
 def batch(size: int) -> Int[Array, "batch seq_plus_one"]:
     return jax.random.randint(jax.random.key(11), (size, SEQ + 1), 0, VOCAB)
+
+
+class CachedLlamaLayer(eqx.Module):
+    """A decoder layer that returns its keys and values with its output, and keys its cache by
+    a per-instance static field."""
+
+    attention_norm: Array
+    wq: Array
+    wk: Array
+    wv: Array
+    wo: Array
+    mlp_norm: Array
+    w_gate: Array
+    w_up: Array
+    w_down: Array
+    cache_key: str = eqx.field(static=True)
+
+    def __init__(self, *, key: PRNGKeyArray):
+        weights = LlamaLayer(0, key=key)
+        for name in ("attention_norm", "wq", "wk", "wv", "wo", "mlp_norm"):
+            setattr(self, name, getattr(weights, name))
+        self.w_gate, self.w_up, self.w_down = weights.w_gate, weights.w_up, weights.w_down
+        self.cache_key = str(id(self))
+
+    def __call__(
+        self, x: Float[Array, "seq dim"], positions: Int[Array, " seq"]
+    ) -> tuple[Array, tuple[Array, Array]]:
+        return decoder_layer(self, x, positions)
+
+
+class CachedLlama(eqx.Module):
+    embedding: Array
+    layers: list[CachedLlamaLayer]
+    norm: Array
+
+    def __init__(self, *, key: PRNGKeyArray, layers: int = LAYERS):
+        k1, k2 = jax.random.split(key)
+        self.embedding = jax.random.normal(k1, (VOCAB, DIM)) * 0.1
+        self.layers = [CachedLlamaLayer(key=k) for k in jax.random.split(k2, layers)]
+        self.norm = jnp.ones(DIM)
+
+    def __call__(self, tokens: Int[Array, " seq"]) -> tuple[Array, list]:
+        x = self.embedding[tokens]
+        positions = jnp.arange(tokens.shape[0])
+        caches = []
+        for layer in self.layers:
+            x, cache = layer(x, positions)
+            caches.append(cache)
+        return rms_norm(x, self.norm) @ self.embedding.T, caches
+
+
+def cached_loss(model: CachedLlama, tokens: Int[Array, "batch seq"]) -> tuple[Array, list]:
+    """The next-token loss, and the caches the model returned (as auxiliary data)."""
+    logits, caches = jax.vmap(model)(tokens[:, :-1])
+    log_probs = jax.nn.log_softmax(logits)
+    return -jnp.mean(jnp.take_along_axis(log_probs, tokens[:, 1:, None], axis=-1)), caches

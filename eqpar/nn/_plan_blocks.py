@@ -7,6 +7,14 @@ raw array leaves are laid out (`Sharded`: the block declares their specs). The b
 its fields (the same arrays) and its author's `__call__`; its class becomes a subclass of the
 author's made for those options (one class per combination, cached), so `isinstance` holds
 and `serial_block` gives the author's class back.
+
+The sequence split has two routes. Inside `shard_map` over its axis (the manual route) each
+block runs on this device's tokens: the first block's input is scattered, the last block's
+output gathered, and a block that returns `(x, aux...)` has its per-token auxiliary outputs
+(a cache) gathered on exit too, so the author's loop collects the serial ones. Where the
+axis is left to the compiler (the compiled route of raw arrays laid out by `Sharded`, under
+`jax.jit`), the split is a layout: a sharding constraint on the sequence axis on entry and
+on exit, which the compiler's partitioner honours (the numbers are the serial program's).
 """
 
 import dataclasses
@@ -14,12 +22,16 @@ from collections.abc import Hashable
 from typing import Any, NamedTuple
 
 import equinox as eqx
-from jax.sharding import PartitionSpec
+import jax
+from jax.sharding import AxisType, PartitionSpec
 from jaxtyping import PyTree
 
 from .._axes import bound_axis_size
+from .._checks import per_token_sequence_fix
 from .._declare import declared_partition_specs
-from ._twins import instance_with
+from .._splits import open_splits
+from .._vma import varies_over
+from ._twins import gather_replicated, instance_with
 from .attention_calls import rebound_call, refuse_unreached
 from .heads import check_head_reshapes, head_splits, int_fields, localized
 from .sequence import gather_sequence, scatter_sequence
@@ -45,6 +57,9 @@ class BlockOptions(NamedTuple):
     # `(axis, layout)`: the block's jax.nn.dot_product_attention runs as ring attention over
     # the axis where it is manual (`ContextParallel` keyed by a hand-written attention block).
     context: tuple = ()
+    # The axis a list's sequence is split over: every block of it gathers the per-token
+    # auxiliary outputs it returns beside the activation (`(x, cache)`) on exit.
+    gather_aux: Hashable | None = None
 
     @property
     def changes_call(self) -> bool:
@@ -55,6 +70,7 @@ class BlockOptions(NamedTuple):
             or bool(self.local_fields)
             or bool(self.head_check)
             or bool(self.context)
+            or (self.gather_aux is not None)
         )
 
 
@@ -123,14 +139,15 @@ def _block_call(base: type, options: BlockOptions) -> Any:
 
     def __call__(self: PyTree, *args: Any, **kwargs: Any) -> PyTree:
         _check_compiler_axes(base, options)
+        owner = base.__name__
         if options.split_on_entry is not None:
             if not args:
                 raise TypeError(
-                    f"{base.__name__}: the plan splits the sequence of this block's first "
+                    f"{owner}: the plan splits the sequence of this block's first "
                     f"positional argument, but it was called without one; pass the sequence "
                     f"`[seq, ...]` positionally."
                 )
-            args = (scatter_sequence(args[0], options.split_on_entry), *args[1:])
+            args = (_split(args[0], options.split_on_entry, owner), *args[1:])
         if options.local_fields:
             self = localized(self, base, options.local_fields)
         if options.head_check:
@@ -141,16 +158,121 @@ def _block_call(base: type, options: BlockOptions) -> Any:
         call, attention_calls = base_call, None
         if options.context and bound_axis_size(options.context[0]) is not None:
             call, attention_calls = rebound_call(base.__name__, base_call, *options.context)
-        with head_splits(self, options.local_fields):
-            out = run(self, args, kwargs, call)
+        axis = options.gather_aux or options.gather_on_exit
+        manual = axis is not None and bound_axis_size(axis) is not None
+        before = open_splits()
+        try:
+            with head_splits(self, options.local_fields):
+                out = run(self, args, kwargs, call)
+        except (TypeError, ValueError) as error:
+            if manual and _per_token_columns_left_open(before, axis):
+                error.add_note(f"{owner}: {per_token_sequence_fix(axis)}")
+            raise
         if attention_calls is not None and not attention_calls:
             refuse_unreached(base.__name__, options.context[0])
+        if manual and _per_token_columns_left_open(before, axis):
+            raise ValueError(
+                f"{owner}: a ColumnParallel(sequence_parallel=True) linear in this block has "
+                f"no RowParallel(sequence_parallel=True) partner before the block returns. "
+                f"{per_token_sequence_fix(axis)}"
+            )
+        if _is_tuple(out) and (options.gather_on_exit or options.gather_aux):
+            first, aux = out[0], tuple(out[1:])
+            if options.gather_on_exit is not None:
+                first = _gather(first, options.gather_on_exit, owner)
+            if options.gather_aux is not None and manual and args:
+                aux = _gather_aux(aux, args[0], options.gather_aux, owner)
+            return type(out)((first, *aux))
         if options.gather_on_exit is not None:
-            out = gather_sequence(out, options.gather_on_exit)
+            out = _gather(out, options.gather_on_exit, owner)
         return out
 
     __call__.__doc__ = base_call.__doc__
     return __call__
+
+
+def _is_tuple(out: object) -> bool:
+    return isinstance(out, tuple | list) and not hasattr(out, "_fields") and bool(out)
+
+
+def _split(x: Any, axis: Hashable, owner: str) -> Any:
+    """This device's block of the sequence `x` (inside `shard_map` over `axis`), or `x` laid
+    out split over `axis` for the compiler (where `axis` is left to it)."""
+    if bound_axis_size(axis) is not None:
+        return scatter_sequence(x, axis)
+    return _lay_out(x, axis, owner, split=True)
+
+
+def _gather(x: Any, axis: Hashable, owner: str) -> Any:
+    if bound_axis_size(axis) is not None:
+        return gather_sequence(x, axis)
+    return _lay_out(x, axis, owner, split=False)
+
+
+def _lay_out(x: Any, axis: Hashable, owner: str, *, split: bool) -> Any:
+    """The compiled route: the sequence axis (`x`'s first) constrained to be split over `axis`
+    (or whole), by the mesh in context (an Auto axis); the other axes as the compiler has
+    them."""
+    names = axis if isinstance(axis, tuple) else (axis,)
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or any(name not in mesh.axis_names for name in names):
+        raise ValueError(
+            f"{owner}: SplitSequence({axis!r}) runs outside `shard_map` over {axis!r}, so it "
+            f"lays the sequence out over {axis!r} for the compiler (the compiled route, as "
+            f"for raw arrays laid out by `Sharded`), which needs the mesh: run the step under "
+            f"`jax.jit` inside `with jax.set_mesh(mesh):` (the mesh's `.jax_mesh` for an "
+            f"`eqpar.DeviceMesh`). Blocks of eqpar's converted layers (ColumnParallel, "
+            f"HeadParallel, ...) run instead inside `eqpar.shard_map` over {axis!r}."
+        )
+    if jax.numpy.ndim(x) == 0:
+        raise ValueError(f"{owner}: SplitSequence needs a sequence axis first; got a scalar.")
+    types = {mesh.axis_types[mesh.axis_names.index(name)] for name in names}
+    if AxisType.Explicit in types:
+        raise ValueError(
+            f"{owner}: SplitSequence({axis!r}) lays the sequence out over {axis!r} for the "
+            f"compiler, but {axis!r} is an Explicit mesh axis, where every operation's output "
+            f"sharding is typed and the block's own code (a matmul with weights split over "
+            f"{axis!r}) would have to choose one. Make {axis!r} an Auto axis "
+            f"(`eqpar.DeviceMesh`, or `jax.make_mesh(..., axis_types=...)` with "
+            f"`AxisType.Auto` for it), where the compiler chooses."
+        )
+    first = axis if split else None
+    rest = (PartitionSpec.UNCONSTRAINED,) * (jax.numpy.ndim(x) - 1)
+    return jax.lax.with_sharding_constraint(x, PartitionSpec(first, *rest))
+
+
+def _gather_aux(aux: tuple, x: Any, axis: Hashable, owner: str) -> tuple:
+    """The auxiliary outputs of a block that runs on this device's tokens, gathered into the
+    whole sequence's (a cache, `[seq / n, ...]` per leaf, becomes `[seq, ...]`): per token
+    is what eqpar can put back together; anything else is refused with the fix."""
+    local = jax.numpy.shape(x)[0] if jax.numpy.ndim(x) else None
+    flat, treedef = jax.tree_util.tree_flatten_with_path(aux)
+    gathered = []
+    for path, leaf in flat:
+        where = f"out[{getattr(path[0], 'idx', 0) + 1}]{jax.tree_util.keystr(path[1:])}"
+        if not eqx.is_array(leaf):
+            gathered.append(leaf)
+            continue
+        if jax.numpy.ndim(leaf) == 0 or leaf.shape[0] != local or varies_over(leaf, axis) is False:
+            raise ValueError(
+                f"{owner}: under SplitSequence({axis!r}) the block runs on this device's "
+                f"{local} tokens and returns `{where}` of shape {list(jax.numpy.shape(leaf))}"
+                f"{'' if varies_over(leaf, axis) is not False else ', the same on every device'}"
+                f", which is not per token (the block's tokens as its leading axis), so eqpar "
+                f"cannot put the serial value together from the devices' pieces. Return it "
+                f"per token (a cache, `[seq, ...]`), or compute it after the list of blocks."
+            )
+        gathered.append(gather_replicated(leaf, axis, 0))
+    return jax.tree_util.tree_unflatten(treedef, gathered)
+
+
+def _per_token_columns_left_open(before: tuple, axis: Hashable) -> bool:
+    """Whether a sequence-parallel column linear called (per token) since `before` has not
+    met its row-parallel partner."""
+    return any(
+        split.kind == "features_of_tokens" and split.axis_name == axis and split not in before
+        for split in open_splits()
+    )
 
 
 def _check_compiler_axes(base: type, options: BlockOptions) -> None:
@@ -167,7 +289,9 @@ def _check_compiler_axes(base: type, options: BlockOptions) -> None:
                         f"runs in, where it would see its local piece of the array. Leave "
                         f"{axis!r} to the compiler: `eqpar.shard_map(..., axis_names=...)` "
                         f"with the other axes only (the model's whole layout still serves as "
-                        f"in_specs), or run the step under `jax.jit` without shard_map."
+                        f"in_specs), or run the step under `jax.jit` without shard_map (where "
+                        f"the plan splits the sequence, inside `with jax.set_mesh(mesh):`: "
+                        f"SplitSequence then lays the sequence out for the compiler)."
                     )
 
 

@@ -33,7 +33,12 @@ from jaxtyping import Array, Float, PRNGKeyArray, PyTree
 from .. import collectives
 from .._axes import axis_size
 from .._axes import axis_size as _bound_axis_size
-from .._checks import check_column_options, check_int, columns_in_a_row_fix
+from .._checks import (
+    check_column_options,
+    check_int,
+    columns_in_a_row_fix,
+    per_token_sequence_fix,
+)
 from .._splits import Split, close_split, open_split
 from ._twins import (
     adopt,
@@ -846,6 +851,14 @@ class RowParallelLinear(eqx.nn.Linear):
         close_split(self.axis_name, ("features", "features_of_tokens"))
         check_block(owner, "weight", self.weight.shape, (self.out_features, self.in_features // n))
         if self.sequence_parallel:
+            if x.shape == (self.in_features,) and n > 1:
+                raise ValueError(
+                    f"{owner}: with sequence_parallel=True the input must be [n, in_features / "
+                    f"n] = [{n}, {self.in_features // n}] per token, but it is one token's "
+                    f"whole [in_features] = [{self.in_features}]: the output of the "
+                    f"sequence-parallel column linear before it was reshaped on the way (into "
+                    f"attention heads and back, say). " + per_token_sequence_fix(self.axis_name)
+                )
             if x.shape != (n, self.in_features // n):
                 raise ValueError(
                     f"{owner}: with sequence_parallel=True the input must be [n, in_features / "

@@ -40,6 +40,22 @@ from .._tracing import under_vmap
 from .._typing import AxisName
 from .._vma import varying_axes
 from ..pipeline._microbatch import Microbatched
+from ._block_outputs import (
+    BlockOutputs,
+    Later,
+    aux_buffers,
+    field_path_str,
+    free_static_fields,
+    get_at,
+    join_output,
+    later_outputs,
+    outputs_of,
+    program_of,
+    same_program,
+    split_output,
+    with_values,
+    write_row,
+)
 from .pipeline import PipelineModule
 from .stacks import RematPolicy, ScannedLayers, map_arrays, stack_layers, unstack_layers
 
@@ -70,6 +86,20 @@ class PipelinedBlocks(eqx.Module):
     batch says `batch_axis=0`. Blocks called without a vmap under `batch_axis=None` (under
     `lax.map`, or a vmap a `jit` / `checkpoint` hides) are refused: the pipeline would take
     one example's first axis for the batch.
+
+    A block may return `(x, aux...)` instead of `x` alone: a cache, an auxiliary loss,
+    attention weights. The first item is what the next block takes; the auxiliary outputs
+    travel through the pipeline with the activations (one row per block, per microbatch:
+    their bytes join each hop between stages) and reach the loop as the serial loop receives
+    them. Before the last block's call they are stand-ins the loop may collect
+    (`caches.append(cache)`) and add up (`aux_loss = aux_loss + aux`); once it is called
+    they are the values (per block, the batch whole), and behave and return as arrays. A
+    block that takes the whole batch must return them per example (leading axis the batch).
+    A residual written around the call, `x = x + block(x)` (or `h, aux = block(x); x = x +
+    h`) for every block, runs inside each stage; the last block's output then becomes a value
+    added to its input the same way. Blocks whose static fields differ in other than ints and
+    bools (a per-instance `cache_key`) stack where every block's call traces to block 0's
+    program (checked on the first run; refused, naming the field, where it does not).
 
     Arguments that every block receives as the same object are passed once (split into
     microbatches where they are per example: under the vmap, those it batches; with
@@ -119,6 +149,9 @@ class PipelinedBlocks(eqx.Module):
     batch_axis: int | None = eqx.field(static=True)
     schedule: str = eqx.field(static=True)
     skeletons: tuple = eqx.field(static=True)  # each block with its arrays left out
+    # Static fields that differ by block (not ints or bools): the stack holds block 0's
+    # values, `skeletons` each block's own; the first run checks the programs are the same.
+    free_fields: tuple = eqx.field(static=True, default=())
 
     def __init__(
         self,
@@ -185,6 +218,10 @@ class PipelinedBlocks(eqx.Module):
             jax.tree.map(lambda leaf: _HELD if eqx.is_array(leaf) else leaf, block)
             for block in blocks
         )
+        self.free_fields = free_static_fields(blocks)
+        if self.free_fields:
+            first = [get_at(blocks[0], path) for path in self.free_fields]
+            blocks = [with_values(block, self.free_fields, first) for block in blocks]
         self.pipeline = PipelineModule.from_layers(
             stack_layers(list(blocks)),
             num_stages=num_stages,
@@ -220,10 +257,82 @@ class PipelinedBlocks(eqx.Module):
 
     def blocks(self) -> list[Any]:
         """The blocks as separate modules, in model order (the arrays indexed out of the
-        stack; integer static fields that differ by block are Python values again)."""
+        stack; static fields that differ by block are each block's own values again)."""
         if _is_abstract(self):
             return eqx.filter_eval_shape(lambda owner: owner.blocks(), self)
-        return unstack_layers(self.pipeline.to_layers())
+        blocks = unstack_layers(self.pipeline.to_layers())
+        if not self.free_fields:
+            return blocks
+        return [
+            with_values(block, self.free_fields, [get_at(skeleton, p) for p in self.free_fields])
+            for block, skeleton in zip(blocks, self.skeletons, strict=True)
+        ]
+
+    def _one_layer(self) -> PyTree:
+        """Block 0 as the stack holds it (its arrays indexed out), for tracing its call."""
+        dims = (1 if self.pipeline.num_repeats == 1 else 2) + 1
+        stages = self.pipeline.stages
+        assert isinstance(stages, ScannedLayers)
+        return map_arrays(lambda a: a[(0,) * dims], stages.layers)
+
+    def _replaying(self) -> bool:
+        """Whether `eqpar.value_and_grad` replays the loss with the blocks' output given (the
+        blocks hold no arrays then; what their calls give was read when it captured them)."""
+        recorder = _RECORDERS[-1] if _RECORDERS else None
+        return (
+            self.schedule in TRAINING_SCHEDULES
+            and recorder is not None
+            and recorder.mode == "inject"
+        )
+
+    def _outputs(
+        self, x: PyTree, args: tuple, kwargs: dict, input_name: str | None
+    ) -> BlockOutputs:
+        """How the blocks' output is read (the activation alone, or with auxiliary outputs)."""
+        if self._replaying():
+            return _RECORDERS[-1].how._replace(residual=False)
+
+        def call(block: PyTree, x: PyTree, args: tuple, kwargs: dict) -> PyTree:
+            args, kwargs = _unwrap_microbatched((args, kwargs))
+            return _call_block(block, input_name, x, args, kwargs)
+
+        return outputs_of(call, self._one_layer(), x, args, kwargs)
+
+    def _check_program(self, index: int, chain: "_Chain", args: tuple, kwargs: dict) -> None:
+        """Refuse block `index` if a static field it holds apart from block 0 (its own value
+        of a field that differs by block) changes what its call computes."""
+        if not self.free_fields or index == 0 or self._replaying():
+            return
+        mine = [get_at(self.skeletons[index], path) for path in self.free_fields]
+        theirs = [get_at(self.skeletons[0], path) for path in self.free_fields]
+        if all(a is b or _same_static(a, b) for a, b in zip(mine, theirs)):
+            return
+        name = chain.input_name
+
+        def call(block: PyTree, x: PyTree, args: tuple, kwargs: dict) -> PyTree:
+            args, kwargs = _unwrap_microbatched((args, kwargs))
+            return _call_block(block, name, x, args, kwargs)
+
+        block = self._one_layer()
+        if chain.program is None:
+            chain.program = program_of(call, block, chain.start, args, kwargs)
+        own = program_of(
+            call, with_values(block, self.free_fields, mine), chain.start, args, kwargs
+        )
+        if not same_program(chain.program, own):
+            differing = [
+                f"`{field_path_str(path)}` ({a!r} vs {b!r})"
+                for path, a, b in zip(self.free_fields, mine, theirs)
+                if not _same_static(a, b)
+            ]
+            raise ValueError(
+                f"{_OWNER}: block {index} differs from block 0 in the static field"
+                f"{'s' if len(differing) > 1 else ''} {', '.join(differing)}, and its call "
+                f"computes something else with it (the two trace to different programs), "
+                f"while a pipeline runs one program for every block. Give every block the "
+                f"same value, hold what differs as an array (or an int static field, which "
+                f"is stacked as one), or leave this list out of the pipeline plan."
+            )
 
     def serial(self) -> list | tuple:
         """The list (or tuple) of blocks this module replaced: the inverse of building it."""
@@ -235,20 +344,22 @@ class PipelinedBlocks(eqx.Module):
     # ----------------------------------------------------------------------------------
     # Running the recorded calls.
 
-    def _run(self, x: PyTree, calls: list[tuple[tuple, dict]], input_name: str | None) -> PyTree:
+    def _run(
+        self, x: PyTree, calls: list[tuple[tuple, dict]], input_name: str | None, how: BlockOutputs
+    ) -> tuple[PyTree, list | None]:
+        """The recorded calls run: `(the last block's activation, each block's auxiliary
+        output leaves, or None where the blocks return none)`."""
         if bound_axis_size(self.pipeline.axis_name) is None:
             stack = self.pipeline.to_layers()  # one device: the blocks in order
-            is_microbatched = lambda node: isinstance(node, Microbatched)
+            aux_blocks: list = []
             for index, (args, kwargs) in enumerate(calls):
                 block = map_arrays(lambda a, i=index: a[i], stack)
                 # A `Microbatched` argument is passed whole, as the pipeline's serial twin does.
-                args, kwargs = jax.tree.map(
-                    lambda v: v.value if is_microbatched(v) else v,
-                    (args, kwargs),
-                    is_leaf=is_microbatched,
-                )
-                x = _call_block(block, input_name, x, args, kwargs)
-            return x
+                args, kwargs = _unwrap_microbatched((args, kwargs))
+                out = _call_block(block, input_name, x, args, kwargs)
+                x, aux = split_output(how, x, out)
+                aux_blocks.append(aux)
+            return x, aux_blocks if how.has_aux else None
         layout, per_layer_values, shared_values = _ArgumentLayout.of(calls, input_name)
         if self.schedule in TRAINING_SCHEDULES:
             recorder = _RECORDERS[-1] if _RECORDERS else None
@@ -259,26 +370,31 @@ class PipelinedBlocks(eqx.Module):
                     f"`eqpar.value_and_grad(loss_fn)(model, *batch)` inside `shard_map` "
                     f"instead of differentiating the loss (or calling the model) directly."
                 )
-            return recorder.mark(self, layout, x, per_layer_values, shared_values)
+            return recorder.mark(self, layout, how, x, per_layer_values, shared_values)
+        num_layers = self.num_layers
         if not under_vmap((x, per_layer_values, shared_values)):
             if self.batch_axis is None:
                 raise _no_vmap_error()
             try:
-                return _run_pipeline(
-                    self.pipeline, layout, x, per_layer_values, shared_values, None
-                )
+                h, buffers = _run_pipeline(
+                    self.pipeline, layout, how, x, per_layer_values, shared_values, None,
+                    num_layers=num_layers,
+                )  # fmt: skip
             except (TypeError, ValueError) as error:
                 if _HIDDEN_VMAP not in str(error):
                     error.add_note(f"{_OWNER}: {_HIDDEN_VMAP_FIX}")
                 raise
+            return h, _by_block(how, buffers, num_layers, axis=1)
         params, pipeline_static = eqx.partition(self.pipeline, eqx.is_array)
 
         # Under `jax.vmap` the values here are one example's; the batching rule below gets
-        # the whole batch. The function itself is only traced for its output's shape (the
-        # blocks keep the shape of their input), never run.
+        # the whole batch. The function itself is only traced for its output's type (the
+        # blocks keep the shape of their input; their auxiliary outputs, one row per block),
+        # never run.
         @custom_vmap
         def pipelined(params: PyTree, x: PyTree, per_layer: list, shared: list) -> PyTree:
-            return x
+            rows = [jnp.zeros((num_layers, *s.shape), s.dtype) for s in how.aux_shapes]
+            return x, rows if how.has_aux else []
 
         @pipelined.def_vmap
         def per_example(size: int, in_batched: list, params, x, per_layer, shared):
@@ -292,10 +408,32 @@ class PipelinedBlocks(eqx.Module):
             x = _whole_batch(x, x_batched, size)
             pipeline = eqx.combine(params, pipeline_static)
             batched = (per_layer_batched, shared_batched)
-            out = _run_pipeline(pipeline, layout, x, per_layer, shared, batched)
+            out = _run_pipeline(
+                pipeline, layout, how, x, per_layer, shared, batched, num_layers=num_layers
+            )
             return out, jax.tree.map(lambda _: True, out)
 
-        return pipelined(params, x, per_layer_values, shared_values)
+        h, buffers = pipelined(params, x, per_layer_values, shared_values)
+        return h, _by_block(how, buffers, num_layers, axis=0)
+
+
+def _unwrap_microbatched(tree: PyTree) -> PyTree:
+    """`tree` with each `Microbatched` argument's whole value in its place."""
+    is_microbatched = lambda node: isinstance(node, Microbatched)
+    return jax.tree.map(
+        lambda v: v.value if is_microbatched(v) else v, tree, is_leaf=is_microbatched
+    )
+
+
+def _by_block(how: BlockOutputs, buffers: list, num_layers: int, *, axis: int) -> list | None:
+    """Each block's auxiliary output leaves, read out of the rows (`axis`) of the buffers the
+    pipeline filled."""
+    if not how.has_aux:
+        return None
+    return [
+        [jax.lax.index_in_dim(b, i, axis=axis, keepdims=False) for b in buffers]
+        for i in range(num_layers)
+    ]
 
 
 def _refuse_state(blocks: Sequence[Any]) -> None:
@@ -352,37 +490,77 @@ class _BlockCall:
         owner, index = self._owner, self._index
         args, kwargs, input_name, x = _take_input(owner.skeletons[index], args, kwargs)
         if index == 0:
-            if isinstance(x, _Pending):
+            if isinstance(x, _Pending | _ResidualTail):
                 raise ValueError(
                     f"{_OWNER}: block 0 was called on the output of the blocks' calls so far; "
                     f"the pipelined blocks run once per forward, in order, each on the "
                     f"previous block's output."
                 )
-            start, calls, name = x, [], input_name
+            chain = _Chain(x, input_name)
+            chain.how = owner._outputs(x, args, kwargs, input_name)
         else:
             if not isinstance(x, _Pending) or x.owner is not owner:
                 raise ValueError(
                     f"{_OWNER}: block {index} was called on {type(x).__name__}, not on the "
                     f"output of block {index - 1}. Pipelined blocks run in order, each on the "
-                    f"previous block's output: call block 0 first and pass each output on "
-                    f"unchanged (keep code that reads it for after the last block)."
+                    f"previous block's output (or on that added to the previous block's "
+                    f"input, `x = x + block(x)`): call block 0 first and pass each output on "
+                    f"(keep code that reads it for after the last block, or move it inside "
+                    f"the block's `__call__`)."
                 )
-            if len(x.calls) != index:
+            chain = x.chain
+            if len(chain.calls) != index or x.index != index - 1:
                 raise ValueError(
-                    f"{_OWNER}: block {index} was called after block {len(x.calls) - 1}; call "
-                    f"every block once, in order."
+                    f"{_OWNER}: block {index} was called after block {len(chain.calls) - 1}; "
+                    f"call every block once, in order."
                 )
-            if input_name != x.input_name:
+            if input_name != chain.input_name:
                 raise ValueError(
                     f"{_OWNER}: block {index} takes its input "
                     f"{_describe_input(input_name)} but block 0 took it "
-                    f"{_describe_input(x.input_name)}; call every block alike."
+                    f"{_describe_input(chain.input_name)}; call every block alike."
                 )
-            start, calls, name = x.start, x.calls, x.input_name
-        calls = [*calls, (args, kwargs)]
+            chain.added.append(x.added)
+            if x.added != chain.added[0]:
+                with_residual = [i for i, added in enumerate(chain.added) if added]
+                without = [i for i, added in enumerate(chain.added) if not added]
+                raise ValueError(
+                    f"{_OWNER}: the loop adds the input of block(s) {with_residual} to their "
+                    f"output (`x = x + block(x)`) but not that of block(s) {without}; a "
+                    f"pipeline runs one program for every block. Write the loop alike for "
+                    f"every block, or move the residual inside the block's `__call__`."
+                )
+        chain.calls.append((args, kwargs))
+        owner._check_program(index, chain, args, kwargs)
         if index == owner.num_layers - 1:
-            return owner._run(start, calls, name)
-        return _Pending(owner, start, calls, name)
+            residual = bool(chain.added) and chain.added[0]
+            how = chain.how._replace(residual=residual)
+            h, aux_blocks = owner._run(chain.start, chain.calls, chain.input_name, how)
+            aux_blocks = aux_blocks or [[]] * owner.num_layers
+            for laters, values in zip(chain.laters, aux_blocks):
+                for later, value in zip(laters, values, strict=True):
+                    later.resolve(value)
+            carried = _ResidualTail(h, x) if residual else h
+            return join_output(how, carried, aux_blocks[-1])
+        pending = _Pending(owner, chain, index, x)
+        laters = later_outputs(chain.how, index)
+        chain.laters.append(laters)
+        return join_output(chain.how, pending, laters)
+
+
+class _Chain:
+    """One forward's record of the calls of the pipelined blocks: the first block's input, the
+    calls so far, how the blocks' outputs are read, the auxiliary outputs handed out before the
+    pipeline runs (resolved when it does), and whether the loop added each block's input to
+    its output."""
+
+    def __init__(self, start: PyTree, input_name: str | None):
+        self.start, self.input_name = start, input_name
+        self.calls: list[tuple[tuple, dict]] = []
+        self.how = BlockOutputs()
+        self.laters: list[list[Later]] = []
+        self.added: list[bool] = []
+        self.program: Any = None  # block 0's traced call, where static fields differ
 
 
 def _take_input(skeleton: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict, str | None, Any]:
@@ -450,39 +628,105 @@ _HELD = _Held()
 
 
 class _Pending(_StandIn):
-    """The output of a pipelined block before the last: only the next block can take it. Its
-    shape and dtype are known (every block keeps those of its input); its values are not."""
+    """The output of a pipelined block before the last: only the next block can take it, as
+    it is or added to the block's input (`x = x + block(x)`, a residual the pipeline then
+    runs inside every stage). Its shape and dtype are known (every block keeps those of its
+    input); its values are not."""
 
-    def __init__(self, owner: PipelinedBlocks, start: PyTree, calls: list, input_name: Any):
-        self.owner, self.start, self.calls, self.input_name = owner, start, calls, input_name
+    def __init__(
+        self, owner: PipelinedBlocks, chain: _Chain, index: int, given: Any, added: bool = False
+    ):
+        self.owner, self.chain, self.index, self.given, self.added = (
+            owner, chain, index, given, added,
+        )  # fmt: skip
 
     @property
     def shape(self) -> Any:
-        return jax.tree.map(jnp.shape, self.start)
+        return jax.tree.map(jnp.shape, self.chain.start)
 
     @property
     def dtype(self) -> Any:
-        return jax.tree.map(jnp.result_type, self.start)
+        return jax.tree.map(jnp.result_type, self.chain.start)
 
     @property
     def ndim(self) -> Any:
-        return jax.tree.map(jnp.ndim, self.start)
+        return jax.tree.map(jnp.ndim, self.chain.start)
+
+    def _plus_input(self) -> "_Pending":
+        """This output added to its block's input: the residual around the call."""
+        if self.added or not eqx.is_array(self.chain.start):
+            self._refuse()
+        return _Pending(self.owner, self.chain, self.index, self.given, added=True)
+
+    def __add__(self, other: Any) -> Any:
+        if other is self.given:  # block(x) + x
+            return self._plus_input()
+        if isinstance(other, _Pending) and other.given is self:  # x + block(x)
+            return other._plus_input()
+        if isinstance(other, _ResidualTail) and other.given is self:  # x + last_block(x)
+            return other.value
+        return self._refuse()
+
+    def __radd__(self, other: Any) -> Any:
+        if other is self.given:  # x + block(x), x the first block's input
+            return self._plus_input()
+        return self._refuse()
 
     def _message(self) -> str:
         return (
-            f"{_OWNER}: the output of block {len(self.calls) - 1} of {self.owner.num_layers} "
-            f"was used as a value; a pipeline computes every block's output at once, when the "
-            f"last block is called. Pass each block's output straight to the next block and "
-            f"call every block, then read the last one's output (or leave this list out of "
-            f"the pipeline plan)."
+            f"{_OWNER}: the output of block {self.index} of {self.owner.num_layers} was used "
+            f"as a value; a pipeline computes every block's output at once, when the last "
+            f"block is called. Pass each block's output straight to the next block (or add it "
+            f"to the block's input, `x = x + block(x)`, alike for every block) and call every "
+            f"block, then read the last one's output; move other code between the blocks "
+            f"inside the block's `__call__` (or leave this list out of the pipeline plan)."
         )
 
     def __repr__(self) -> str:
         return (
-            f"<{_OWNER}: the pending output of block {len(self.calls) - 1} of "
+            f"<{_OWNER}: the pending output of block {self.index} of "
             f"{self.owner.num_layers}; the blocks' outputs exist once every block is called, "
             f"in order, each directly on the previous one's output (not through a "
             f"`jax.vmap`, `jax.jit` or `jax.checkpoint` of the block itself)>"
+        )
+
+
+class _ResidualTail(_StandIn):
+    """The last block's output where the loop adds each block's input to its output: the
+    pipeline ran the residual inside every stage, so this only becomes a value added to the
+    last block's input, as the loop did for the others (`x = x + block(x)`)."""
+
+    def __init__(self, value: PyTree, given: _Pending):
+        self.value, self.given = value, given
+
+    @property
+    def shape(self) -> Any:
+        return jnp.shape(self.value)
+
+    @property
+    def dtype(self) -> Any:
+        return jnp.result_type(self.value)
+
+    def __add__(self, other: Any) -> Any:
+        if other is self.given:
+            return self.value
+        return self._refuse()
+
+    __radd__ = __add__
+
+    def _message(self) -> str:
+        return (
+            f"{_OWNER}: the loop adds each block's input to its output (`x = x + block(x)`), "
+            f"so the pipeline ran that residual inside every stage, the last block's too; its "
+            f"output becomes a value only added to its input in the same way. Write the loop "
+            f"alike for every block, or move the residual inside the block's `__call__`."
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"<{_OWNER}: the last block's output, which becomes a value only added to its "
+            f"input (`x = x + block(x)`), as the loop did for the other blocks: the pipeline "
+            f"ran that residual inside every stage>"
         )
 
 
@@ -575,15 +819,18 @@ def _argument_path(path: tuple) -> str:
 
 class _LayerCall(eqx.Module):
     """One block as a stage layer: takes `(x, layer)` (the activation and the number of the
-    block in the model, per example), gives the block's output and the next number."""
+    block in the model, per example), gives the block's output and the next number. Where the
+    blocks return auxiliary outputs, the carry holds a third item, their rows for every
+    block (`[batch, blocks, ...]` per leaf), and each block writes its own row."""
 
     block: Any
     layout: _ArgumentLayout = eqx.field(static=True)
     per_example: bool = eqx.field(static=True)
     batched: tuple | None = eqx.field(static=True)
+    how: BlockOutputs = eqx.field(static=True, default=BlockOutputs())
 
     def __call__(self, carry: tuple, per_layer: list, shared: list) -> tuple:
-        h, number = carry
+        h, number = carry[0], carry[1]
         layer = number[0]
         per_layer_batched, shared_batched = self.batched or (None, None)
 
@@ -602,18 +849,22 @@ class _LayerCall(eqx.Module):
         if not self.per_example:
             rows = [values[layer] for values in per_layer]
             args, kwargs = arguments(rows, shared)
-            return _call_block(self.block, name, h, args, kwargs), number + 1
+            out = _call_block(self.block, name, h, args, kwargs)
+            h_out, aux = split_output(self.how, h, out)
+        else:
 
-        def one(h: PyTree, rows: list, shared_values: list) -> PyTree:
-            args, kwargs = arguments(rows, shared_values)
-            return _call_block(self.block, name, h, args, kwargs)
+            def one(h: PyTree, rows: list, shared_values: list) -> tuple[PyTree, list]:
+                args, kwargs = arguments(rows, shared_values)
+                return split_output(self.how, h, _call_block(self.block, name, h, args, kwargs))
 
-        assert per_layer_batched is not None and shared_batched is not None
-        rows = [v[:, layer] if b else v[layer] for v, b in zip(per_layer, per_layer_batched)]
-        row_axes = [0 if b else None for b in per_layer_batched]
-        shared_axes = [0 if b else None for b in shared_batched]
-        out = jax.vmap(one, in_axes=(0, row_axes, shared_axes))(h, rows, shared)
-        return out, number + 1
+            assert per_layer_batched is not None and shared_batched is not None
+            rows = [v[:, layer] if b else v[layer] for v, b in zip(per_layer, per_layer_batched)]
+            row_axes = [0 if b else None for b in per_layer_batched]
+            shared_axes = [0 if b else None for b in shared_batched]
+            h_out, aux = jax.vmap(one, in_axes=(0, row_axes, shared_axes))(h, rows, shared)
+        if len(carry) == 2:
+            return h_out, number + 1
+        return h_out, number + 1, write_row(list(carry[2]), aux, layer)
 
 
 def _call_block(block: Any, input_name: str | None, x: PyTree, args: tuple, kwargs: dict) -> Any:
@@ -626,12 +877,17 @@ def _call_block(block: Any, input_name: str | None, x: PyTree, args: tuple, kwar
 def _run_pipeline(
     pipeline: PipelineModule,
     layout: _ArgumentLayout,
+    how: BlockOutputs,
     x: PyTree,
     per_layer: list,
     shared: list,
     batched: tuple | None,
-) -> PyTree:
-    """The recorded calls as one pipeline run over the whole batch (inside `shard_map`)."""
+    *,
+    num_layers: int,
+) -> tuple[PyTree, list]:
+    """The recorded calls as one pipeline run over the whole batch (inside `shard_map`):
+    the last block's activation, and the rows of the blocks' auxiliary outputs
+    (`[batch, blocks, ...]` per leaf; none where the blocks return none)."""
     sizes = {leaf.shape[0] for leaf in jax.tree.leaves(x) if jnp.ndim(leaf)}
     if len(sizes) != 1:
         raise ValueError(
@@ -650,10 +906,18 @@ def _run_pipeline(
         _check_whole_arguments(layout, per_layer, shared, size)
     flags = batched if batched is not None else ([False] * len(per_layer), [False] * len(shared))
     flags = tuple(tuple(_flag(b) for b in group) for group in flags)
-    runnable, arguments = _runnable(pipeline, layout, batched is not None, flags, per_layer, shared)
-    number = jnp.zeros((size,), jnp.int32) if batched is not None else _batch_counter(x)
-    out, _ = runnable((x, number), *arguments)
-    return out
+    per_example = batched is not None
+    runnable, arguments = _runnable(pipeline, layout, per_example, flags, per_layer, shared, how)
+    number = jnp.zeros((size,), jnp.int32) if per_example else _batch_counter(x)
+    if not how.has_aux:
+        out, _ = runnable((x, number), *arguments)
+        return out, []
+    buffers = aux_buffers(
+        how, x, num_layers, per_example=per_example, recorded_rows=size,
+        pipeline_axis=pipeline.axis_name,
+    )  # fmt: skip
+    out, _, buffers = runnable((x, number, buffers), *arguments)
+    return out, list(buffers)
 
 
 def _runnable(
@@ -663,6 +927,7 @@ def _runnable(
     flags: tuple,
     per_layer: list,
     shared: list,
+    how: BlockOutputs,
 ) -> tuple[PipelineModule, tuple[list, list]]:
     """`pipeline` with each of its stacked blocks called through `_LayerCall` (its own
     arguments picked out, per example or on the whole microbatch), and the two argument
@@ -671,7 +936,11 @@ def _runnable(
     stack = pipeline.stages
     assert isinstance(stack, ScannedLayers)
     layer = _LayerCall(
-        stack.layers, layout=layout, per_example=per_example, batched=flags if per_example else None
+        stack.layers,
+        layout=layout,
+        per_example=per_example,
+        batched=flags if per_example else None,
+        how=how,
     )
     runnable = eqx.tree_at(lambda p: p.stages, pipeline, ScannedLayers(layer, remat=stack.remat))
     wrap = lambda values, flags: [
@@ -786,10 +1055,11 @@ class _Recorder:
     `"inject"` (return `output` as the blocks' output). It keeps the blocks, the layout of
     their arguments and which arguments are per example."""
 
-    def __init__(self, mode: str, output: PyTree = None) -> None:
-        self.mode, self.output = mode, output
+    def __init__(self, mode: str, output: PyTree = None, how: BlockOutputs | None = None) -> None:
+        self.mode, self.output = mode, output  # inject: (activation, aux rows)
         self.blocks: PipelinedBlocks | None = None
         self.layout: _ArgumentLayout | None = None
+        self.how = how or BlockOutputs()  # how the blocks' outputs are read
         self.per_example = False
         self.batched: tuple = ((), ())  # per entry of the per-layer and shared arguments
         self.values: tuple = ()  # captured: (x, per_layer, shared) for the whole microbatch
@@ -798,17 +1068,19 @@ class _Recorder:
         self,
         blocks: PipelinedBlocks,
         layout: _ArgumentLayout,
+        how: BlockOutputs,
         x: PyTree,
         per_layer: list,
         shared: list,
-    ) -> PyTree:
+    ) -> tuple[PyTree, list | None]:
         if self.blocks is not None:
             raise ValueError(
                 f"{_OWNER}: a model trained with a schedule that runs the loss inside the "
                 f"pipeline holds one pipelined list, called once per forward; it was called "
                 f"again."
             )
-        self.blocks, self.layout = blocks, layout
+        self.blocks, self.layout, self.how = blocks, layout, how
+        num_layers = blocks.num_layers
         if not under_vmap((x, per_layer, shared)):
             if blocks.batch_axis is None:
                 raise _no_vmap_error()
@@ -816,15 +1088,16 @@ class _Recorder:
                 tuple(False for _ in per_layer),
                 tuple(isinstance(v, Microbatched) for v in shared),
             )
-            return self._at_batch_level(x, per_layer, shared, flags)
+            h, buffers = self._at_batch_level(x, per_layer, shared, flags)
+            return h, _by_block(how, buffers, num_layers, axis=1)
         self.per_example = True
         # The output to give is passed in (unbatched) so that the function's own output,
         # traced for its type only, is one example of it.
-        output = x if self.mode == "capture" else self.output
+        output = (x, []) if self.mode == "capture" else self.output
 
         @custom_vmap
         def marked(x: PyTree, per_layer: list, shared: list, output: PyTree) -> PyTree:
-            return jax.tree.map(lambda a: a[0], output) if self.mode == "inject" else x
+            return jax.tree.map(lambda a: a[0], output) if self.mode == "inject" else (x, [])
 
         @marked.def_vmap
         def batch_level(size: int, in_batched: list, x, per_layer, shared, output):
@@ -837,16 +1110,19 @@ class _Recorder:
             out = self._at_batch_level(x, per_layer, shared, flags)
             return out, jax.tree.map(lambda _: True, out)
 
-        return marked(x, per_layer, shared, output)
+        h, buffers = marked(x, per_layer, shared, output)
+        return h, _by_block(how, buffers, num_layers, axis=0)
 
-    def _at_batch_level(self, x: PyTree, per_layer: list, shared: list, flags: tuple) -> PyTree:
+    def _at_batch_level(
+        self, x: PyTree, per_layer: list, shared: list, flags: tuple
+    ) -> tuple[PyTree, list]:
         self.batched = flags
         if self.mode == "capture":
             self.values = (x, per_layer, shared)
             raise _Captured
         shapes = lambda tree: jax.tree.map(jnp.shape, tree)
-        if shapes(self.output) != shapes(x):
-            raise AssertionError(f"{_OWNER}: the output {shapes(self.output)} for {shapes(x)}")
+        if shapes(self.output[0]) != shapes(x):
+            raise AssertionError(f"{_OWNER}: the output {shapes(self.output[0])} for {shapes(x)}")
         return self.output
 
 
@@ -888,9 +1164,10 @@ class _AfterBlocks(eqx.Module):
     loss_fn: Callable = eqx.field(static=True)
     batch_def: Any = eqx.field(static=True)
     unread: PyTree = eqx.field(static=True, default=None)  # shapes where `arrays` has None
+    how: BlockOutputs = eqx.field(static=True, default=BlockOutputs())
 
     def __call__(self, out: tuple, batch: list) -> jax.Array:
-        h, _ = out
+        given = (out[0], list(out[2]) if len(out) > 2 else [])
         arrays = self.arrays
         if self.unread is not None:
             stand_ins = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), self.unread)
@@ -898,13 +1175,15 @@ class _AfterBlocks(eqx.Module):
         model = eqx.combine(arrays, self.static)
         model = eqx.tree_at(self.where, model, self.blocks, is_leaf=_is_none)
         batch = jax.tree.unflatten(self.batch_def, batch)
-        return _with_recorder(_Recorder("inject", h), self.loss_fn, model, *batch)
+        return _with_recorder(_Recorder("inject", given, self.how), self.loss_fn, model, *batch)
 
     @classmethod
-    def reading_only_what_it_needs(cls, arrays: PyTree, *rest: Any, out: tuple, batch: list):
+    def reading_only_what_it_needs(
+        cls, arrays: PyTree, *rest: Any, out: tuple, batch: list, how: BlockOutputs
+    ):
         """An `_AfterBlocks` whose `arrays` are those the code after the blocks reads (found
         by tracing it once on `out` and `batch`)."""
-        whole = cls(arrays, *rest)
+        whole = cls(arrays, *rest, how=how)
         leaves, treedef = jax.tree.flatten(arrays)
         jaxpr = jax.make_jaxpr(
             lambda leaves: eqx.tree_at(lambda a: a.arrays, whole,
@@ -918,7 +1197,7 @@ class _AfterBlocks(eqx.Module):
             treedef,
             [None if u else jax.ShapeDtypeStruct(a.shape, a.dtype) for a, u in zip(leaves, used)],
         )
-        return cls(kept, *rest, unread=unread)
+        return cls(kept, *rest, unread=unread, how=how)
 
 
 def value_and_grad(loss_fn: Callable, *, has_aux: bool = False) -> Callable:
@@ -1065,9 +1344,10 @@ def _scheduled_value_and_grad(
     hollow = eqx.filter(blocks, eqx.is_array, inverse=True)
 
     def before(arrays: PyTree, microbatch: list) -> tuple[tuple, _Recorder]:
-        """The blocks' input and arguments on one microbatch: `loss_fn` up to their call."""
+        """The blocks' input and arguments on one microbatch: `loss_fn` up to their call
+        (the blocks keep their arrays here, to read what their calls give)."""
         recorder = _Recorder("capture")
-        whole = eqx.tree_at(where, eqx.combine(arrays, static), hollow, is_leaf=_is_none)
+        whole = eqx.tree_at(where, eqx.combine(arrays, static), blocks, is_leaf=_is_none)
         try:
             _with_recorder(recorder, loss_fn, whole, *jax.tree.unflatten(batch_def, microbatch))
         except _Captured:
@@ -1091,17 +1371,24 @@ def _scheduled_value_and_grad(
         for value, b in zip(shared_made, shared_batched)
     ]
 
+    how = first.how
     runnable, arguments = _runnable(
-        blocks.pipeline, first.layout, first.per_example, first.batched, per_layer, shared
+        blocks.pipeline, first.layout, first.per_example, first.batched, per_layer, shared, how
     )
+    carry: tuple = (x, jnp.zeros((size,), jnp.int32))
+    if how.has_aux:
+        buffers = aux_buffers(
+            how, x, blocks.num_layers, per_example=first.per_example, recorded_rows=rows,
+            pipeline_axis=blocks.pipeline.axis_name,
+        )  # fmt: skip
+        carry = (*carry, buffers)
     head = _AfterBlocks.reading_only_what_it_needs(
         arrays, hollow, static, where, loss_fn, batch_def,
-        out=(jax.tree.map(lambda a: a[:rows], x), jnp.zeros((rows,), jnp.int32)),
-        batch=first_microbatch,
+        out=jax.tree.map(lambda a: a[:rows], carry), batch=first_microbatch, how=how,
     )  # fmt: skip
     loss, (stage_grads, head_grads, x_grads) = runnable.value_and_grad(
         head,
-        (x, jnp.zeros((size,), jnp.int32)),
+        carry,
         list(batch_leaves),
         *arguments,
         schedule=blocks.schedule,
