@@ -1720,6 +1720,52 @@ def _usage_errors() -> Iterator[None]:
         raise SystemExit(2) from None
 
 
+def first_step_parity(
+    run: RunConfig, config: lm.LMConfig, source: input_data.RowSource | None = None
+) -> eqpar.CheckReport:
+    """`eqpar.check` on the first step: the gradients of the run's own step on its mesh
+    against the same step on one device, leaf by leaf (in model order, `lm.model_order`),
+    from the same initial parameters and the first batch. On a mismatch the report names the
+    leaves; the curves of `check_against_one_device` then say how far it carries."""
+    devices = jax.devices()[: math.prod(run.mesh.values())]
+    mesh = make_mesh(run.mesh, devices)
+    serial_run = dataclasses.replace(run, mesh={lm.DATA: 1, lm.PIPE: 1, lm.MODEL: 1}, fsdp=False)
+    serial_mesh = make_mesh(serial_run.mesh, jax.devices()[:1])
+    model = build_model(config, run, mesh)
+    model = eqx.filter_shard(
+        model, eqpar.named_shardings(storage_specs(model, mesh, run.fsdp), mesh)
+    )
+    serial = build_model(config, serial_run, serial_mesh)
+    if source is None:
+        corpus = lm.encode(lm.make_corpus(200_000, seed=run.seed), config.vocab_size)
+        source = input_data.SyntheticRows(
+            lm.Batches(corpus, batch_size=run.batch_size, seq_len=config.seq_len, seed=run.seed)
+        )
+    rows = NamedSharding(serial_mesh.jax_mesh, P())
+    tokens = np.asarray(input_data.place_rows(source, 0, rows, config.seq_len + 1))
+
+    def as_step(loss_and_grads: Any) -> Any:
+        @eqx.filter_jit
+        def step(model: lm.LM, tokens: jax.Array) -> tuple[jax.Array, lm.LM]:
+            (loss, _), grads = loss_and_grads(model, tokens)
+            return loss, lm.model_order(grads)
+
+        return step
+
+    return eqpar.check(
+        global_loss,
+        model,
+        tokens,
+        mesh=mesh,
+        batch_specs=row_spec(mesh.axis_names),
+        step=as_step(build_loss_and_grads(model, mesh, run)),
+        serial=serial,
+        serial_step=as_step(build_loss_and_grads(serial, serial_mesh, serial_run)),
+        rtol=check_tolerance(run.precision),
+        raise_on_mismatch=False,
+    )
+
+
 def check_against_one_device(
     run: RunConfig,
     config: lm.LMConfig,
@@ -1746,6 +1792,11 @@ def check_against_one_device(
     trained = host_parameters(training.model) if trained is None else trained
     if jax.process_index() != 0:
         return {}
+    parity = None
+    if jax.process_count() == 1:  # eqpar.check places both runs from one process
+        log.info("check: the first step's gradients on the mesh and on one device (eqpar.check)")
+        parity = first_step_parity(run, config, source)
+        log.info(f"{parity}")
     log.info(f"check: the same {run.steps} steps on one device (compiling...)")
     tolerance = check_tolerance(run.precision)
     serial_run = dataclasses.replace(run, mesh={lm.DATA: 1, lm.PIPE: 1, lm.MODEL: 1}, fsdp=False)
@@ -1765,7 +1816,7 @@ def check_against_one_device(
     serial_losses = serial.losses[training.start :]  # the steps this process ran
     loss_diff = max(abs(a - b) / abs(b) for a, b in zip(training.losses, serial_losses))
     param_diff = largest_differences(trained, serial.model)
-    passed = loss_diff <= tolerance and param_diff <= tolerance
+    passed = loss_diff <= tolerance and param_diff <= tolerance and (parity is None or parity.ok)
     log.info(
         f"check against one device ({run.optimizer}, {run.precision}, tolerance "
         f"{tolerance:.0e}): "
@@ -1778,6 +1829,18 @@ def check_against_one_device(
         "tolerance": tolerance,
         "passed": passed,
         "serial_losses": serial.losses,
+        **(
+            {}
+            if parity is None
+            else {
+                "first_step": {
+                    "passed": parity.ok,
+                    "leaves": len(parity.leaves),
+                    "largest_difference": max(leaf.difference for leaf in parity.leaves),
+                    "mismatches": [leaf.path for leaf in parity.mismatches],
+                }
+            }
+        ),
     }
 
 

@@ -372,6 +372,11 @@ def test_main_writes_pictures_metrics_config_and_checks(tmp_path, capsys):
     assert check["passed"] and check["tolerance"] == 1e-5
     assert check["loss_difference"] < 1e-5 and check["parameter_difference"] < 1e-5
     assert "(sgd, float32, tolerance 1e-05)" in lines[-1] and lines[-1].endswith(": PASS")
+    # The first step's gradients, leaf by leaf, by eqpar.check (the 3D mesh's pipeline stack
+    # compared in model order with the one-device stack).
+    first = check["first_step"]
+    assert first["passed"] and first["leaves"] > 10 and first["largest_difference"] < 1e-5
+    assert any(line.startswith("eqpar.check: PASS") for line in lines)
 
     # metrics.jsonl: a start-up record, then one record per step with the per-step fields.
     start, *steps = [json.loads(line) for line in (tmp_path / "metrics.jsonl").open()]
