@@ -14,6 +14,7 @@ indexing, not a parallel program that computes other numbers than its serial twi
 
 import dataclasses
 import functools
+import itertools
 import math
 from collections.abc import Callable, Hashable, Mapping
 from typing import Any
@@ -319,7 +320,7 @@ def _placed(model: PyTree, mesh: jax.sharding.Mesh) -> PyTree:
 def _compute_rtol(loss_fn: Callable, model: PyTree, batch: tuple) -> float:
     """The tolerance of the least precise dtype the serial step multiplies in (its matrix
     products' operands, read off its jaxpr), or 0."""
-    jaxpr = jax.make_jaxpr(eqx.filter_value_and_grad(loss_fn))(model, *batch)
+    jaxpr, _, _ = eqx.filter_make_jaxpr(eqx.filter_value_and_grad(loss_fn))(model, *batch)
     found = 0.0
 
     def visit(inner: Any) -> None:
@@ -510,18 +511,28 @@ def _differs(got: list, want: list) -> bool:
 
 
 def _distance(a: np.ndarray, e: np.ndarray) -> float | None:
-    if a.shape != e.shape:
-        whole_batch = a.ndim == e.ndim >= 2 and a.shape[1:] == e.shape[1:]
-        if (
-            whole_batch
-            and a.shape[0] < e.shape[0]
-            and np.array_equal(e, np.broadcast_to(e[:1], e.shape))
-        ):
-            e = e[: a.shape[0]]  # a whole-batch output: this device's rows (all alike)
-        else:
-            return None  # split between devices: not comparable here
+    """How far `a` is from `e` relative to `e`'s scale; where `a` is a block of `e` along some
+    dimensions (this device's examples, features, heads or tokens), from the nearest such
+    block; `None` where the shapes do not compare."""
+    a, e = np.asarray(a, np.float64), np.asarray(e, np.float64)
     scale = max(float(np.max(np.abs(e))) if e.size else 0.0, 1e-30)
-    return float(np.max(np.abs(a - e))) / scale if e.size else 0.0
+    if not a.size or not e.size:
+        return 0.0 if a.shape == e.shape else None
+    if a.ndim != e.ndim:
+        return None
+    differ = [k for k in range(a.ndim) if a.shape[k] != e.shape[k]]
+    if any(e.shape[k] % a.shape[k] for k in differ):
+        return None
+    counts = [e.shape[k] // a.shape[k] for k in differ]
+    if math.prod(counts) > 4096:
+        return None
+    best = math.inf
+    for corner in itertools.product(*(range(c) for c in counts)):
+        index = [slice(None)] * e.ndim
+        for k, i in zip(differ, corner, strict=True):
+            index[k] = slice(i * a.shape[k], (i + 1) * a.shape[k])
+        best = min(best, float(np.max(np.abs(a - e[tuple(index)]))))
+    return best / scale
 
 
 def _probe_run(run: Callable, model: PyTree, batch: tuple) -> tuple[list, dict, dict]:
@@ -574,7 +585,7 @@ def _with_probes(node: PyTree, path: tuple, order: list, outputs: dict, kinds: d
 
 def _probe_class(base: type, where: str, order: list, outputs: dict, kinds: dict) -> type:
     def record(rank: int, *values: Any) -> np.ndarray:
-        outputs.setdefault(where, []).append([np.asarray(v, np.float64) for v in values])
+        outputs.setdefault(where, []).append([np.asarray(v) for v in values])
         batched = np.shape(values[0])[: np.ndim(values[0]) - rank]  # the vmaps' dimensions
         return np.zeros(batched, np.float32)
 

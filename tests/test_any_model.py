@@ -298,6 +298,17 @@ def test_context_parallel_positions_and_masks_are_wrong_without_the_conversion(r
         parallel = eqpar.parallelize(model, plan, mesh=mesh)
         loss, _ = context_step(parallel, mesh, batch)
         assert abs(float(loss) - float(serial_loss)) > 1e-4 * abs(float(serial_loss)), kept
+    # eqpar.check names the layer: the rotary embedding kept plain (its block of the sequence
+    # rotated by local positions matches no block of the serial output).
+    plan = {
+        r"blocks/\d+/attention": eqpar.ContextParallel(),
+        r"blocks/\d+/rotary": eqpar.Replicated(),
+    }
+    specs = (P("data", "context"), P("data", "context"), P("data"))
+    report = eqpar.check(
+        rotary_loss, model, *batch, mesh=mesh, plan=plan, batch_specs=specs, raise_on_mismatch=False
+    )
+    assert not report.ok and report.first_kind == "RotaryPositionalEmbedding", str(report)
 
 
 def _primitives(jaxpr) -> set[str]:
