@@ -57,6 +57,17 @@ def fresh_record() -> Iterator[None]:
         _OPEN.reset(token)
 
 
+@contextlib.contextmanager
+def kept_record() -> Iterator[None]:
+    """The record as it is now, given back after the block (for an extra trace of code that
+    opens and closes splits, such as an abstract trace that only reads the program)."""
+    token = _OPEN.set(_OPEN.get())
+    try:
+        yield
+    finally:
+        _OPEN.reset(token)
+
+
 def open_split(split: Split) -> None:
     """Record `split` (once: a second column linear on the same axis, as in a gated MLP,
     opens the same split)."""

@@ -55,12 +55,34 @@ _FLOOR = 1e-3
 
 
 class ParityError(AssertionError):
-    """The parallel step's numbers differ from the serial step's (`check` raises it)."""
+    """The parallel step's numbers differ from the serial step's: `check` raises it, with
+    the report as its message.
+
+    ```python
+    import equinox as eqx, jax, jax.numpy as jnp, eqpar
+    mlp = eqx.nn.MLP(4, 4, 8, 1, key=jax.random.key(0))
+    mesh = eqpar.DeviceMesh((2,), ("data",), devices=jax.devices()[:2])
+    wrong = lambda m, x: jnp.sum(jax.vmap(m)(x) ** 2)  # a sum: each shard's differs
+    try:
+        eqpar.check(wrong, mlp, jnp.ones((4, 4)), mesh=mesh)
+    except eqpar.ParityError as error:
+        assert "FAIL" in str(error)
+    else:
+        raise AssertionError("a sum over a split batch is not the serial sum")
+    ```
+    """
 
 
 class LeafDifference(eqx.Module):
     """One compared leaf: its path, the largest difference relative to its scale, the
-    tolerance it had, and whether it passed."""
+    tolerance it had, and whether it passed.
+
+    ```python
+    import eqpar
+    leaf = eqpar.parity.LeafDifference("layers/0/weight", 2e-6, 1e-5)
+    assert leaf.ok
+    ```
+    """
 
     path: str
     difference: float
@@ -80,6 +102,16 @@ class CheckReport:
     - `first_difference`: the path of the first module whose output differs in the probed
       forward pass (`None` when all agree or nothing could be probed), its class name in
       `first_kind`, and `causes`: what usually makes that kind of module differ.
+
+    ```python
+    import equinox as eqx, jax, jax.numpy as jnp, eqpar
+    mlp = eqx.nn.MLP(4, 4, 8, 1, key=jax.random.key(0))
+    mesh = eqpar.DeviceMesh((2,), ("data",), devices=jax.devices()[:2])
+    loss = lambda m, x: jnp.mean(jax.vmap(m)(x) ** 2)
+    report = eqpar.check(loss, mlp, jnp.ones((4, 4)), mesh=mesh)
+    assert report.ok and not report.mismatches and report.leaves[0].path == "loss"
+    print(report)  # eqpar.check: PASS: loss ... ; 5 of 5 leaves within tolerance.
+    ```
     """
 
     loss: float

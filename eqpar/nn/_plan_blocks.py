@@ -32,8 +32,8 @@ from .._declare import declared_partition_specs
 from .._splits import open_splits
 from .._vma import varies_over
 from ._twins import gather_replicated, instance_with
-from .attention_calls import rebound_call, refuse_unreached
-from .heads import check_head_reshapes, head_splits, int_fields, localized
+from ._attention_calls import rebound_call, refuse_unreached
+from ._heads import check_head_reshapes, head_splits, int_fields, localized
 from .sequence import gather_sequence, scatter_sequence
 from .stacks import REMAT_POLICIES
 
@@ -322,7 +322,7 @@ def serial_block(block: PyTree) -> PyTree:
 def mark_head_checks(model: PyTree) -> PyTree:
     """Every block of the author's that holds column-parallel linears (as fields, or in
     lists and dicts of them) and int fields, converted to check its head reshapes at trace
-    time (`eqpar.nn.heads`). Equinox's and eqpar's own modules are left as they are: they
+    time (`eqpar.nn._heads`). Equinox's and eqpar's own modules are left as they are: they
     read no head count from a field."""
     from .linear import ColumnParallelLinear
 

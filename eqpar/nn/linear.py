@@ -48,7 +48,7 @@ from ._twins import (
     gather_replicated,
     rebuilt,
 )
-from .heads import mark_column_output
+from ._heads import mark_column_output
 
 __all__ = [
     "ColumnParallelLinear",

@@ -32,7 +32,7 @@ import jax
 from jaxtyping import PyTree
 
 from .._axes import bound_axis_size
-from .._splits import Split, close_split, open_split
+from .._splits import Split, close_split, kept_record, open_split
 
 _state = threading.local()
 _MARKER = "eqpar_column_output"
@@ -145,7 +145,7 @@ def check_head_reshapes(
         b, a, k = eqx.combine(dynamic, static)
         return call(b, *a, **k)
 
-    with _marking():
+    with _marking(), kept_record():
         try:
             jaxpr = jax.make_jaxpr(traced)(dynamic)
         except Exception:
