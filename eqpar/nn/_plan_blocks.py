@@ -31,9 +31,9 @@ from .._checks import per_token_sequence_fix
 from .._declare import declared_partition_specs
 from .._splits import open_splits
 from .._vma import varies_over
-from ._twins import gather_replicated, instance_with
 from ._attention_calls import rebound_call, refuse_unreached
 from ._heads import check_head_reshapes, head_splits, int_fields, localized
+from ._twins import gather_replicated, instance_with
 from .sequence import gather_sequence, scatter_sequence
 from .stacks import REMAT_POLICIES
 

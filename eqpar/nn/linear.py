@@ -40,6 +40,7 @@ from .._checks import (
     per_token_sequence_fix,
 )
 from .._splits import Split, close_split, open_split
+from ._heads import mark_column_output
 from ._twins import (
     adopt,
     check_block,
@@ -48,7 +49,6 @@ from ._twins import (
     gather_replicated,
     rebuilt,
 )
-from ._heads import mark_column_output
 
 __all__ = [
     "ColumnParallelLinear",
