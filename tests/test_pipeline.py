@@ -1555,12 +1555,13 @@ def test_autodiff_of_a_forward_run_with_the_stage_rematerialised_whole(schedule,
     assert_tree_close(grads, grads_ref)
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "circular"])
-def test_forward_mode_through_a_forward_run_equals_the_serial_twin(schedule):
-    """`jax.jvp` traced through a GPipe or circular run (whose reverse mode is the training
-    table's custom VJP, which forward mode cannot pass) differentiates the step loop: the
-    tangent is the serial twin's. `jax.linearize` is reverse-mode-like and cannot be told
-    apart while tracing: with `backward="autodiff"` it works too."""
+def test_forward_mode_through_a_forward_run_equals_the_serial_twin():
+    """`jax.jvp` traced through a GPipe run (whose reverse mode is the training table's
+    custom VJP, which forward mode cannot pass) differentiates the step loop: the tangent is
+    the serial twin's. (Circular runs take the same path, `_table_grad.forward_outputs`.)
+    `jax.linearize` is reverse-mode-like and cannot be told apart while tracing: with
+    `backward="autodiff"` it works too."""
+    schedule = "gpipe"
     x, _, shift = batch(2)
 
     def jvp_of_run(module, linearize=False):
@@ -1580,8 +1581,7 @@ def test_forward_mode_through_a_forward_run_equals_the_serial_twin(schedule):
     tangent = jax.tree.map(lambda a: jnp.full_like(a, 0.1), arrays)
     want = jax.jvp(serial, (arrays,), (tangent,))
     assert_tree_close(jvp_of_run(module), want)
-    if schedule == "gpipe":
-        autodiff = make_module(schedule, 2, 2, broadcast_output=True, backward="autodiff")
-        assert_tree_close(jvp_of_run(autodiff, linearize=True), want[1])
-        with pytest.raises(ValueError, match=r"`backward` is 'table'.*got 'forward'"):
-            make_module(schedule, 2, 2, backward="forward")
+    autodiff = make_module(schedule, 2, 2, broadcast_output=True, backward="autodiff")
+    assert_tree_close(jvp_of_run(autodiff, linearize=True), want[1])
+    with pytest.raises(ValueError, match=r"`backward` is 'table'.*got 'forward'"):
+        make_module(schedule, 2, 2, backward="forward")
