@@ -685,7 +685,7 @@ class ExpertParallel(Style):
 
     - `axis_name`: the mesh axis the experts are split over (`"expert"`, or the data axis).
     - `model_axis_name`: an axis to split each expert's hidden features over, or `None`.
-    - `buffer_factor`: one round's buffer, in multiples of the balanced share (>= 1 keeps
+    - `buffer_factor`: one round's buffer, a finite multiple of the balanced share (>= 1 keeps
       balanced routing to one round); `None` keeps the layer's own (1.25 by default).
     - `capacity_factor`: a capacity per expert, as above; `None` keeps the layer's own
       (dropless by default).
@@ -719,11 +719,15 @@ class ExpertParallel(Style):
         for name in ("buffer_factor", "capacity_factor"):
             value = getattr(self, name)
             if value is not None and not (
-                isinstance(value, int | float) and not isinstance(value, bool) and value > 0
+                isinstance(value, int | float)
+                and not isinstance(value, bool)
+                and math.isfinite(value)
+                and value > 0
             ):
                 raise ValueError(
-                    f"ExpertParallel: `{name}` must be None (the layer's own) or a positive "
-                    f"number, got {value!r}."
+                    f"ExpertParallel: `{name}` must be None (the layer's own) or a finite "
+                    f"number > 0, got {value!r}."
+                    + (" For no capacity limit pass None." if name == "capacity_factor" else "")
                 )
         check_single_axes(
             "ExpertParallel", axis_name=self.axis_name, model_axis_name=self.model_axis_name

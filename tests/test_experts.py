@@ -557,3 +557,36 @@ def test_bad_inputs_name_the_argument_and_the_fix():
     deep = [eqx.nn.MLP(8, 8, 16, 2, key=k) for k in keys[1:]]
     with pytest.raises(TypeError, match=r"experts/0 must be an eqx\.nn\.MLP of depth 1"):
         MixtureOfExperts.from_experts(eqx.nn.Linear(8, 2, key=keys[0]), deep, top_k=1)
+
+
+def test_an_integer_batch_is_refused_naming_the_argument_and_the_cast():
+    """The layer returns its output in the input's dtype: an integer batch would come back
+    with its mixed values truncated, so it is refused (a float batch of the same values
+    gives the float result)."""
+    moe = make_moe()
+    for dtype in (jnp.int32, jnp.bool_):
+        with pytest.raises(TypeError, match=r"`x` has dtype (int32|bool).*x\.astype\(float32\)"):
+            moe(jnp.ones((4, FEATURES), dtype))
+    y, _ = moe(jnp.arange(4 * FEATURES).reshape(4, FEATURES).astype(jnp.float32) / 8)
+    assert y.dtype == jnp.float32
+
+
+@pytest.mark.parametrize("value", [math.inf, -math.inf, math.nan, 0.0])
+@pytest.mark.parametrize("name", ["capacity_factor", "buffer_factor"])
+def test_non_finite_factors_are_refused_naming_the_option(name, value):
+    """`inf` (and nan) used to reach `math.ceil` and fail as a bare OverflowError."""
+    with pytest.raises(ValueError, match=rf"ExpertParallel: `{name}` must be .*finite"):
+        eqpar.ExpertParallel(**{name: value})
+    with pytest.raises(ValueError, match=rf"MixtureOfExperts: `{name}` must be .*finite"):
+        MixtureOfExperts(FEATURES, HIDDEN, 4, key=jax.random.key(0), **{name: value})
+    with pytest.raises(ValueError, match=rf"MixtureOfExperts: `{name}` must be .*finite"):
+        make_moe().replace(**{name: value})
+
+
+def test_a_capacity_past_every_token_drops_nothing():
+    """A finite factor too large for int32 arithmetic caps at the tokens: nothing dropped."""
+    x = tokens(16)
+    y, losses = make_moe(4).replace(capacity_factor=1e30)(x)
+    want, _ = make_moe(4)(x)
+    assert int(losses.dropped) == 0
+    assert_arrays_close(y, want)

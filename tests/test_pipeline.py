@@ -1553,3 +1553,35 @@ def test_autodiff_of_a_forward_run_with_the_stage_rematerialised_whole(schedule,
     assert_tree_close(y[-1], y_ref)
     assert_tree_close(loss, loss_ref)
     assert_tree_close(grads, grads_ref)
+
+
+def test_forward_mode_through_a_forward_run_equals_the_serial_twin():
+    """`jax.jvp` traced through a GPipe run (whose reverse mode is the training table's
+    custom VJP, which forward mode cannot pass) differentiates the step loop: the tangent is
+    the serial twin's. (Circular runs take the same path, `_table_grad.forward_outputs`.)
+    `jax.linearize` is reverse-mode-like and cannot be told apart while tracing: with
+    `backward="autodiff"` it works too."""
+    schedule = "gpipe"
+    x, _, shift = batch(2)
+
+    def jvp_of_run(module, linearize=False):
+        arrays, static, specs = layout(module)
+        run = jax.shard_map(
+            lambda arrays: eqx.combine(arrays, static)(x, shift, scale=SCALE),
+            mesh=pipe_mesh(2), in_specs=(specs,), out_specs=P(),
+        )  # fmt: skip
+        tangent = jax.tree.map(lambda a: jnp.full_like(a, 0.1), arrays)
+        if linearize:
+            return jax.jit(lambda a, t: jax.linearize(run, a)[1](t))(arrays, tangent)
+        return jax.jit(lambda a, t: jax.jvp(run, (a,), (t,)))(arrays, tangent)
+
+    module = make_module(schedule, 2, 2, broadcast_output=True)
+    arrays, static, _ = layout(module)
+    serial = lambda arrays: eqx.combine(arrays, static).apply_serially(x, shift, scale=SCALE)
+    tangent = jax.tree.map(lambda a: jnp.full_like(a, 0.1), arrays)
+    want = jax.jvp(serial, (arrays,), (tangent,))
+    assert_tree_close(jvp_of_run(module), want)
+    autodiff = make_module(schedule, 2, 2, broadcast_output=True, backward="autodiff")
+    assert_tree_close(jvp_of_run(autodiff, linearize=True), want[1])
+    with pytest.raises(ValueError, match=r"`backward` is 'table'.*got 'forward'"):
+        make_module(schedule, 2, 2, backward="forward")

@@ -265,13 +265,13 @@ def test_pipeline_plan_errors_name_the_key_and_the_fix():
 # --- 1F1B and ZB-H1: the loss inside the pipeline, through eqpar.value_and_grad ----------
 
 
-def scheduled_step(loss_fn, model, plan, mesh, *batch):
+def scheduled_step(loss_fn, model, plan, mesh, *batch, **options):
     """The documented recipe for a schedule that runs the loss inside the pipeline:
     `eqpar.value_and_grad(loss_fn)` inside shard_map, an SGD step outside."""
     parallel = eqpar.parallelize(model, plan, mesh=mesh)
     grad_specs = eqpar.partition_specs(eqx.filter(parallel, eqx.is_inexact_array))
     step = eqpar.shard_map(
-        eqpar.value_and_grad(loss_fn),
+        eqpar.value_and_grad(loss_fn, **options),
         mesh=mesh,
         in_specs=(eqpar.partition_specs(parallel), *(P("data") for _ in batch)),
         out_specs=(P(), grad_specs),
@@ -456,3 +456,63 @@ def test_raw_arrays_laid_out_for_the_compiler_refuse_a_manual_axis():
     parallel = eqpar.parallelize(model, LLAMA_TENSOR_PARALLEL, mesh=mesh)
     with pytest.raises(ValueError, match=r"over .model. for the compiler.*axis_names"):
         _pipe_loss(llama.loss, parallel, mesh, llama.batch(8))
+
+
+class Chain(eqx.Module):
+    embed: eqx.nn.Linear
+    layers: list
+    head: eqx.nn.Linear
+
+    def __call__(self, x):  # one example
+        x = self.embed(x)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)[0]
+
+
+def chain_and_batch():
+    keys = jax.random.split(jax.random.key(0), 6)
+    model = Chain(eqx.nn.Linear(3, 4, key=keys[0]),
+                  [eqx.nn.MLP(4, 4, 8, 1, key=k) for k in keys[1:5]],
+                  eqx.nn.Linear(4, 1, key=keys[5]))  # fmt: skip
+    x = jax.random.normal(jax.random.key(1), (8, 3))
+    return model, x, jax.random.normal(jax.random.key(2), (8,))
+
+
+def test_a_sum_over_examples_is_the_batch_sum_with_reduction_sum_and_refused_without():
+    """1F1B takes the mean of its microbatches' losses: a loss that is a sum over examples
+    used to come back divided by the number of microbatches (2 here), gradients too. With
+    `reduction="sum"` it is the whole batch's sum (over 2 microbatches and 2 data shards);
+    without, the trace-time check (the loss on a microbatch given twice over doubles)
+    refuses it, and a mean declared a sum is refused alike."""
+    model, x, y = chain_and_batch()
+    sum_loss = lambda m, x, y: jnp.sum((jax.vmap(m)(x) - y) ** 2)
+    mean_loss = lambda m, x, y: jnp.mean((jax.vmap(m)(x) - y) ** 2)
+    plan = {"layers": eqpar.Pipeline(stages=2, microbatches=2, schedule="1f1b")}
+    mesh = mesh_of((2, 2), MESH_DP_PP[1])
+    for loss_fn, options in ((sum_loss, {"reduction": "sum"}), (mean_loss, {})):
+        serial_loss, serial_model = serial_step(loss_fn, model, x, y)
+        loss, updated = scheduled_step(loss_fn, model, plan, mesh, x, y, **options)
+        assert_tree_close(loss, serial_loss, what="loss")
+        assert_arrays_close(updated, serial_model)
+    with pytest.raises(ValueError, match=r'sum over the examples.*divided by 2.*reduction="sum"'):
+        scheduled_step(sum_loss, model, plan, mesh, x, y)
+    with pytest.raises(ValueError, match=r"mean over the examples.*reduction='mean'"):
+        scheduled_step(mean_loss, model, plan, mesh, x, y, reduction="sum")
+    with pytest.raises(ValueError, match=r"`reduction` is 'mean'.*got 'total'"):
+        eqpar.value_and_grad(sum_loss, reduction="total")
+
+
+def test_value_and_grad_of_a_sum_without_a_schedule_sums_over_the_data_shards():
+    """Without a scheduled pipeline, `reduction="sum"` is the `psum` of the shards' sums."""
+    model, x, y = chain_and_batch()
+    sum_loss = lambda m, x, y: jnp.sum((jax.vmap(m)(x) - y) ** 2)
+    serial_loss, serial_model = serial_step(sum_loss, model, x, y)
+    step = eqpar.shard_map(
+        eqpar.value_and_grad(sum_loss, reduction="sum"), mesh=mesh_of((4,), ("data",)),
+        in_specs=(P(), P("data"), P("data")), out_specs=(P(), P()),
+    )  # fmt: skip
+    loss, grads = step(model, x, y)
+    assert_tree_close(loss, serial_loss, what="loss")
+    assert_arrays_close(eqx.apply_updates(model, jax.tree.map(lambda g: -0.5 * g, grads)),
+                        serial_model)  # fmt: skip

@@ -18,6 +18,7 @@ rounds of the same exchange instead of dropping tokens (the result stays exact).
 import dataclasses
 import functools
 import math
+import numbers
 import warnings
 from collections.abc import Callable, Hashable, Sequence
 from typing import NamedTuple
@@ -28,7 +29,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.core import Tracer
 from jax.sharding import PartitionSpec as P
-from jaxtyping import Array, Float, Int, PRNGKeyArray
+from jaxtyping import Array, Float, Int, PRNGKeyArray, Shaped
 
 from .._axes import axis_size
 from .._tracing import pipeline_axes, under_vmap
@@ -81,6 +82,14 @@ def expert_buffer_rows(tokens: int, top_k: int, axis_size: int, buffer_factor: f
     return max(1, math.ceil(round(buffer_factor * tokens * top_k / axis_size, 6)))
 
 
+def _positive_finite(value: object) -> bool:
+    """Whether `value` is a real number, not a bool, finite and > 0 (a factor's range)."""
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        return False
+    number = float(value)
+    return math.isfinite(number) and number > 0
+
+
 def _uniform(key: PRNGKeyArray, shape: tuple[int, ...], fan_in: int, dtype) -> Array:
     # The same scale `eqx.nn.Linear` uses, so a stacked expert starts as a Linear would.
     limit = 1 / math.sqrt(fan_in)
@@ -100,7 +109,9 @@ class MixtureOfExperts(eqx.Module):
 
     The layer takes a whole batch of tokens, `[..., features]` (call it on the batch, not
     under a per-example `jax.vmap`: the grouped matmul batches tokens itself). It returns the
-    output and the `RouterLosses`. Inside a pipeline stage the batch of a call is a
+    output, in the input's dtype, and the `RouterLosses`; it takes real floating-point tokens
+    and refuses an integer or boolean batch (a `TypeError`: its output would be truncated to
+    that dtype; cast the batch first). Inside a pipeline stage the batch of a call is a
     microbatch, so the router losses are those of its tokens (the load-balancing loss is not
     linear in the tokens: a mean over microbatches differs from the whole batch's). Under
     expert parallelism the layer has a reverse-mode derivative (`jax.grad`) only, not a
@@ -125,7 +136,10 @@ class MixtureOfExperts(eqx.Module):
 
     - `features`, `hidden`, `num_experts`: sizes; `top_k`: experts per token.
     - `gated`, `activation`, `use_bias` (the experts' biases), `use_router_bias`,
-      `normalize_weights`, `capacity_factor`: as above.
+      `normalize_weights`, `capacity_factor`: as above (`capacity_factor` a finite number
+      > 0, or `None`: dropless).
+    - `expert_axis_name`, `model_axis_name`, `buffer_factor`: the parallel options above
+      (`buffer_factor` a finite number > 0); set by `eqpar.ExpertParallel` in a plan.
     - `key`: the initialization key; `dtype`: the parameters' dtype.
 
     ```python
@@ -221,20 +235,21 @@ class MixtureOfExperts(eqx.Module):
                 f"MixtureOfExperts: `top_k` must be between 1 and num_experts={num_experts}, "
                 f"got {self.top_k}."
             )
-        if self.capacity_factor is not None and not self.capacity_factor > 0:
+        if self.capacity_factor is not None and not _positive_finite(self.capacity_factor):
             raise ValueError(
-                f"MixtureOfExperts: `capacity_factor` must be None (dropless) or > 0, got "
-                f"{self.capacity_factor!r}."
+                f"MixtureOfExperts: `capacity_factor` must be None (dropless) or a finite "
+                f"number > 0, got {self.capacity_factor!r}. For no capacity limit pass None."
             )
         check_single_axes(
             "MixtureOfExperts",
             expert_axis_name=self.expert_axis_name,
             model_axis_name=self.model_axis_name,
         )
-        if not self.buffer_factor > 0:
+        if not _positive_finite(self.buffer_factor):
             raise ValueError(
-                f"MixtureOfExperts: `buffer_factor` must be > 0 (1.25 is the default), got "
-                f"{self.buffer_factor!r}."
+                f"MixtureOfExperts: `buffer_factor` must be a finite number > 0 (1.25 is the "
+                f"default; a step whose routing overflows the buffer runs more rounds, so a "
+                f"larger factor is never needed for exactness), got {self.buffer_factor!r}."
             )
         if self.router.out_features != num_experts:
             raise ValueError(
@@ -381,13 +396,23 @@ class MixtureOfExperts(eqx.Module):
         return specs
 
     def __call__(
-        self, x: Float[Array, "*tokens features"], *, key: PRNGKeyArray | None = None
+        self, x: Shaped[Array, "*tokens features"], *, key: PRNGKeyArray | None = None
     ) -> tuple[Float[Array, "*tokens features"], RouterLosses] | Float[Array, "*tokens features"]:
         features = self.router.in_features
         if x.ndim == 0 or x.shape[-1] != features:
             raise ValueError(
                 f"MixtureOfExperts: input must be [..., {features}] (tokens, features); got "
                 f"shape {x.shape}."
+            )
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            # The output is returned in the input's dtype (a bfloat16 batch stays bfloat16):
+            # an integer dtype would truncate the mixed values.
+            raise TypeError(
+                f"MixtureOfExperts: `x` has dtype {x.dtype}; the layer takes real "
+                f"floating-point tokens and returns its output in their dtype, which an "
+                f"integer or boolean dtype would truncate. Cast the batch first, e.g. "
+                f"`x.astype({jnp.dtype(self.up.dtype).name})` (the experts' dtype), or embed "
+                f"token ids before the layer."
             )
         if under_vmap(x):
             raise TypeError(_UNDER_VMAP)
@@ -456,7 +481,9 @@ class MixtureOfExperts(eqx.Module):
     def _capacity(self, num_tokens: int) -> int:
         """Assignments each expert takes of a device's `num_tokens` (`capacity_factor`)."""
         assert self.capacity_factor is not None
-        return math.ceil(self.capacity_factor * num_tokens * self.top_k / self.num_experts)
+        # An expert takes each token at most once: a larger capacity drops nothing.
+        wanted = math.ceil(self.capacity_factor * num_tokens * self.top_k / self.num_experts)
+        return min(wanted, num_tokens)
 
     def _token_axes(self, x: Array) -> tuple:
         # The mesh axes the tokens are split over: where shard_map types them (check_vma),

@@ -128,6 +128,12 @@ class PipelineModule(eqx.Module):
       recomputes the forward there, `"matmuls"` stores the matmul outputs.
     - `broadcast_output`: return the pipeline's result on every device of the axis instead
       of only on the last (zeros elsewhere); costs one `psum` of the output.
+    - `backward`: how a differentiated `__call__` is differentiated: `"table"` (the default)
+      runs the backward half of the schedule's training table in reverse mode (a custom
+      VJP, keeping what each backward reads); `jax.jvp` and `jax.jacfwd` traced through the
+      run differentiate the step loop instead. `"autodiff"` always differentiates the step
+      loop, which keeps each step's residuals (more memory) but supports every transform,
+      `jax.linearize` and a `jax.jvp` of an already-jitted function included.
 
     ```python
     import equinox as eqx, jax, jax.numpy as jnp, numpy as np
@@ -165,6 +171,7 @@ class PipelineModule(eqx.Module):
     num_repeats: int = eqx.field(static=True)
     remat: RematPolicy = eqx.field(static=True)
     broadcast_output: bool = eqx.field(static=True)
+    backward: str = eqx.field(static=True)
 
     def __init__(
         self,
@@ -176,8 +183,16 @@ class PipelineModule(eqx.Module):
         num_repeats: int = 1,
         remat: RematPolicy | bool = "none",
         broadcast_output: bool = False,
+        backward: str = "table",
     ):
         owner = "PipelineModule"
+        if backward not in ("table", "autodiff"):
+            raise ValueError(
+                f"{owner}: `backward` is 'table' (reverse mode through the training table's "
+                f"backward, the default) or 'autodiff' (autodiff of the step loop: forward "
+                f"mode too, more memory); got {backward!r}."
+            )
+        self.backward = backward
         self.num_stages = check_int(num_stages, name="num_stages", owner=owner)
         self.num_microbatches = check_int(num_microbatches, name="num_microbatches", owner=owner)
         self.num_repeats = check_int(num_repeats, name="num_repeats", owner=owner)
@@ -214,7 +229,7 @@ class PipelineModule(eqx.Module):
         - `num_stages`, `num_microbatches`, `num_repeats`: as in the constructor.
         - `key`: split into one key per stage (in model order).
         - `**options`: the other keyword arguments of the constructor (`axis_name`, `remat`,
-          `broadcast_output`).
+          `broadcast_output`, `backward`).
 
         **Returns:** a `PipelineModule`.
 
@@ -263,7 +278,7 @@ class PipelineModule(eqx.Module):
           `stack_layers(list_of_layers)`).
         - `num_stages`, `num_microbatches`, `num_repeats`: as in the constructor; `L` must
           divide by `num_stages * num_repeats`.
-        - `**options`: `axis_name`, `remat`, `broadcast_output`.
+        - `**options`: `axis_name`, `remat`, `broadcast_output`, `backward`.
 
         **Returns:** a `PipelineModule` whose stages are `ScannedLayers`.
 
@@ -483,8 +498,9 @@ class PipelineModule(eqx.Module):
         into the sum in place), and a circular stage's weights are not kept per step. A
         floating-point argument computed from what is differentiated (the table gives extra
         arguments no gradients), a stage with a `ppermute`, and `check_vma=False` are
-        differentiated by autodiff of the step loop instead. Forward-mode autodiff
-        (`jax.jvp`) of a multi-step run is not supported.
+        differentiated by autodiff of the step loop instead, as is a run traced under
+        forward mode (`jax.jvp`, `jax.jacfwd`); `jax.linearize`, or `jax.jvp` of a function
+        jitted before, needs `backward="autodiff"`.
         """
         stages = self._local_stages("PipelineModule")
         # The executor checkpoints each stage call itself, under the policy of `remat`, or
@@ -501,8 +517,8 @@ class PipelineModule(eqx.Module):
         else:  # none: the stage is called as it is (a skip would cost memory here)
             policy = None
         # Differentiated, the run's backward is the training table's (`_table_grad`), which
-        # keeps what `value_and_grad` keeps under the same `remat`.
-        table = _training_table(self.remat)
+        # keeps what `value_and_grad` keeps under the same `remat`; or autodiff of the loop.
+        table = None if self.backward == "autodiff" else _training_table(self.remat)
         if self.num_repeats > 1:
             return circular_forward(
                 stages, x, args, kwargs, num_microbatches=self.num_microbatches,

@@ -56,6 +56,7 @@ from ._block_outputs import (
     with_values,
     write_row,
 )
+from ._reduction import reduction_of
 from .pipeline import PipelineModule
 from .stacks import RematPolicy, ScannedLayers, map_arrays, stack_layers, unstack_layers
 
@@ -1200,21 +1201,31 @@ class _AfterBlocks(eqx.Module):
         return cls(kept, *rest, unread=unread, how=how)
 
 
-def value_and_grad(loss_fn: Callable, *, has_aux: bool = False) -> Callable:
+def value_and_grad(
+    loss_fn: Callable, *, has_aux: bool = False, reduction: str = "mean"
+) -> Callable:
     """`loss_fn`'s value and gradients with respect to the model, for every mode, by the one
     gradient rule: the loss of the whole batch and its gradients (inside `shard_map`).
 
-    `loss_fn(model, *batch) -> scalar` is the author's loss on the rows it is given (a mean
-    over them), the model called however the author calls it. Where the batch is split over
-    mesh axes (`data`), the result is the mean of the shards' losses and its gradients, as
-    differentiating `lax.pmean(loss_fn(...), axes)` gives. Where the model holds blocks
+    `loss_fn(model, *batch) -> scalar` is the author's loss on the rows it is given, a mean
+    over them (`reduction="mean"`, the default) or a sum (`reduction="sum"`), the model
+    called however the author calls it. Where the batch is split over mesh axes (`data`),
+    the result is the loss of the whole batch and its gradients: the mean of the shards'
+    losses (`reduction="mean"`, as differentiating `lax.pmean(loss_fn(...), axes)` gives) or
+    their sum (`reduction="sum"`, `lax.psum`). Where the model holds blocks
     pipelined by a plan with `Pipeline(..., schedule="1f1b")` or `"zb-h1"`, the schedule runs
     the loss inside the pipeline: `loss_fn` is traced once, on one microbatch, and cut where
     the blocks are called; the code before them (the embedding) runs on every microbatch,
     the blocks as the schedule's stages, and the code after them (the head and the loss) as
-    the schedule's loss on the last stage. That needs a loss that is a mean over examples
-    (the mean of the microbatches' losses is then the batch's; a sum would come out divided
-    by the number of microbatches, which cannot be checked), code before and after the blocks
+    the schedule's loss on the last stage. The schedule takes the mean of the microbatches'
+    losses, which is the batch's for a mean over examples; with `reduction="sum"` the result
+    is multiplied by the number of microbatches (and of data shards), which is the batch's
+    sum. The rule is checked at trace time: the code after the blocks is evaluated on
+    stand-in values of one microbatch and of that microbatch given twice over, and a loss
+    that doubles under `reduction="mean"` (a sum over examples, which would come out divided
+    by the number of microbatches) or stays the same under `reduction="sum"` is refused with
+    the fix (code that cannot run outside the program, such as a collective in the loss,
+    is not checked). It also needs code before and after the blocks
     that treats examples independently (it runs on one microbatch at a time, so a statistic
     over the whole batch, such as a batch norm, becomes the microbatch's), randomness drawn
     from per-example keys in the batch (a key closed over in `loss_fn` would repeat on every
@@ -1229,6 +1240,8 @@ def value_and_grad(loss_fn: Callable, *, has_aux: bool = False) -> Callable:
       comes back as `loss_fn` gives it (e.g. the updated `eqx.nn.State` of a model with
       `eqx.nn.BatchNorm`, whose statistics inside `eqpar.shard_map` are the whole batch's).
       Not with the schedules that run the loss inside the pipeline (refused).
+    - `reduction`: how `loss_fn` reduces over the examples of its batch: `"mean"` (the
+      default) or `"sum"`.
 
     **Returns:** a function `(model, *batch) -> (loss, grads)`, `grads` shaped as
     `eqx.filter(model, eqx.is_inexact_array)`; with `has_aux`, `((loss, aux), grads)`.
@@ -1273,6 +1286,11 @@ def value_and_grad(loss_fn: Callable, *, has_aux: bool = False) -> Callable:
         raise TypeError(
             f"value_and_grad: `loss_fn` must be callable, got {type(loss_fn).__name__}."
         )
+    if reduction not in ("mean", "sum"):
+        raise ValueError(
+            f"value_and_grad: `reduction` is 'mean' (a loss that is a mean over the examples "
+            f"of its batch, the default) or 'sum' (a sum over them); got {reduction!r}."
+        )
 
     def run(model: PyTree, *batch: PyTree) -> tuple[Any, PyTree]:
         is_blocks = lambda node: isinstance(node, PipelinedBlocks)
@@ -1282,7 +1300,7 @@ def value_and_grad(loss_fn: Callable, *, has_aux: bool = False) -> Callable:
             if is_blocks(node) and node.schedule in TRAINING_SCHEDULES
         ]
         if not scheduled:
-            return _global_value_and_grad(loss_fn, model, batch, has_aux)
+            return _global_value_and_grad(loss_fn, model, batch, has_aux, reduction)
         if has_aux:
             raise ValueError(
                 f"value_and_grad: has_aux=True with blocks pipelined by "
@@ -1297,26 +1315,27 @@ def value_and_grad(loss_fn: Callable, *, has_aux: bool = False) -> Callable:
                 "value_and_grad: the model holds several lists pipelined with a schedule that "
                 "runs the loss inside the pipeline; one such list per model."
             )
-        return _scheduled_value_and_grad(loss_fn, model, batch, scheduled[0])
+        return _scheduled_value_and_grad(loss_fn, model, batch, scheduled[0], reduction)
 
     return run
 
 
 def _global_value_and_grad(
-    loss_fn: Callable, model: PyTree, batch: tuple, has_aux: bool = False
+    loss_fn: Callable, model: PyTree, batch: tuple, has_aux: bool = False, reduction: str = "mean"
 ) -> tuple:
     def global_loss(model: PyTree) -> Any:
         out = loss_fn(model, *batch)
         loss, aux = out if has_aux else (out, None)
         axes = tuple(sorted(varying_axes(loss), key=str))
-        loss = jax.lax.pmean(loss, axes) if axes else loss
+        if axes:
+            loss = jax.lax.psum(loss, axes) if reduction == "sum" else jax.lax.pmean(loss, axes)
         return (loss, aux) if has_aux else loss
 
     return eqx.filter_value_and_grad(global_loss, has_aux=has_aux)(model)
 
 
 def _scheduled_value_and_grad(
-    loss_fn: Callable, model: PyTree, batch: tuple, blocks: PipelinedBlocks
+    loss_fn: Callable, model: PyTree, batch: tuple, blocks: PipelinedBlocks, reduction: str
 ) -> tuple:
     owner = "value_and_grad"
     num_microbatches = blocks.pipeline.num_microbatches
@@ -1382,10 +1401,12 @@ def _scheduled_value_and_grad(
             pipeline_axis=blocks.pipeline.axis_name,
         )  # fmt: skip
         carry = (*carry, buffers)
+    out = jax.tree.map(lambda a: a[:rows], carry)
     head = _AfterBlocks.reading_only_what_it_needs(
         arrays, hollow, static, where, loss_fn, batch_def,
-        out=jax.tree.map(lambda a: a[:rows], carry), batch=first_microbatch, how=how,
+        out=out, batch=first_microbatch, how=how,
     )  # fmt: skip
+    _check_reduction(head, out, first_microbatch, reduction, blocks)
     loss, (stage_grads, head_grads, x_grads) = runnable.value_and_grad(
         head,
         carry,
@@ -1404,7 +1425,50 @@ def _scheduled_value_and_grad(
                  nothing(shared_made))  # fmt: skip
     (before_grads,) = before_vjp(cotangent)
     grads = jax.tree.map(_add, before_grads, head_grads.arrays, is_leaf=_is_none)
-    return loss, _assemble(model, where, blocks, grads, stage_grads)
+    grads = _assemble(model, where, blocks, grads, stage_grads)
+    if reduction == "sum":
+        # The schedule's loss is the mean over the microbatches, and over the data shards
+        # the loss differs by: the batch's sum is that many times as large.
+        shard_axes = varying_axes(jax.eval_shape(head, out, first_microbatch))
+        shard_axes &= frozenset().union(*map(varying_axes, batch_leaves))
+        shard_axes -= {blocks.pipeline.axis_name}
+        scale = num_microbatches * (
+            jax.lax.axis_size(tuple(sorted(shard_axes, key=str))) if shard_axes else 1
+        )
+        loss = loss * scale
+        grads = jax.tree.map(lambda g: g * scale if eqx.is_inexact_array(g) else g, grads)
+    return loss, grads
+
+
+def _check_reduction(
+    head: "_AfterBlocks", out: tuple, microbatch: list, reduction: str, blocks: PipelinedBlocks
+) -> None:
+    """Refuse a loss that is not reduced over examples as `reduction` says (checked on
+    stand-in values: `reduction_of`)."""
+    found = reduction_of(
+        lambda arrays, given: dataclasses.replace(head, arrays=arrays)(given[0], given[1]),
+        head.arrays,
+        (out, microbatch),
+    )
+    if found is None or found == reduction:
+        return
+    count = blocks.pipeline.num_microbatches
+    schedule = f"schedule={blocks.schedule!r}"
+    if found == "sum":
+        raise ValueError(
+            f"value_and_grad: `loss_fn` is a sum over the examples of its batch (given a "
+            f"microbatch twice over, its loss doubles), but the {schedule} runs it on each of "
+            f"the {count} microbatches and takes their mean, as for a mean over examples: the "
+            f"loss and every gradient would come out divided by {count}. Pass "
+            f'`eqpar.value_and_grad(loss_fn, reduction="sum")`, or return a mean over the '
+            f"examples."
+        )
+    raise ValueError(
+        f'value_and_grad: reduction="sum" was given, but `loss_fn` is a mean over the examples '
+        f"of its batch (given a microbatch twice over, its loss stays the same): the loss and "
+        f"every gradient would come out multiplied by {count}. Pass reduction='mean' (the "
+        f"default), or return a sum over the examples."
+    )
 
 
 def _add(a: Any, b: Any) -> Any:

@@ -129,10 +129,11 @@ def execute_pipeline(
     `jax.grad` runs the backward half of GPipe's training table (each forward
     keeps what its backward reads, scanned layers one at a time), or autodiff of the loop
     where the table cannot (an argument computed from what is differentiated, a stage that
-    closes over traced values or uses `ppermute`); forward-mode autodiff (`jax.jvp`) of a
-    multi-step run is not supported. See `execute_schedule` for schedules that hold fewer
-    activations. With one device and one microbatch there is no loop: the stage is called
-    once on the batch.
+    closes over traced values or uses `ppermute`), and traced under forward mode (`jax.jvp`,
+    `jax.jacfwd`); `jax.linearize`, or `jax.jvp` of a function jitted before, is not
+    supported here (use `PipelineModule(..., backward="autodiff")`). See
+    `execute_schedule` for schedules that hold fewer activations. With one device and one
+    microbatch there is no loop: the stage is called once on the batch.
 
     **Arguments:**
 

@@ -16,7 +16,10 @@ Extra stage arguments get no gradients from the table: a forward run whose float
 arguments are being differentiated (computed from parameters) is differentiated by autodiff
 of the loop instead, as are stages the table refuses (a `ppermute` inside), stages that close
 over traced floating-point values (a function such as `lambda h: h * scale`, whose `scale` a
-custom VJP could give no gradient) and runs under `check_vma=False`.
+custom VJP could give no gradient) and runs under `check_vma=False`. So is a run traced
+under forward mode (`jax.jvp`, `jax.jacfwd`), which a custom VJP does not support; a run
+that forward mode reaches otherwise (`jax.linearize`, which linearizes as reverse mode
+does, or `jax.jvp` of a function jitted before) needs `backward="autodiff"` on the module.
 """
 
 import functools
@@ -29,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.custom_derivatives import SymbolicZero
+from jax.interpreters import ad
 from jaxtyping import PyTree
 
 from .._tracing import pipeline_stage
@@ -84,8 +88,12 @@ def forward_outputs(
         )  # fmt: skip
         return jax.tree.map(lambda o: o[:num_microbatches], carry.outputs)
 
-    if table is None or not _table_runs(
-        table.stage(stages), microbatches, args, kwargs, arguments, axis_name, num_repeats
+    if (
+        table is None
+        or _forward_mode((stages, microbatches, args, kwargs))
+        or not _table_runs(
+            table.stage(stages), microbatches, args, kwargs, arguments, axis_name, num_repeats
+        )
     ):
         return autodiff_run(stages, microbatches, args, kwargs)
 
@@ -186,6 +194,10 @@ def forward_outputs(
     run.defvjp(run_forward, run_backward, symbolic_zeros=True)
     try:
         return run(leaves)
+    except TypeError as error:
+        if "forward-mode" not in str(error):
+            raise
+        raise TypeError(_FORWARD_MODE_ERROR) from error
     except NotImplementedError as error:
         # `shard_map` run eagerly (not under `jit`) takes no custom VJP with symbolic
         # zeros; it only ever runs the primal there (differentiation traces the body
@@ -193,6 +205,28 @@ def forward_outputs(
         if "symbolic_zeros" not in str(error):
             raise
         return autodiff_run(stages, microbatches, args, kwargs)
+
+
+_FORWARD_MODE_ERROR = (
+    "A GPipe or circular pipeline run (execute_pipeline, execute_circular_pipeline, "
+    "PipelineModule, or blocks pipelined by eqpar.Pipeline) is differentiated in reverse "
+    "mode by its training table's backward (a custom VJP), which forward mode cannot pass "
+    "through. `jax.jvp` and `jax.jacfwd` traced through the run differentiate the step loop "
+    "instead; for `jax.linearize`, or a function jitted before `jax.jvp` reached it, build "
+    "the module with `PipelineModule(..., backward='autodiff')`, or use reverse mode "
+    "(`jax.grad`, `jax.vjp`)."
+)
+
+
+def _forward_mode(tree: PyTree) -> bool:
+    """Whether `tree`'s arrays are being differentiated in forward mode (`jax.jvp`,
+    `jax.jacfwd`): the innermost autodiff of the trace is a JVP.
+    Reverse mode (`jax.grad`, `jax.vjp`, `jax.linearize`) linearizes instead; a JVP around
+    it (a Hessian by `jax.jacfwd(jax.grad(f))`) differentiates the custom VJP's rules."""
+    jvp_tracer = getattr(ad, "JVPTracer", None)
+    if jvp_tracer is None:  # a JAX without this name: take the table, as before
+        return False
+    return any(isinstance(leaf, jvp_tracer) for leaf in jax.tree.leaves(tree))
 
 
 # --------------------------------------------------------------------------------------
