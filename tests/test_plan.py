@@ -139,32 +139,24 @@ def test_gradients_inside_shard_map_need_no_reduction(setup):
     specs = eqpar.partition_specs(parallel)
     grad_specs = eqpar.partition_specs(eqx.filter(parallel, eqx.is_inexact_array))
 
+    # Differentiating this shard's own loss instead gives the sum over data shards: a step
+    # `data` times too large for replicated parameters (what the rule guards against). Both
+    # in one program: the two share their forward pass, and one compile costs half of two.
     def local_step(model, tokens, labels, keys):
-        return eqx.filter_grad(global_loss)(model, tokens, labels, keys)
+        return (
+            eqx.filter_grad(global_loss)(model, tokens, labels, keys),
+            eqx.filter_grad(bert.loss)(model, tokens, labels, keys),
+        )
 
-    grads = eqx.filter_jit(
+    grads, summed = eqx.filter_jit(
         eqpar.shard_map(
             local_step,
             mesh=mesh,
             in_specs=(specs, P("data"), P("data"), P("data")),
-            out_specs=grad_specs,
+            out_specs=(grad_specs, grad_specs),
         )
     )(parallel, *batch)
     assert_models_close(sgd(parallel, grads), serial_model)
-
-    # Differentiating this shard's own loss instead gives the sum over data shards: a step
-    # `data` times too large for replicated parameters (what the rule guards against).
-    def per_shard(model, tokens, labels, keys):
-        return eqx.filter_grad(bert.loss)(model, tokens, labels, keys)
-
-    summed = eqx.filter_jit(
-        eqpar.shard_map(
-            per_shard,
-            mesh=mesh,
-            in_specs=(specs, P("data"), P("data"), P("data")),
-            out_specs=grad_specs,
-        )
-    )(parallel, *batch)
     assert_tree_close(summed.pooler.weight, 2 * grads.pooler.weight)
 
 
@@ -272,7 +264,10 @@ def test_sequence_parallel_sgd_step_equals_serial(data, model_size):
     serial = bert.Encoder(key=jax.random.key(0))
     sharded = SequenceShardedEncoder(key=jax.random.key(0))  # the same parameters
     tokens, labels, _ = bert.batch(8)
-    value, grads = eqx.filter_value_and_grad(loss_without_dropout)(serial, tokens, labels)
+    # Compiled: BERT's serial gradient op by op took longer than the parallel step's compile.
+    value, grads = eqx.filter_jit(eqx.filter_value_and_grad(loss_without_dropout))(
+        serial, tokens, labels
+    )
     expected = sgd(serial, grads)
 
     mesh = mesh_of(data, model_size)

@@ -41,7 +41,9 @@ def sharded_apply(module, x, mesh, x_spec, out_spec, fn=lambda m, x: m(x)):
     def inner(arrays, x):
         return fn(eqx.combine(arrays, static), x)
 
-    return jax.shard_map(inner, mesh=mesh, in_specs=(specs, x_spec), out_specs=out_spec)(arrays, x)
+    # Compiled: eager shard_map dispatches op by op (a compile per new op and shape).
+    mapped = jax.shard_map(inner, mesh=mesh, in_specs=(specs, x_spec), out_specs=out_spec)
+    return jax.jit(mapped)(arrays, x)
 
 
 def feature_spec(ndim):

@@ -46,8 +46,8 @@ def test_values_and_gradients_match_serial(axes):
     def serial(logits):
         return jnp.mean(serial_cross_entropy(logits, targets))
 
-    value, grad = jax.value_and_grad(parallel)(logits)
-    expected, expected_grad = jax.value_and_grad(serial)(logits)
+    value, grad = jax.jit(jax.value_and_grad(parallel))(logits)
+    expected, expected_grad = jax.jit(jax.value_and_grad(serial))(logits)
     assert_tree_close(value, expected, rtol=1e-6, what="value")
     assert_tree_close(grad, expected_grad, what="gradient")
 
@@ -110,12 +110,15 @@ def test_bad_inputs():
 
 
 def vocab_loss(mesh, logits_spec=None, axis="model", **options):
+    """The loss inside shard_map, compiled (run eagerly, shard_map dispatches op by op)."""
     logits_spec = P(None, "model") if logits_spec is None else logits_spec
-    return jax.shard_map(
-        lambda z, t: vocab_parallel_cross_entropy(z, t, axis_name=axis, **options),
-        mesh=mesh,
-        in_specs=(logits_spec, P()),
-        out_specs=P(),
+    return jax.jit(
+        jax.shard_map(
+            lambda z, t: vocab_parallel_cross_entropy(z, t, axis_name=axis, **options),
+            mesh=mesh,
+            in_specs=(logits_spec, P()),
+            out_specs=P(),
+        )
     )
 
 
