@@ -990,7 +990,12 @@ def distribute_opt_state(
 
 
 def _with_gathered_layers(
-    stack: ScannedLayers, axis: Hashable, axis_size: int, leading: int, min_size_bytes: int
+    stack: ScannedLayers,
+    axis: Hashable,
+    axis_size: int,
+    leading: int,
+    min_size_bytes: int,
+    keep_gathered: bool,
 ) -> ScannedLayers:
     """`stack` with `gather_dims` chosen leaf by leaf, as FSDP would choose them for one layer
     (`leading`: the stacked dimensions in front of one layer's shape)."""
@@ -1008,7 +1013,13 @@ def _with_gathered_layers(
         )
     if all(dim is None for dim in dims):
         return ScannedLayers(stack.layers, remat=stack.remat)
-    return ScannedLayers(stack.layers, remat=stack.remat, gather_axis=axis, gather_dims=dims)
+    return ScannedLayers(
+        stack.layers,
+        remat=stack.remat,
+        gather_axis=axis,
+        gather_dims=dims,
+        keep_gathered=keep_gathered,
+    )
 
 
 def gather_layers(
@@ -1017,6 +1028,7 @@ def gather_layers(
     *,
     axis: Hashable = "data",
     min_size_bytes: int = 16 * 1024,
+    keep_gathered: bool = False,
 ) -> PyTree:
     """FSDP layer by layer: store every stacked layer's parameters split over `axis`, and
     gather each layer's parameters only when the layer runs.
@@ -1026,14 +1038,22 @@ def gather_layers(
     `gather_layers`, each `ScannedLayers` (on its own, or as the stages of a
     `PipelineModule.from_layers`) declares its layers' parameters split over `axis` too, on
     the dimension `eqpar.fsdp_spec` would choose for one layer, and inside `eqpar.shard_map`
-    all-gathers one layer's parameters at each step of its scan. The gathered copies are kept
-    out of what the backward pass saves (with `remat="full"` or `"matmuls"` the backward pass
-    gathers each layer again), and the transpose of the gather reduce-scatters the layer's
-    gradient into the same split. Parameters outside the stacks (embeddings, heads) are left
-    to the distribution: `eqpar.FSDP(...)` splits them, and given as `stored_specs` to
-    `eqpar.shard_map` (`FSDP.partition_specs`) they are gathered as they enter and their
-    gradients reduce-scattered too (given only `in_specs`, the compiler gathers them before
-    `shard_map` and all-reduces their whole gradients).
+    all-gathers one layer's parameters at each step of its scan. Under every `remat` policy
+    of the stack the gathered copies are kept out of what the backward pass saves: the
+    backward pass gathers each layer again, and the transpose of the gather reduce-scatters
+    the layer's gradient into the same split. A step then moves ZeRO-3's `3 (n-1)/n P` bytes
+    per device over `axis` (`P` the stacks' parameter bytes, `n` the axis size: a gather in
+    the forward pass, one in the backward pass, a reduce-scatter of the gradients), and
+    holds at most a layer or two of whole parameters at a time. With `keep_gathered=True`
+    each layer's gathered parameters are kept from its forward to its backward pass instead:
+    no second gather (`2 (n-1)/n P`), at the cost of holding every stacked layer's whole
+    parameters (`(n-1)/n P` more than the stored split) at the turn of the step.
+
+    Parameters outside the stacks (embeddings, heads) are left to the distribution:
+    `eqpar.FSDP(...)` splits them, and given as `stored_specs` to `eqpar.shard_map`
+    (`FSDP.partition_specs`) they are gathered as they enter and their gradients
+    reduce-scattered too (given only `in_specs`, the compiler gathers them before `shard_map`
+    and all-reduces their whole gradients).
 
     Inside a pipeline the stage's layers are gathered at every microbatch step of the
     schedule, which multiplies the gather traffic by the number of steps; per-layer FSDP pays
@@ -1045,6 +1065,8 @@ def gather_layers(
     - `mesh`: the mesh; `axis` must be one of its axes.
     - `axis`: the mesh axis to split the parameters over (the data axis).
     - `min_size_bytes`: parameters of one layer smaller than this stay whole.
+    - `keep_gathered`: keep each layer's gathered parameters for its backward pass instead
+      of gathering them again (less traffic, more memory; see above).
 
     **Returns:** the model with its stacks set to gather per layer (same parameters).
 
@@ -1077,6 +1099,10 @@ def gather_layers(
             f"gather_layers: axis={axis!r} is not an axis of the mesh {tuple(jax_mesh.shape)}."
         )
     check_int(min_size_bytes, name="min_size_bytes", owner="gather_layers", minimum=0)
+    if not isinstance(keep_gathered, bool):
+        raise TypeError(
+            f"gather_layers: keep_gathered must be True or False; got {keep_gathered!r}."
+        )
     size = int(jax_mesh.shape[axis])
     found = []
 
@@ -1084,12 +1110,12 @@ def gather_layers(
         if isinstance(node, PipelineModule) and isinstance(node.stages, ScannedLayers):
             found.append(node)
             stages = _with_gathered_layers(
-                node.stages, axis, size, node._stacked_dims() + 1, min_size_bytes
+                node.stages, axis, size, node._stacked_dims() + 1, min_size_bytes, keep_gathered
             )
             return eqx.tree_at(lambda m: m.stages, node, stages)
         if isinstance(node, ScannedLayers):
             found.append(node)
-            return _with_gathered_layers(node, axis, size, 1, min_size_bytes)
+            return _with_gathered_layers(node, axis, size, 1, min_size_bytes, keep_gathered)
         return node
 
     converted = jax.tree.map(

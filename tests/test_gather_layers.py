@@ -124,3 +124,42 @@ def test_pipeline_stages_gather_per_layer_and_errors_name_the_fix():
         gather_layers({"w": jnp.ones(4)}, mesh)
     with pytest.raises(ValueError, match="axis='batch' is not an axis"):
         gather_layers(pipeline, mesh, axis="batch")
+
+
+@pytest.mark.parametrize("remat", ["none", "full", "matmuls"])
+def test_backward_gathers_again_unless_asked_to_keep(remat):
+    """Under every remat policy the backward pass gathers each layer again (ZeRO-3: two
+    all-gathers of the layers per step, one reduce-scatter) and keeps no gathered copy:
+    `keep_gathered=True` gathers once and holds every layer's gathered parameters instead.
+    From the compiled programs (exact figures)."""
+    mesh = eqpar.DeviceMesh((8,), ("data",))
+    figures = {}
+    for keep in (False, True):
+        model = gather_layers(stack(remat), mesh, min_size_bytes=0, keep_gathered=keep)
+        step, placed = fsdp_step(model, mesh)
+        compiled = step.lower(placed, X).compile()
+        summary = collective_summary(compiled)
+        figures[keep] = (memory_figures(compiled)["temp"], summary.bytes)
+    leaves = jax.tree.leaves(stack().layers)
+    layer_bytes = sum(leaf.size * leaf.dtype.itemsize for leaf in leaves)  # all layers, whole
+    # The weight matrices ([L, out, in]): what the backward pass reads of the parameters
+    # (a bias's gradient does not need the bias, so biases are gathered once).
+    matrix_bytes = sum(leaf.size * leaf.dtype.itemsize for leaf in leaves if leaf.ndim == 3)
+    freed, kept = figures[False], figures[True]
+    # min_size_bytes=0: every leaf is gathered in the forward pass, (n-1)/n of its bytes per
+    # device; the backward pass gathers again at least the weight matrices unless they are
+    # kept (and, recomputing the forward pass under "full" or "matmuls", what it reads).
+    assert kept[1]["all-gather"] == pytest.approx(layer_bytes * 7 / 8), figures
+    again = freed[1]["all-gather"] - kept[1]["all-gather"]
+    assert matrix_bytes * 7 / 8 <= again <= layer_bytes * 7 / 8, figures
+    assert freed[1]["reduce-scatter"] == kept[1]["reduce-scatter"], figures
+    # Keeping the gathered copies holds at least the layers' whole weight matrices beyond
+    # one layer's (the stored split is an argument, not temp).
+    assert kept[0] - freed[0] >= matrix_bytes * (DEPTH - 1) / DEPTH, figures
+
+
+def test_keep_gathered_is_checked():
+    mesh = eqpar.DeviceMesh((8,), ("data",))
+    # beartype (as in these tests) or the function itself names the option
+    with pytest.raises(Exception, match="keep_gathered"):
+        gather_layers(stack(), mesh, keep_gathered="yes")  # pyright: ignore[reportArgumentType]

@@ -84,13 +84,36 @@ def remat_policy(remat: object, owner: str) -> RematPolicy:
 
 _GATHERED_PARAMETER = "eqpar_gathered_parameter"
 
-# With parameters gathered per layer, the policy also keeps the gathered copies out of what
-# the backward pass saves (they are gathered again instead).
-_GATHER_POLICIES: dict[str, Callable] = {
-    "none": jax.checkpoint_policies.save_anything_except_these_names(_GATHERED_PARAMETER),
-    "full": jax.checkpoint_policies.nothing_saveable,
-    "matmuls": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-}
+
+def _is_parameter_gather(prim: Any, params: Mapping[str, Any], axis: Hashable) -> bool:
+    """Whether an equation is the all-gather of a parameter over the FSDP axis, or the name
+    it is given (`_GATHERED_PARAMETER`).
+
+    A checkpoint policy sees every equation's output, the all-gather's own before the name
+    is put on it: excluding the name alone (`save_anything_except_these_names`) leaves the
+    all-gather's output saveable, and the backward pass then reads every layer's gathered
+    copy from the residuals instead of gathering it again."""
+    if prim.name == "name":
+        return params.get("name") == _GATHERED_PARAMETER
+    if not prim.name.startswith("all_gather"):
+        return False
+    names = params.get("axis_name", ())
+    return axis in (names if isinstance(names, tuple) else (names,))
+
+
+def gather_policy(remat: RematPolicy, axis: Hashable, *, keep_gathered: bool) -> Callable:
+    """The checkpoint policy of a layer that gathers its parameters over `axis`: `remat`'s,
+    and the gathered copies never saved (the backward pass gathers the layer again), or with
+    `keep_gathered` always saved (no second gather; every layer's gathered parameters held
+    from its forward to its backward)."""
+    base = REMAT_POLICIES[remat]
+
+    def policy(prim: Any, *avals: Any, **params: Any) -> bool:
+        if _is_parameter_gather(prim, params, axis):
+            return keep_gathered
+        return True if base is None else bool(base(prim, *avals, **params))
+
+    return policy
 
 
 def is_array_like_leaf(leaf: object) -> bool:
@@ -382,6 +405,8 @@ class ScannedLayers(eqx.Module):
       `"full"` (or `True`) only its input, everything else recomputed; `"matmuls"` its input
       and the outputs of its matrix products without batch dimensions (projections, MLP
       matmuls), so attention scores and elementwise work are recomputed but no matmul is.
+    - `gather_axis`, `gather_dims`, `keep_gathered`: FSDP layer by layer; set them with
+      `eqpar.nn.gather_layers` (which documents them).
 
     ```python
     import equinox as eqx, jax, jax.numpy as jnp
@@ -401,6 +426,7 @@ class ScannedLayers(eqx.Module):
     remat: RematPolicy = eqx.field(static=True)
     gather_axis: Hashable | None = eqx.field(static=True)
     gather_dims: tuple[int | None, ...] | None = eqx.field(static=True)
+    keep_gathered: bool = eqx.field(static=True)
 
     def __init__(
         self,
@@ -409,6 +435,7 @@ class ScannedLayers(eqx.Module):
         remat: RematPolicy | bool = "none",
         gather_axis: Hashable | None = None,
         gather_dims: Sequence[int | None] | None = None,
+        keep_gathered: bool = False,
     ):
         self.layers = layers
         self.remat = remat_policy(remat, "ScannedLayers")
@@ -419,6 +446,7 @@ class ScannedLayers(eqx.Module):
             )
         self.gather_axis = gather_axis
         self.gather_dims = None if gather_dims is None else tuple(gather_dims)
+        self.keep_gathered = bool(keep_gathered)
 
     @property
     def num_layers(self) -> int:
@@ -467,10 +495,12 @@ class ScannedLayers(eqx.Module):
     def _gathered_call(self, static: PyTree) -> Callable:
         """One layer's call that first all-gathers its parameters over `gather_axis`.
 
-        The gather sits inside a `jax.checkpoint` whose policy never saves the gathered
-        parameters, so the backward pass gathers the layer again and the transpose of the
-        gather reduce-scatters its gradient: at most a layer or two of whole parameters are
-        alive at once, whatever the depth.
+        The gather sits inside a `jax.checkpoint` whose policy (`gather_policy`) never
+        saves the gathered parameters (unless `keep_gathered`), so the backward pass gathers
+        the layer again and the transpose of the gather reduce-scatters its gradient: at most
+        a layer or two of whole parameters are alive at once, whatever the depth. A value
+        the layer derives from a gathered parameter (a cast, a transpose) is saved as the
+        layer's `remat` says.
         """
         axis, dims = self.gather_axis, self.gather_dims
         assert axis is not None and dims is not None
@@ -493,7 +523,8 @@ class ScannedLayers(eqx.Module):
             layer = eqx.combine(jax.tree.unflatten(treedef, leaves), static)
             return layer(h, *args, **kwargs)
 
-        return eqx.filter_checkpoint(run, policy=_GATHER_POLICIES[self.remat])
+        policy = gather_policy(self.remat, axis, keep_gathered=self.keep_gathered)
+        return eqx.filter_checkpoint(run, policy=policy)
 
     def __partition_specs__(self) -> Mapping[str, PartitionSpec]:
         specs = stacked_partition_specs(self.layers, None)
