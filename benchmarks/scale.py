@@ -399,10 +399,20 @@ def pipe_bytes(
     )
 
 
-def compile_layout(
-    name: str, config: lm.LMConfig, run: Any, devices: list[Any]
-) -> tuple[Figures, Any]:
-    """Lower and compile `run`'s training step for `config` from shapes and shardings only."""
+class AbstractStep(NamedTuple):
+    """`run`'s training step lowered from shapes and shardings only (`lower_step`)."""
+
+    lowered: Any  # jax.stages.Lowered
+    model: Any  # the abstract model, each leaf a ShapeDtypeStruct with its sharding
+    arrays: Any  # the model's array part
+    opt_state: Any  # the abstract optimizer state, likewise
+    specs: Any  # the model's storage specs
+
+
+def lower_step(config: lm.LMConfig, run: Any, devices: list[Any]) -> AbstractStep:
+    """Lower `run`'s training step for `config` as `examples/train_lm.py` builds it
+    (`build_model`, `storage_specs`, `build_step`), from shapes and shardings only: the
+    model and the optimizer state are `eval_shape`d, nothing is allocated."""
     train_lm.check_sizes(config, run)
     mesh = train_lm.make_mesh(run.mesh, devices)
     optimizer = train_lm.make_optimizer(run)
@@ -430,8 +440,16 @@ def compile_layout(
         jnp.int32,
         sharding=NamedSharding(mesh.jax_mesh, P(lm.DATA)),
     )
-    started = time.perf_counter()
     lowered = jax.jit(abstract_step, donate_argnums=(1, 2)).lower(tokens, arrays, opt_state)
+    return AbstractStep(lowered, model, arrays, opt_state, specs)
+
+
+def compile_layout(
+    name: str, config: lm.LMConfig, run: Any, devices: list[Any]
+) -> tuple[Figures, Any]:
+    """Lower and compile `run`'s training step for `config` from shapes and shardings only."""
+    started = time.perf_counter()
+    lowered, model, arrays, opt_state, specs = lower_step(config, run, devices)
     compiled = lowered.compile()
     compile_s = time.perf_counter() - started
     sizes = {axis: run.mesh[axis] for axis in AXES}
