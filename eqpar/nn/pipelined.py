@@ -40,6 +40,7 @@ from .._tracing import under_vmap
 from .._typing import AxisName
 from .._vma import varying_axes
 from ..pipeline._microbatch import Microbatched
+from ._accumulate import accumulated_value_and_grad, check_microbatches
 from ._block_outputs import (
     BlockOutputs,
     Later,
@@ -1202,7 +1203,7 @@ class _AfterBlocks(eqx.Module):
 
 
 def value_and_grad(
-    loss_fn: Callable, *, has_aux: bool = False, reduction: str = "mean"
+    loss_fn: Callable, *, has_aux: bool = False, reduction: str = "mean", microbatches: int = 1
 ) -> Callable:
     """`loss_fn`'s value and gradients with respect to the model, for every mode, by the one
     gradient rule: the loss of the whole batch and its gradients (inside `shard_map`).
@@ -1242,6 +1243,13 @@ def value_and_grad(
       Not with the schedules that run the loss inside the pipeline (refused).
     - `reduction`: how `loss_fn` reduces over the examples of its batch: `"mean"` (the
       default) or `"sum"`.
+    - `microbatches`: gradient accumulation on any mesh: the rows of this device's batch
+      are cut into this many equal microbatches, and one `lax.scan` adds up their
+      gradients (in float32 at least) before the one reduction over the data axes, so the
+      step holds one microbatch's activations and one gradient sum: the same loss and
+      gradients as the whole batch, up to rounding. `aux` comes back stacked, one entry
+      per microbatch. Not with the schedules that cut the batch themselves (refused: set
+      their `Pipeline(microbatches=...)`).
 
     **Returns:** a function `(model, *batch) -> (loss, grads)`, `grads` shaped as
     `eqx.filter(model, eqx.is_inexact_array)`; with `has_aux`, `((loss, aux), grads)`.
@@ -1292,6 +1300,8 @@ def value_and_grad(
             f"of its batch, the default) or 'sum' (a sum over them); got {reduction!r}."
         )
 
+    check_microbatches(microbatches, "value_and_grad")
+
     def run(model: PyTree, *batch: PyTree) -> tuple[Any, PyTree]:
         is_blocks = lambda node: isinstance(node, PipelinedBlocks)
         scheduled = [
@@ -1299,8 +1309,20 @@ def value_and_grad(
             for node in jax.tree.leaves(model, is_leaf=is_blocks)
             if is_blocks(node) and node.schedule in TRAINING_SCHEDULES
         ]
+        if not scheduled and microbatches > 1:
+            return accumulated_value_and_grad(
+                loss_fn, model, batch, has_aux=has_aux, reduction=reduction,
+                microbatches=microbatches,
+            )  # fmt: skip
         if not scheduled:
             return _global_value_and_grad(loss_fn, model, batch, has_aux, reduction)
+        if microbatches > 1:
+            raise ValueError(
+                f"value_and_grad: microbatches={microbatches} with blocks pipelined by "
+                f"schedule={scheduled[0].schedule!r}, which cuts the batch into its own "
+                f"microbatches: set them in the plan's `Pipeline(microbatches=...)` and leave "
+                f"`microbatches` at 1."
+            )
         if has_aux:
             raise ValueError(
                 f"value_and_grad: has_aux=True with blocks pipelined by "
