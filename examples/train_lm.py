@@ -108,6 +108,7 @@ class RunConfig:
     mesh: dict[str, int]
     schedule: str = "gpipe"
     microbatches: int = 4  # per step on a pipe axis; without one a step is not cut up
+    accumulate: int = 1  # without a pipe axis: the step's gradients summed over this many slices
     repeats: int = 2
     fsdp: bool = False
     remat: str = "none"  # what each layer keeps for the backward pass: none, full, matmuls
@@ -184,6 +185,8 @@ def describe(run: RunConfig) -> str:
     if run.mesh[lm.PIPE] > 1:
         repeats = f" x {run.repeats} repeats" if run.schedule == "circular" else ""
         parts.append(f"{run.schedule}{repeats} schedule, {run.microbatches} microbatches")
+    if run.accumulate > 1:
+        parts.append(f"gradients accumulated over {run.accumulate} microbatches")
     if run.fsdp:
         parts.append("FSDP")
     if run.remat != "none":
@@ -225,7 +228,7 @@ def check_sizes(config: lm.LMConfig, run: RunConfig) -> None:
     that fixes it)."""
     pipe, model, data = run.mesh[lm.PIPE], run.mesh[lm.MODEL], run.mesh[lm.DATA]
     expert = expert_size(run)
-    repeats, microbatches = pipeline_repeats(run), pipeline_microbatches(run)
+    repeats, microbatches = pipeline_repeats(run), pipeline_microbatches(run) * run.accumulate
     problems = experts_problems(config, run)
     if config.num_layers % (pipe * repeats):
         if repeats > 1:
@@ -265,9 +268,13 @@ def check_sizes(config: lm.LMConfig, run: RunConfig) -> None:
     rows = data * expert * microbatches
     if run.batch_size % rows:
         what = " x ".join(
-            ["data"] + ["expert"] * (lm.EXPERT in run.mesh) + ["microbatches"] * (pipe > 1)
+            ["data"]
+            + ["expert"] * (lm.EXPERT in run.mesh)
+            + ["microbatches"] * (pipe > 1)
+            + ["accumulate"] * (run.accumulate > 1)
         )
-        fewer = " or fewer --microbatches" if microbatches > 1 else ""
+        flag = "--accumulate" if run.accumulate > 1 else "--microbatches"
+        fewer = f" or fewer {flag}" if microbatches > 1 else ""
         multiple = -(-run.batch_size // rows) * rows
         problems.append(
             f"batch_size={run.batch_size} must divide by {what} = {rows}: use a --batch-size "
@@ -388,6 +395,44 @@ def sequence_loss(
     return loss, {name: lax.pmean(value, axes) for name, value in stats.items()}
 
 
+def gathered(model: lm.LM, stored: tuple[Any, Any] | None) -> tuple[lm.LM, Any]:
+    """Inside `shard_map`: with `stored` (`--fsdp`: the model's stored and computed specs),
+    the parameters that come in split as stored gathered into the split the layers compute
+    with (`eqpar.spmd.gather_stored`; the stacks that gather their layers themselves stay as
+    they are), and the function that reduce-scatters their gradients back; else the model
+    as it is and `None`."""
+    if stored is None:
+        return model, None
+    stored_specs, in_specs = stored
+    return eqx.filter_vjp(
+        lambda m: gather_stored(m, stored_specs=stored_specs, in_specs=in_specs), model
+    )
+
+
+def loss_and_grads_accumulated(
+    model: lm.LM,
+    inputs: Int[Array, "batch seq"],
+    targets: Int[Array, "batch seq"],
+    microbatches: int,
+    context: bool = False,
+    expert: bool = False,
+    stored: tuple[Any, Any] | None = None,
+) -> tuple[tuple[Array, dict[str, Array]], lm.LM]:
+    """Loss, statistics and gradients inside `shard_map` with the gradients accumulated over
+    `microbatches` slices of this device's rows (`eqpar.value_and_grad(...,
+    microbatches=)`): one microbatch's activations held at a time, the gradients reduced
+    over the data axes once. The statistics are the mean of the microbatches'. With
+    `stored` (`--fsdp`), as `loss_and_grads_scheduled`."""
+    model, scatter = gathered(model, stored)
+    loss = functools.partial(sequence_loss, context=context, expert=expert, with_stats=True)
+    (value, stats), grads = eqpar.value_and_grad(loss, has_aux=True, microbatches=microbatches)(
+        model, inputs, targets
+    )
+    if scatter is not None:
+        (grads,) = scatter(grads)
+    return (value, {name: each.mean() for name, each in stats.items()}), grads
+
+
 def loss_and_grads_scheduled(
     model: lm.LM,
     inputs: Int[Array, "batch seq"],
@@ -405,12 +450,7 @@ def loss_and_grads_scheduled(
     split as stored: those that the layers do not gather themselves (`gather_layers`) are
     gathered here, and their gradients reduce-scattered back (`eqpar.spmd.gather_stored`).
     """
-    scatter = None
-    if stored is not None:
-        stored_specs, in_specs = stored
-        model, scatter = eqx.filter_vjp(
-            lambda m: gather_stored(m, stored_specs=stored_specs, in_specs=in_specs), model
-        )
+    model, scatter = gathered(model, stored)
     positions = context_positions(inputs) if context else None
     h, embed_vjp = eqx.filter_vjp(
         lambda e: eqx.tree_at(lambda m: (m.embed, m.position), model, e).embed_tokens(
@@ -467,7 +507,30 @@ def build_loss_and_grads(model: lm.LM, mesh: eqpar.DeviceMesh, run: RunConfig) -
             return context_batch(tokens, context)
         return tokens[:, :-1], tokens[:, 1:]
 
-    if runs_own_backward(run):
+    if run.accumulate > 1:
+        # Gradient accumulation (no pipe axis): the loss's gradients summed over
+        # `run.accumulate` slices of each device's rows inside `shard_map`; with `--fsdp` the
+        # parameters enter split as stored and are gathered inside, as below.
+        sharded = eqpar.shard_map(
+            functools.partial(
+                loss_and_grads_accumulated,
+                microbatches=run.accumulate,
+                context=context > 1,
+                expert=expert,
+                stored=(param_specs, specs) if run.fsdp else None,
+            ),
+            mesh=mesh,
+            in_specs=(param_specs if run.fsdp else specs, sequence_spec, sequence_spec),
+            out_specs=((P(), P()), param_specs if run.fsdp else specs),
+        )
+
+        def loss_and_grads(model: lm.LM, tokens: jax.Array) -> tuple[Any, lm.LM]:
+            (loss, stats), grads = sharded(
+                policy.cast_to_compute(model), *inputs_and_targets(tokens)
+            )
+            return (policy.cast_to_output(loss), stats), policy.cast_to_param(grads)
+
+    elif runs_own_backward(run):
         # With `--fsdp` the parameters enter split as stored; the function gathers them
         # itself, inside its own backward pass.
         stored = (param_specs, specs) if run.fsdp else None
@@ -1361,6 +1424,10 @@ class TrainConfig:
     """pipeline schedule on the pipe axis (unset: gpipe); refused without a pipe axis"""
     microbatches: PositiveInt = 4
     """microbatches per step on the pipe axis; without one a step is not cut up"""
+    accumulate: PositiveInt = 1
+    """without a pipe axis: accumulate the step's gradients over this many slices of each
+    device's rows (one slice's activations held at a time, the same update as the whole
+    batch); with a pipe axis the pipeline cuts the batch into --microbatches instead"""
     repeats: PositiveInt = 2
     """stages per device (circular schedule)"""
     fsdp: bool = False
@@ -1477,6 +1544,13 @@ class TrainConfig:
                 f"updates. To check, {fix}."
             )
         mesh = parse_mesh(self.mesh or default_mesh(device_count), device_count)
+        if self.accumulate > 1 and mesh[lm.PIPE] > 1:
+            raise ConfigError(
+                f"--accumulate {self.accumulate} cuts a step without a pipe axis; --mesh "
+                f"{self.mesh or format_mesh(mesh)} has one, whose pipeline already cuts the "
+                f"batch into --microbatches ({self.microbatches}): use --microbatches "
+                f"{self.microbatches * self.accumulate} instead, or drop the pipe axis"
+            )
         if self.schedule is not None and mesh[lm.PIPE] == 1:
             example = f" (e.g. --mesh data={device_count // 2},pipe=2)" * (device_count % 2 == 0)
             raise ConfigError(
@@ -1506,6 +1580,7 @@ class TrainConfig:
             mesh=parse_mesh(options.mesh, device_count),
             schedule=options.schedule or "gpipe",
             microbatches=options.microbatches,
+            accumulate=options.accumulate,
             repeats=options.repeats,
             fsdp=options.fsdp,
             remat=options.remat,

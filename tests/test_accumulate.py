@@ -34,7 +34,10 @@ def sgd(model, grads, lr=0.5):
     return eqx.apply_updates(model, jax.tree.map(lambda g: -lr * g, grads))
 
 
-def accumulated_step(loss_fn, model, mesh, *, microbatches, specs=P(), **options):
+REPLICATED = P()
+
+
+def accumulated_step(loss_fn, model, mesh, *, microbatches, specs=REPLICATED, **options):
     return eqx.filter_jit(
         eqpar.shard_map(
             eqpar.value_and_grad(loss_fn, microbatches=microbatches, **options),
@@ -115,7 +118,7 @@ def test_aux_comes_back_per_microbatch():
         in_specs=(P(), P("data"), P("data")),
         out_specs=((P(), P("data")), P()),
     )
-    (loss, aux), _ = eqx.filter_jit(step)(model, X, Y)
+    (_, aux), _ = eqx.filter_jit(step)(model, X, Y)
     assert aux.shape == (8 * 4,)  # 4 per device, one per microbatch
     expected = X.reshape(8, 4, 2, 8, DIM).mean(axis=(2, 3, 4)).reshape(-1)
     assert_tree_close(aux, expected, what="aux")

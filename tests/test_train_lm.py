@@ -62,7 +62,8 @@ def arrays(model):
         ("data=2,pipe=4", {"schedule": "1f1b", "microbatches": 2, "remat": "matmuls"}),
         ("data=2,pipe=2,model=2", {"schedule": "zb-h1", "microbatches": 2}),
         ("data=8", {"fsdp": True, "microbatches": 4}),  # no pipe: a step is not cut up
-        ("data=2,model=4", {"fsdp": True, "microbatches": 2}),
+        ("data=2,model=4", {"fsdp": True, "accumulate": 2}),  # gradients over 2 slices
+        ("data=4,model=2", {"accumulate": 2}),
         ("data=2,context=4", {}),  # the sequence split over 4: ring attention, balanced
         ("data=2,context=2,model=2", {}),  # and the heads over model
         ("pipe=2,context=2,model=2", {"schedule": "1f1b", "microbatches": 2}),
@@ -73,7 +74,8 @@ def arrays(model):
         "dp-pp-1f1b-remat",
         "dp-pp-tp-zb-h1",
         "fsdp8",
-        "fsdp-tp",
+        "fsdp-tp-accumulate",
+        "dp-tp-accumulate",
         "dp-cp",
         "dp-cp-tp",
         "pp-cp-tp-1f1b",
@@ -257,6 +259,21 @@ def test_cli_errors_name_the_problem(capsys):
         train_lm.main(["--resume"])
     assert exit_info.value.code == 2
     assert "--resume needs --ckpt-dir DIR" in capsys.readouterr().err
+    # Accumulation cuts a step without a pipeline; a pipeline cuts it by --microbatches.
+    with pytest.raises(SystemExit) as exit_info:
+        train_lm.main(["--accumulate", "2", "--mesh", "data=4,pipe=2"])
+    assert exit_info.value.code == 2
+    assert (
+        "--accumulate 2 cuts a step without a pipe axis; --mesh data=4,pipe=2 has one, whose "
+        "pipeline already cuts the batch into --microbatches (4): use --microbatches 8 "
+        "instead, or drop the pipe axis"
+    ) in capsys.readouterr().err
+    with pytest.raises(ConfigError, match=r"batch_size=8 must divide by data x accumulate = 16: "
+                       r".* or fewer --accumulate\.$"):  # fmt: skip
+        train_lm.check_sizes(TINY, run_config("data=8", accumulate=2))
+    assert "gradients accumulated over 2 microbatches" in train_lm.describe(
+        run_config("data=8", accumulate=2)
+    )
 
 
 def test_microbatches_only_cut_a_pipeline():
@@ -333,7 +350,7 @@ def test_run_described_in_words():
     assert train_lm.make_mesh(run.mesh).axis_names == ("data", "pipe", "context", "model")
 
 
-@pytest.mark.parametrize("flag", ["--microbatches", "--batch-size", "--steps"])
+@pytest.mark.parametrize("flag", ["--microbatches", "--accumulate", "--batch-size", "--steps"])
 @pytest.mark.parametrize("value", ["0", "-2", "two"])
 def test_counts_below_one_are_refused_naming_the_flag(flag, value, capsys):
     with pytest.raises(SystemExit) as exit_info:
