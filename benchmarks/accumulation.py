@@ -4,6 +4,8 @@ The transformer blocks of `examples/lm.py` in one `PipelineModule` stage (`num_s
 trained on a batch cut into M microbatches, each layer rematerialized (`remat="full"`):
 
 - `serial`: the whole batch at once, `jax.value_and_grad` (no microbatches; the baseline);
+- `scan`: `eqpar.value_and_grad(loss, microbatches=M)`, a plain `lax.scan` over the
+  microbatches adding their gradients (the accumulation any mesh gets, pipe axis or not);
 - `autodiff`: `jax.value_and_grad` through the pipeline's forward run, whose backward pass
   is the GPipe training table's backward half (with remat `full`: each microbatch's stage
   input kept, the layers recomputed);
@@ -42,7 +44,7 @@ import lm
 import eqpar
 from eqpar.nn.pipeline import PipelineModule
 
-EXECUTORS = ("serial", "autodiff", "table gpipe", "table 1f1b")
+EXECUTORS = ("serial", "scan", "autodiff", "table gpipe", "table 1f1b")
 
 
 def build(config: lm.LMConfig, microbatches: int) -> PipelineModule:
@@ -71,6 +73,20 @@ def step_function(executor: str, module: PipelineModule, mesh: Mesh) -> Callable
             )
 
         return jax.jit(serial)
+
+    if executor == "scan":
+        # The plain accumulation: one `lax.scan` over the microbatches, each layer
+        # rematerialised by its `ScannedLayers` policy, the gradients summed in float32.
+        def loss_fn(model, x, t):
+            return mse(model.apply_serially(x), t)
+
+        accumulate = eqpar.value_and_grad(loss_fn, microbatches=module.num_microbatches)
+
+        def scanned(arrays, x, t):
+            loss, grads = accumulate(eqx.combine(arrays, static), x, t)
+            return loss, eqx.filter(grads, eqx.is_array)
+
+        return jax.jit(scanned)
 
     def inside(arrays, x, t):
         model = eqx.combine(arrays, static)

@@ -3,7 +3,7 @@
 `eqpar.value_and_grad(loss_fn, microbatches=N)` runs here. Optax's `MultiSteps` accumulates
 across optimizer steps (N calls of the step, N host round trips, the update skipped N-1
 times); this accumulates inside one step, over one `lax.scan`, so the step holds one
-microbatch's activations and one gradient sum whatever N is, on any mesh.
+microbatch's activations and gradients and one gradient sum whatever N is, on any mesh.
 """
 
 from collections.abc import Callable
@@ -90,12 +90,19 @@ def accumulated_value_and_grad(
             f"{owner}: `loss_fn` must return a scalar loss; got shape {loss_shape.shape}."
         )
 
+    # Under the mean, each microbatch's gradients enter the sum already divided by the
+    # microbatches, and by the shards where the loss still varies (`loss_fn` left that to
+    # this rule: `lax.pmean`, whose transpose divides likewise): the sum is then the result,
+    # and the loop's buffer can be the output's.
+    shards = lax.psum(1, axes) if axes else 1
+    weight = 1 / (microbatches * shards) if reduction == "mean" else 1
+
     def step(carry: tuple, microbatch: list) -> tuple[tuple, Any]:
         loss_sum, grad_sums = carry
         (loss, aux), grads = jax.value_and_grad(local, has_aux=True)(
             varying, jax.tree.unflatten(treedef, microbatch)
         )
-        grad_sums = jax.tree.map(lambda s, g: s + g.astype(s.dtype), grad_sums, grads)
+        grad_sums = jax.tree.map(lambda s, g: s + g.astype(s.dtype) * weight, grad_sums, grads)
         return (loss_sum + loss.astype(loss_sum.dtype), grad_sums), aux
 
     start = (
@@ -106,12 +113,8 @@ def accumulated_value_and_grad(
     grad_sums = jax.tree.map(lambda s, a: s.astype(a.dtype), grad_sums, varying)
     (grads,) = cast_back(grad_sums)
     if reduction == "mean":
-        # The mean over the microbatches; over the shards too where the loss still varies
-        # (`loss_fn` left that to this rule: `lax.pmean`, whose transpose divides likewise).
-        shards = lax.psum(1, axes) if axes else 1
         loss = loss_sum / microbatches
         loss = lax.pmean(loss, axes) if axes else loss
-        grads = jax.tree.map(lambda g: g / (microbatches * shards), grads)
     else:
         loss = lax.psum(loss_sum, axes) if axes else loss_sum
     loss = loss.astype(loss_shape.dtype)

@@ -1246,8 +1246,8 @@ def value_and_grad(
     - `microbatches`: gradient accumulation on any mesh: the rows of this device's batch
       are cut into this many equal microbatches, and one `lax.scan` adds up their
       gradients (in float32 at least) before the one reduction over the data axes, so the
-      step holds one microbatch's activations and one gradient sum: the same loss and
-      gradients as the whole batch, up to rounding. `aux` comes back stacked, one entry
+      step holds one microbatch's activations and gradients and the gradient sum: the same
+      loss and gradients as the whole batch, up to rounding. `aux` comes back stacked, one entry
       per microbatch. Not with the schedules that cut the batch themselves (refused: set
       their `Pipeline(microbatches=...)`).
 
