@@ -32,7 +32,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.custom_derivatives import SymbolicZero
-from jax.interpreters import ad
 from jaxtyping import PyTree
 
 from .._tracing import pipeline_stage
@@ -223,10 +222,10 @@ def _forward_mode(tree: PyTree) -> bool:
     `jax.jacfwd`): the innermost autodiff of the trace is a JVP.
     Reverse mode (`jax.grad`, `jax.vjp`, `jax.linearize`) linearizes instead; a JVP around
     it (a Hessian by `jax.jacfwd(jax.grad(f))`) differentiates the custom VJP's rules."""
-    jvp_tracer = getattr(ad, "JVPTracer", None)
-    if jvp_tracer is None:  # a JAX without this name: take the table, as before
-        return False
-    return any(isinstance(leaf, jvp_tracer) for leaf in jax.tree.leaves(tree))
+    # JAX exposes its tracer classes only in internal modules, which eqpar does not import:
+    # the forward-mode tracer is known by its class's name (a JAX that renames it takes the
+    # table, and forward mode then gets JAX's own error).
+    return any(type(leaf).__name__ == "JVPTracer" for leaf in jax.tree.leaves(tree))
 
 
 # --------------------------------------------------------------------------------------
