@@ -112,7 +112,10 @@ def test_killed_job_resumes_on_two_then_one_process_with_exactly_the_next_exampl
     try:
         deadline = time.monotonic() + TIMEOUT
         while not _saved_steps(ckpt) and time.monotonic() < deadline:
-            assert all(p.poll() is None for p in started), "a process ended before the kill"
+            ended = [p for p in started if p.poll() is not None]
+            assert not ended, "a process ended before the kill:\n" + "\n".join(
+                f"exit status {p.returncode}:\n{p.communicate()[0]}" for p in ended
+            )
             time.sleep(0.02)
         os.kill(started[1].pid, signal.SIGKILL)
         started[1].wait(timeout=30)
