@@ -19,24 +19,28 @@ from .._vma import cast_varying, varying_axes
 from ..pipeline._tools import vary_like_input
 
 
-def split_microbatches(batch: tuple, microbatches: int, owner: str) -> tuple[list, Any]:
-    """The leaves of `batch` cut into `[microbatches, rows, ...]`, and the batch's treedef."""
+def split_microbatches(
+    batch: tuple, microbatches: int, owner: str, option: str = "microbatches"
+) -> tuple[list, Any, int]:
+    """The leaves of `batch` cut into `[microbatches, rows, ...]`, the batch's treedef, and
+    the rows of the whole batch. `option` names the count in the errors."""
     leaves, treedef = jax.tree.flatten(batch)
     sizes = {jnp.shape(leaf)[0] if jnp.ndim(leaf) else None for leaf in leaves}
     if len(sizes) != 1 or None in sizes:
         raise ValueError(
             f"{owner}: every leaf of the batch needs the batch as its leading axis, to cut it "
-            f"into microbatches={microbatches}; found leading sizes {sorted(map(str, sizes))}."
+            f"into {option}={microbatches}; found leading sizes {sorted(map(str, sizes))}."
         )
     size = int(sizes.pop() or 0)
     if size % microbatches:
         raise ValueError(
             f"{owner}: the batch of {size} rows on this device does not divide into "
-            f"microbatches={microbatches}; choose a batch size or a microbatch count that "
+            f"{option}={microbatches}; choose a batch size or a microbatch count that "
             f"divides it."
         )
     rows = size // microbatches
-    return [leaf.reshape(microbatches, rows, *leaf.shape[1:]) for leaf in leaves], treedef
+    split = [leaf.reshape(microbatches, rows, *leaf.shape[1:]) for leaf in leaves]
+    return split, treedef, size
 
 
 def _accumulator(leaf: jax.Array) -> jax.Array:
@@ -65,7 +69,7 @@ def accumulated_value_and_grad(
     after the loop (one all-reduce per parameter per step, as without microbatches). The
     mean over examples is the mean of the microbatches' means, as their sizes are equal.
     `aux` (with `has_aux`) comes back stacked, one entry per microbatch."""
-    split, treedef = split_microbatches(batch, microbatches, owner)
+    split, treedef, _ = split_microbatches(batch, microbatches, owner)
     arrays, static = eqx.partition(model, eqx.is_inexact_array)
     varying, cast_back = jax.vjp(lambda a: vary_like_input(a, batch, None), arrays)
 

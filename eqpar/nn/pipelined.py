@@ -40,7 +40,7 @@ from .._tracing import under_vmap
 from .._typing import AxisName
 from .._vma import varying_axes
 from ..pipeline._microbatch import Microbatched
-from ._accumulate import accumulated_value_and_grad, check_microbatches
+from ._accumulate import accumulated_value_and_grad, check_microbatches, split_microbatches
 from ._block_outputs import (
     BlockOutputs,
     Later,
@@ -1362,22 +1362,8 @@ def _scheduled_value_and_grad(
     owner = "value_and_grad"
     num_microbatches = blocks.pipeline.num_microbatches
     batch_leaves, batch_def = jax.tree.flatten(batch)
-    sizes = {jnp.shape(leaf)[0] if jnp.ndim(leaf) else None for leaf in batch_leaves}
-    if len(sizes) != 1 or None in sizes:
-        raise ValueError(
-            f"{owner}: every leaf of the batch needs the batch as its leading axis, to cut it "
-            f"into {num_microbatches} microbatches; found leading sizes "
-            f"{sorted(map(str, sizes))}."
-        )
-    size = int(sizes.pop() or 0)
-    if size % num_microbatches:
-        raise ValueError(
-            f"{owner}: the batch of {size} rows on this device does not divide into "
-            f"num_microbatches={num_microbatches}; choose a batch size or a microbatch count "
-            f"that divides it."
-        )
+    split, _, size = split_microbatches(batch, num_microbatches, owner, "num_microbatches")
     rows = size // num_microbatches
-    split = [leaf.reshape(num_microbatches, rows, *leaf.shape[1:]) for leaf in batch_leaves]
     # The model's arrays but the pipelined blocks' (the schedule runs those); the blocks
     # stay in the model without arrays, to record their calls.
     where = _where(model, blocks)
