@@ -12,6 +12,7 @@ makes that peer fail: at once where the collective sees the closed connection, e
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -81,21 +82,14 @@ def _finish(popen: subprocess.Popen, timeout: float) -> str:
     return output
 
 
-def test_killed_job_resumes_on_two_then_one_process_with_exactly_the_next_examples(
-    examples, tmp_path
-):
-    data, _, _ = examples
-    data.write_corpus(tmp_path / "corpus", num_documents=120, vocab_size=32)
-    ckpt, log = tmp_path / "ckpt", tmp_path / "log"
-    args = ["--size", "tiny", "--batch-size", str(BATCH), "--mesh", "data=8", "--fsdp",
-            "--optimizer", "sgd", "--data", str(tmp_path / "corpus"), "--log-examples", str(log),
-            "--ckpt-dir", str(ckpt), "--no-progress",
-            "--out", str(tmp_path / "out")]  # fmt: skip
-    command = [sys.executable, str(TRAIN_LM), *args]
-    began = time.monotonic()
+GLOO_START_TIMEOUT = "Gloo context initialization failed: DEADLINE_EXCEEDED"
 
-    # 1. Two processes started by hand (the environment-variable launch), 6 steps; process 1
-    # is SIGKILLed (by its pid) once a checkpoint is on disk.
+
+def _run_until_a_checkpoint_then_kill(command: list, tmp_path: Path, ckpt: Path) -> str | None:
+    """Phase 1 of the killed-job test: two processes started by hand (the environment-variable
+    launch), 6 steps; process 1 SIGKILLed (by its pid) once a checkpoint is on disk. Returns
+    the output of a process that ended first because its peer was not there within Gloo's
+    start-up timeout (None when phase 1 ran); any other early end fails the test."""
     coordinator = f"127.0.0.1:{free_port()}"
     job = {"EQPAR_COORDINATOR_ADDRESS": coordinator, "EQPAR_NUM_PROCESSES": "2"}
     started = [
@@ -113,9 +107,12 @@ def test_killed_job_resumes_on_two_then_one_process_with_exactly_the_next_exampl
         deadline = time.monotonic() + TIMEOUT
         while not _saved_steps(ckpt) and time.monotonic() < deadline:
             ended = [p for p in started if p.poll() is not None]
-            assert not ended, "a process ended before the kill:\n" + "\n".join(
-                f"exit status {p.returncode}:\n{p.communicate()[0]}" for p in ended
-            )
+            if ended:
+                output = "\n".join(
+                    f"exit status {p.returncode}:\n{p.communicate()[0]}" for p in ended
+                )
+                assert GLOO_START_TIMEOUT in output, f"a process ended before the kill:\n{output}"
+                return output
             time.sleep(0.02)
         os.kill(started[1].pid, signal.SIGKILL)
         started[1].wait(timeout=30)
@@ -127,6 +124,34 @@ def test_killed_job_resumes_on_two_then_one_process_with_exactly_the_next_exampl
             if process.poll() is None:
                 process.kill()
                 process.communicate()
+    return None
+
+
+def test_killed_job_resumes_on_two_then_one_process_with_exactly_the_next_examples(
+    examples, tmp_path
+):
+    data, _, _ = examples
+    data.write_corpus(tmp_path / "corpus", num_documents=120, vocab_size=32)
+    ckpt, log = tmp_path / "ckpt", tmp_path / "log"
+    args = ["--size", "tiny", "--batch-size", str(BATCH), "--mesh", "data=8", "--fsdp",
+            "--optimizer", "sgd", "--data", str(tmp_path / "corpus"), "--log-examples", str(log),
+            "--ckpt-dir", str(ckpt), "--no-progress",
+            "--out", str(tmp_path / "out")]  # fmt: skip
+    command = [sys.executable, str(TRAIN_LM), *args]
+    began = time.monotonic()
+
+    # 1. Two processes started by hand (the environment-variable launch), 6 steps; process 1
+    # is SIGKILLed (by its pid) once a checkpoint is on disk.
+    for attempt in range(2):
+        lagged = _run_until_a_checkpoint_then_kill(command, tmp_path, ckpt)
+        if lagged is None:
+            break
+        # Gloo connects the two processes at their first collective and waits 30 s for the
+        # peer (a limit JAX does not expose): on a loaded machine one process can still be
+        # compiling then. That is the machine, not the job: start phase 1 again, once.
+        assert attempt == 0, f"phase 1 twice lost its peer at the start:\n{lagged}"
+        for directory in (ckpt, log, tmp_path / "out"):
+            shutil.rmtree(directory, ignore_errors=True)
     killed_at = max(_saved_steps(ckpt))
     assert 1 <= killed_at < 4
     after_a = _log_lines(log)
