@@ -507,21 +507,24 @@ def build_loss_and_grads(model: lm.LM, mesh: eqpar.DeviceMesh, run: RunConfig) -
             return context_batch(tokens, context)
         return tokens[:, :-1], tokens[:, 1:]
 
+    # The routes that take gradients inside `shard_map`: with `--fsdp` the parameters enter
+    # split as stored; the function gathers them itself and reduce-scatters their gradients.
+    stored = (param_specs, specs) if run.fsdp else None
+    entering = param_specs if run.fsdp else specs
     if run.accumulate > 1:
         # Gradient accumulation (no pipe axis): the loss's gradients summed over
-        # `run.accumulate` slices of each device's rows inside `shard_map`; with `--fsdp` the
-        # parameters enter split as stored and are gathered inside, as below.
+        # `run.accumulate` slices of each device's rows.
         sharded = eqpar.shard_map(
             functools.partial(
                 loss_and_grads_accumulated,
                 microbatches=run.accumulate,
                 context=context > 1,
                 expert=expert,
-                stored=(param_specs, specs) if run.fsdp else None,
+                stored=stored,
             ),
             mesh=mesh,
-            in_specs=(param_specs if run.fsdp else specs, sequence_spec, sequence_spec),
-            out_specs=((P(), P()), param_specs if run.fsdp else specs),
+            in_specs=(entering, sequence_spec, sequence_spec),
+            out_specs=((P(), P()), entering),
         )
 
         def loss_and_grads(model: lm.LM, tokens: jax.Array) -> tuple[Any, lm.LM]:
@@ -531,10 +534,7 @@ def build_loss_and_grads(model: lm.LM, mesh: eqpar.DeviceMesh, run: RunConfig) -
             return (policy.cast_to_output(loss), stats), policy.cast_to_param(grads)
 
     elif runs_own_backward(run):
-        # With `--fsdp` the parameters enter split as stored; the function gathers them
-        # itself, inside its own backward pass.
-        stored = (param_specs, specs) if run.fsdp else None
-        entering = param_specs if run.fsdp else specs
+        # The schedule's own backward pass (1F1B, ZB-H1, or a pipe axis).
         sharded = eqpar.shard_map(
             functools.partial(
                 loss_and_grads_scheduled,
