@@ -123,13 +123,3 @@ def accumulated_value_and_grad(
         loss = lax.psum(loss_sum, axes) if axes else loss_sum
     loss = loss.astype(loss_shape.dtype)
     return ((loss, aux), grads) if has_aux else (loss, grads)
-
-
-def check_microbatches(microbatches: object, owner: str) -> int:
-    if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
-        raise ValueError(
-            f"{owner}: `microbatches` must be a positive int (the number of equal slices of "
-            f"the batch's rows whose gradients are summed in one step; 1: no accumulation); "
-            f"got {microbatches!r}."
-        )
-    return microbatches

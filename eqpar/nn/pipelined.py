@@ -35,12 +35,13 @@ from jax.extend.core import Literal
 from jaxtyping import PyTree
 
 from .._axes import bound_axis_size
+from .._checks import check_int
 from .._paths import path_to_str
 from .._tracing import under_vmap
 from .._typing import AxisName
 from .._vma import varying_axes
 from ..pipeline._microbatch import Microbatched
-from ._accumulate import accumulated_value_and_grad, check_microbatches, split_microbatches
+from ._accumulate import accumulated_value_and_grad, split_microbatches
 from ._block_outputs import (
     BlockOutputs,
     Later,
@@ -1300,7 +1301,7 @@ def value_and_grad(
             f"of its batch, the default) or 'sum' (a sum over them); got {reduction!r}."
         )
 
-    check_microbatches(microbatches, "value_and_grad")
+    check_int(microbatches, name="microbatches", owner="value_and_grad", minimum=1)
 
     def run(model: PyTree, *batch: PyTree) -> tuple[Any, PyTree]:
         is_blocks = lambda node: isinstance(node, PipelinedBlocks)
