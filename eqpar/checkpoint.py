@@ -827,6 +827,24 @@ class Checkpointer:
         ocp, policies = self._ocp, self._ocp.checkpoint_managers
         every = policies.FixedIntervalPolicy(self._save_every)
         preempted = policies.save_decision_policy.PreemptionCheckpointingPolicy()
+        processes: dict[str, Any] = {}
+        if jax.process_count() > 1:
+            # Orbax's own barriers are collectives (a psum over every device) unless told the
+            # processes: with 2 CPU cores and 4 devices a process, one process was measured
+            # still waiting in that psum 49 s after its peer had left it, which then failed
+            # the peer's first training step at Gloo's 30 s start-up limit. Naming every
+            # process makes each of them a barrier of JAX's coordination service instead (no
+            # device work, and a timeout); orbax then leaves creating the directory to us.
+            every_process = set(range(jax.process_count()))
+            processes = dict(
+                multiprocessing_options=ocp.options.MultiprocessingOptions(
+                    active_processes=every_process
+                ),
+                create=False,
+            )
+            if jax.process_index() == 0:
+                self._directory.mkdir(parents=True, exist_ok=True)
+            self._barrier("open")
         options = ocp.CheckpointManagerOptions(
             save_decision_policy=policies.AnySavePolicy([every, preempted]),
             preservation_policy=policies.LatestN(self._keep),
@@ -834,6 +852,7 @@ class Checkpointer:
             todelete_subdir=_TRASH,
             lightweight_initialize=True,  # a step with damaged metadata must not stop opening
             cleanup_tmp_directories=False,  # only the lock holder removes unfinished saves
+            **processes,
         )
         handler = ocp.StandardCheckpointHandler()
         return ocp.CheckpointManager(self._directory, item_handlers=handler, options=options)
