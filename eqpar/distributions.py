@@ -43,6 +43,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array, Bool, PRNGKeyArray
 
 from . import _current
+from ._axis_types import constrain as constrain_on_any_axes
 from ._checks import check_int
 from ._declare import declared_partition_specs
 from ._paths import path_to_str
@@ -364,9 +365,8 @@ class Distribution:
         """
         specs = self.partition_specs(tree) if model is None else self.opt_state_specs(tree, model)
         arrays, static = eqx.partition(tree, eqx.is_array)
-        constrained = jax.lax.with_sharding_constraint(
-            arrays, named_shardings(specs, self.device_mesh)
-        )
+        shardings = named_shardings(specs, self.device_mesh)
+        constrained = jax.tree.map(constrain_on_any_axes, arrays, shardings)  # either axis type
         return eqx.combine(constrained, static)
 
     # --- current distribution -----------------------------------------------------------------

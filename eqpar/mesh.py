@@ -98,8 +98,10 @@ def _resolve_devices(devices: object, count: int) -> list:
 class DeviceMesh:
     """A named grid of devices, usable wherever eqpar or JAX wants a mesh.
 
-    Axes are `Auto` (the compiler propagates shardings), so `eqpar.shard_map` and
-    `jax.shard_map` accept unsharded inputs on this mesh.
+    Axes are `AxisType.Auto` by default (the compiler propagates shardings), unlike
+    `jax.make_mesh`, whose default is `AxisType.Explicit` (the sharding is part of each
+    array's type). eqpar takes meshes of either kind, and meshes that mix them, wherever it
+    takes a mesh: it reshards arrays over Explicit axes and constrains them over Auto ones.
 
     **Arguments:**
 
@@ -107,6 +109,8 @@ class DeviceMesh:
     - `axis_names`: one unique name per axis, e.g. `("data", "model")`.
     - `devices`: the devices, in row-major order over `shape` (a list, an array, or names
       such as `"cpu:3"`); default: all of `jax.devices()`, whose count must match `shape`.
+    - `axis_types`: one `jax.sharding.AxisType` for all axes or one per axis (default
+      `AxisType.Auto`), as `jax.make_mesh` takes them.
 
     **Attributes:** `shape`, `axis_names`, `devices` (an array of devices shaped `shape`),
     `jax_mesh` (the `jax.sharding.Mesh`), `size`.
@@ -117,6 +121,10 @@ class DeviceMesh:
     mesh = eqpar.DeviceMesh((2, 4), ("data", "model"))
     assert mesh.axis_size("model") == 4 and mesh.jax_mesh.shape["data"] == 2
     sharding = mesh.sharding(P("data", "model"))
+
+    from jax.sharding import AxisType
+    typed = eqpar.DeviceMesh((2, 4), ("data", "model"), axis_types=AxisType.Explicit)
+    assert typed.jax_mesh.axis_types == (AxisType.Explicit, AxisType.Explicit)
     ```
     """
 
@@ -125,6 +133,8 @@ class DeviceMesh:
         shape: Sequence[int],
         axis_names: Sequence[str],
         devices: Sequence[jax.Device] | Sequence[str] | np.ndarray | None = None,  # pyright: ignore[reportInvalidTypeForm]
+        *,
+        axis_types: AxisType | Sequence[AxisType] = AxisType.Auto,
     ):
         if isinstance(axis_names, str):
             raise TypeError(
@@ -152,15 +162,26 @@ class DeviceMesh:
             raise ValueError(
                 f"DeviceMesh: axis_names {axis_names} repeats {duplicates}; names must be unique."
             )
+        types = (axis_types,) * len(shape) if isinstance(axis_types, AxisType) else axis_types
+        if isinstance(types, str) or not all(isinstance(t, AxisType) for t in types):
+            raise TypeError(
+                f"DeviceMesh: axis_types must be a jax.sharding.AxisType or one per axis; got "
+                f"{axis_types!r}. Write e.g. AxisType.Explicit, or (AxisType.Explicit, "
+                f"AxisType.Auto) for a mesh of two axes."
+            )
+        types = tuple(types)
+        if len(types) != len(shape):
+            raise ValueError(
+                f"DeviceMesh: shape {shape} has {len(shape)} axes but axis_types has "
+                f"{len(types)}; give one type per axis, or one for all."
+            )
         found = _resolve_devices(devices, math.prod(shape))
         self._shape = tuple(int(s) for s in shape)
         self._axis_names = axis_names
         grid = np.empty(len(found), dtype=object)
         grid[:] = found
         self._devices = grid.reshape(self._shape)
-        self._jax_mesh = Mesh(
-            self._devices, self._axis_names, axis_types=(AxisType.Auto,) * len(self._shape)
-        )
+        self._jax_mesh = Mesh(self._devices, self._axis_names, axis_types=types)
 
     @property
     def shape(self) -> tuple[int, ...]:

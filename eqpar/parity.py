@@ -26,6 +26,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec
 
+from ._axis_types import constrain as constrain_on_any_axes
 from ._paths import path_to_str
 from ._typing import PyTree
 from .layout import named_shardings, partition_specs
@@ -229,7 +230,9 @@ def check(
     specs = _batch_specs(batch_specs, batch, parallel, plan, jax_mesh)
     parallel_step = step or _parallel_step(loss_fn, parallel, specs, jax_mesh)
 
-    one = jax.devices()[0]
+    # A `SingleDeviceSharding`, not the device: `device_put` onto a device keeps an array's
+    # type of a mesh with Explicit axes, which a program on one device then refuses.
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     arrays, rest = eqx.partition(serial, eqx.is_array)
     serial = eqx.combine(jax.device_put(arrays, one), rest)
     serial_batch = jax.device_put(batch, one)
@@ -346,7 +349,10 @@ def _parallel_step(
 
 
 def _placed(model: PyTree, mesh: jax.sharding.Mesh) -> PyTree:
-    return eqx.filter_shard(model, named_shardings(partition_specs(model), mesh))
+    shardings = named_shardings(partition_specs(model), mesh)
+    arrays, static = eqx.partition(model, eqx.is_array)
+    placed = jax.tree.map(constrain_on_any_axes, arrays, shardings)  # either axis type
+    return eqx.combine(placed, static)
 
 
 def _compute_rtol(loss_fn: Callable, model: PyTree, batch: tuple) -> float:

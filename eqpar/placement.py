@@ -43,6 +43,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 from jax.tree_util import tree_flatten_with_path, tree_map_with_path
 from jaxtyping import Array, ArrayLike, PyTree
 
+from ._axis_types import constrain as constrain_on_any_axes
 from ._paths import path_to_str
 from ._specs import check_spec
 
@@ -453,12 +454,15 @@ def with_sharding_constraint(x: PyTree[ArrayLike], shardings: PyTree) -> PyTree[
     """`jax.lax.with_sharding_constraint` that is a checked no-op on a single device.
 
     On a mesh of more than one device this is `jax.lax.with_sharding_constraint(x,
-    shardings)`. On a one-device mesh it returns `x` unchanged, so the same model code runs
-    on a laptop without a mesh of many devices. The shardings are checked in both cases, by
-    JAX's own `NamedSharding` and `Sharding.check_compatible_aval`: an axis name the mesh does
-    not have, an axis used twice, or more spec entries than the array has dimensions is a
-    `ValueError` naming the leaf even on one device, so code that runs on one device does not
-    fail only once it meets a bigger mesh.
+    shardings)` over the mesh's Auto axes and `jax.sharding.reshard` over its Explicit ones
+    (those of `jax.make_mesh`'s default, where the sharding is part of the array's type), so
+    one spec serves meshes of either kind and meshes that mix them; outside `jax.jit` the
+    arrays are placed (`jax.device_put`). On a one-device mesh it returns `x` unchanged, so
+    the same model code runs on a laptop without a mesh of many devices. The shardings are
+    checked in both cases, by JAX's own `NamedSharding` and `Sharding.check_compatible_aval`:
+    an axis name the mesh does not have, an axis used twice, or more spec entries than the
+    array has dimensions is a `ValueError` naming the leaf even on one device, so code that
+    runs on one device does not fail only once it meets a bigger mesh.
 
     **Arguments:**
 
@@ -527,8 +531,11 @@ def with_sharding_constraint(x: PyTree[ArrayLike], shardings: PyTree) -> PyTree[
         else:  # other kinds of sharding: JAX's own check
             named = sharding
             named.shard_shape(shape)
-        many = named.num_devices > 1  # on one device: a checked no-op
-        return jax.lax.with_sharding_constraint(leaf, named) if many else leaf
+        if named.num_devices == 1:
+            return leaf  # on one device: a checked no-op
+        if isinstance(named, NamedSharding):
+            return constrain_on_any_axes(leaf, named)  # Explicit axes too
+        return jax.lax.with_sharding_constraint(leaf, named)
 
     def constrain_subtree(prefix: tuple, sharding: Any, subtree: PyTree) -> PyTree:
         apply = functools.partial(constrain, prefix, sharding)

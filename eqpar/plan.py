@@ -19,6 +19,7 @@ import equinox as eqx
 import jax
 from jax.sharding import PartitionSpec
 
+from ._axis_types import gather_explicit
 from ._checks import check_column_options, check_context_options, columns_in_a_row_fix
 from ._matching import compile_key, single_match, unused_key_hints
 from ._paths import children, map_children, path_to_str
@@ -1261,7 +1262,10 @@ def unparallelize(model: PyTree) -> PyTree:
     - `model`: a model returned by `parallelize` (or any pytree).
 
     **Returns:** the model with `eqx.nn.Linear`, `MultiheadAttention` and `Embedding` layers
-    where `parallelize` put their tensor-parallel twins; the parameters are the same arrays.
+    where `parallelize` put their tensor-parallel twins; the parameters are the same arrays,
+    except on a mesh with Explicit axes (`jax.make_mesh`'s default), where an array split over
+    one comes back whole over it: there the split is part of the array's type, and the
+    serial layers' code, written for one device, could not take it.
 
     ```python
     import equinox as eqx, jax, eqpar
@@ -1281,7 +1285,7 @@ def unparallelize(model: PyTree) -> PyTree:
             return unparallelize(serial_block(node))
         return to_serial_layer(node)
 
-    return jax.tree.map(
+    converted = jax.tree.map(
         serial,
         model,
         is_leaf=lambda node: (
@@ -1289,3 +1293,4 @@ def unparallelize(model: PyTree) -> PyTree:
             or block_options(node) is not None
         ),
     )
+    return jax.tree.map(gather_explicit, converted)

@@ -1,0 +1,175 @@
+"""eqpar on meshes of every axis type: Explicit (`jax.make_mesh`'s default, where an array's
+sharding is part of its type), Auto (`eqpar.DeviceMesh`'s default) and a mix of the two.
+
+Each route is compared with one device: the home page's quick start as a reader would run
+it with `jax.make_mesh`, `eqpar.shard_map` over a model placed by the user (tensor parallel)
+and over FSDP's stored split, `eqpar.placement.with_sharding_constraint` under `jax.jit`, a
+distribution's placement and `constrain`, `eqpar.check`, and `unparallelize`.
+"""
+
+import contextlib
+import io
+import re
+from pathlib import Path
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+from numerics import assert_tree_close
+
+import eqpar
+from eqpar.placement import with_sharding_constraint
+
+ROOT = Path(__file__).resolve().parents[1]
+E, A = AxisType.Explicit, AxisType.Auto
+KINDS = {"explicit": (E, E), "auto": (A, A), "explicit-data": (E, A), "explicit-model": (A, E)}
+
+
+def make_mesh(kind: str) -> jax.sharding.Mesh:
+    return jax.make_mesh((2, 4), ("data", "model"), axis_types=KINDS[kind])
+
+
+def mlp() -> eqx.nn.MLP:
+    return eqx.nn.MLP(16, 8, width_size=32, depth=1, key=jax.random.key(0))
+
+
+def loss_fn(model, x, y):
+    return jnp.mean((jax.vmap(model)(x) - y) ** 2)
+
+
+def batch():
+    kx, ky = jax.random.split(jax.random.key(1))
+    return jax.random.normal(kx, (8, 16)), jax.random.normal(ky, (8, 8))
+
+
+def sgd_update(model, grads):
+    return eqx.apply_updates(model, jax.tree.map(lambda g: -0.1 * g, grads))
+
+
+PLAN = {"layers/0": eqpar.ColumnParallel(), "layers/1": eqpar.RowParallel()}
+
+
+def test_quick_start_runs_as_printed_on_explicit_and_mixed_meshes():
+    """The page's code block, its mesh line as written (`jax.make_mesh`: Explicit axes) and
+    with one axis of each type; each prints the page's own output."""
+    page = (ROOT / "docs" / "index.md").read_text()
+    code, shown = re.search(r"```python\n(.*?)```\s*```text\n(.*?)```", page, re.S).groups()
+    code = code.replace('jax.config.update("jax_num_cpu_devices", 8)', "")  # set by conftest
+    mesh_line = 'mesh = jax.make_mesh((2, 4), ("data", "model"))'
+    assert mesh_line in code
+    mixed = (
+        'mesh = jax.make_mesh((2, 4), ("data", "model"), '
+        "axis_types=(jax.sharding.AxisType.Explicit, jax.sharding.AxisType.Auto))"
+    )
+    for variant in (code, code.replace(mesh_line, mixed)):
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            exec(compile(variant, "docs/index.md", "exec"), {"__name__": "quick_start"})
+        assert printed.getvalue().split() == shown.split()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_shard_map_takes_arguments_typed_otherwise_and_equals_one_device(kind):
+    """A tensor-parallel model placed by the user and a batch nobody placed: over Explicit
+    axes `jax.shard_map` refuses arguments whose type differs from in_specs, so
+    `eqpar.shard_map` reshards them first. Loss and gradients equal one device's."""
+    mesh = make_mesh(kind)
+    parallel = eqpar.parallelize(mlp(), PLAN, mesh=mesh)
+    specs = eqpar.partition_specs(parallel)
+    params, static = eqx.partition(parallel, eqx.is_array)
+    parallel = eqx.combine(jax.device_put(params, eqpar.named_shardings(specs, mesh)), static)
+    sharded_loss = eqpar.shard_map(
+        lambda m, x, y: jax.lax.pmean(loss_fn(m, x, y), "data"),
+        mesh=mesh,
+        in_specs=(specs, P("data"), P("data")),
+        out_specs=P(),
+    )
+    x, y = batch()
+    loss, grads = eqx.filter_jit(eqx.filter_value_and_grad(sharded_loss))(parallel, x, y)
+    want_loss, want_grads = eqx.filter_value_and_grad(loss_fn)(mlp(), x, y)
+    assert_tree_close(loss, want_loss, what="loss")
+    assert_tree_close(eqpar.unparallelize(grads), want_grads, what="grads")
+    if kind == "explicit":  # the gradient's split is in its type
+        assert jax.typeof(grads.layers[0].weight).sharding.spec == P("model", None)
+
+
+@pytest.mark.parametrize("kind", ["explicit", "explicit-data"])
+def test_shard_map_gathers_fsdp_stored_weights_on_explicit_axes(kind):
+    mesh = make_mesh(kind)
+    fsdp = eqpar.FSDP(mesh, min_size_bytes=0)
+    model = fsdp.distribute_model(mlp())
+    sharded_loss = eqpar.shard_map(
+        lambda m, x, y: jax.lax.pmean(loss_fn(m, x, y), "data"),
+        mesh=mesh,
+        in_specs=(fsdp.compute_specs(model), P("data"), P("data")),
+        out_specs=P(),
+        stored_specs=(fsdp.partition_specs(model), P("data"), P("data")),
+    )
+    x, y = batch()
+    grads = eqx.filter_jit(eqx.filter_grad(sharded_loss))(model, x, y)
+    assert_tree_close(grads, eqx.filter_grad(loss_fn)(mlp(), x, y), what="grads")
+    stored = fsdp.partition_specs(model).layers[0].weight
+    assert grads.layers[0].weight.sharding.is_equivalent_to(NamedSharding(mesh, stored), 2)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_with_sharding_constraint_lays_out_over_either_axis_type(kind):
+    mesh = make_mesh(kind)
+
+    @jax.jit
+    def layer(w, x):
+        return with_sharding_constraint(x @ w, NamedSharding(mesh, P("data", "model")))
+
+    w, x = jnp.ones((16, 8)), jnp.ones((8, 16))
+    with jax.set_mesh(mesh):  # inputs on one device: the mesh says which devices jit uses
+        out = layer(w, x)
+    assert out.sharding.is_equivalent_to(NamedSharding(mesh, P("data", "model")), 2)
+    assert jnp.array_equal(out, x @ w)
+    placed = with_sharding_constraint(x, NamedSharding(mesh, P(None, "model")))  # outside jit
+    assert placed.sharding.is_equivalent_to(NamedSharding(mesh, P(None, "model")), 2)
+
+
+@pytest.mark.parametrize("kind", ["explicit", "explicit-model"])
+def test_distribution_placement_and_constrain_on_explicit_axes(kind):
+    """FSDP through the compiler: placement, a jitted SGD step with `constrain`, equal to one
+    device, the parameters where the layout says."""
+    mesh = make_mesh(kind)
+    fsdp = eqpar.FSDP(mesh, min_size_bytes=0)
+    model = fsdp.distribute_model(mlp())
+    x, y = (fsdp.distribute_input(a) for a in batch())
+
+    @eqx.filter_jit
+    def sgd(model, x, y):
+        grads = eqx.filter_grad(loss_fn)(model, x, y)
+        return fsdp.constrain(sgd_update(model, grads))
+
+    serial = sgd_update(mlp(), eqx.filter_grad(loss_fn)(mlp(), *batch()))
+    stepped = sgd(model, x, y)
+    assert_tree_close(eqpar.unparallelize(stepped), serial, what="params")
+    spec = fsdp.partition_specs(stepped).layers[0].weight
+    assert stepped.layers[0].weight.sharding.is_equivalent_to(NamedSharding(mesh, spec), 2)
+
+
+@pytest.mark.parametrize("kind", ["explicit", "explicit-data", "explicit-model"])
+def test_check_and_unparallelize_on_explicit_axes(kind):
+    mesh = make_mesh(kind)
+    assert eqpar.check(loss_fn, mlp(), *batch(), mesh=mesh, plan=PLAN).ok
+    parallel = eqpar.parallelize(mlp(), PLAN, mesh=mesh)
+    specs = eqpar.named_shardings(eqpar.partition_specs(parallel), mesh)
+    params, static = eqx.partition(parallel, eqx.is_array)
+    placed = eqx.combine(jax.device_put(params, specs), static)
+    serial = eqpar.unparallelize(placed)  # whole over the Explicit axes: one-device code runs
+    x, y = batch()
+    assert_tree_close(loss_fn(serial, x, y), loss_fn(mlp(), x, y), what="loss")
+
+
+def test_device_mesh_axis_types():
+    mesh = eqpar.DeviceMesh((2, 4), ("data", "model"))
+    assert mesh.jax_mesh.axis_types == (A, A)  # the default
+    mixed = eqpar.DeviceMesh((2, 4), ("data", "model"), axis_types=(E, A))
+    assert mixed.jax_mesh.axis_types == (E, A)
+    with pytest.raises(ValueError, match="axis_types has 1; give one type per axis"):
+        eqpar.DeviceMesh((2, 4), ("data", "model"), axis_types=(E,))
