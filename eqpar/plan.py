@@ -1285,6 +1285,7 @@ def unparallelize(model: PyTree) -> PyTree:
             return unparallelize(serial_block(node))
         return to_serial_layer(node)
 
+    model = jax.tree.map(gather_explicit, model)  # before unstacking: indexing takes them
     converted = jax.tree.map(
         serial,
         model,
@@ -1293,4 +1294,4 @@ def unparallelize(model: PyTree) -> PyTree:
             or block_options(node) is not None
         ),
     )
-    return jax.tree.map(gather_explicit, converted)
+    return converted

@@ -173,3 +173,22 @@ def test_device_mesh_axis_types():
     assert mixed.jax_mesh.axis_types == (E, A)
     with pytest.raises(ValueError, match="axis_types has 1; give one type per axis"):
         eqpar.DeviceMesh((2, 4), ("data", "model"), axis_types=(E,))
+
+
+def test_vit_3d_one_forward_one_backward_by_plan_on_explicit_axes():
+    """Equinox's ViT under data x pipe x tensor parallelism by plan, 1F1B through
+    `eqpar.value_and_grad`, on a `jax.make_mesh` mesh (every axis Explicit): one SGD step
+    equals one device's. (Pipeline stages are unstacked by `unparallelize` after the
+    arrays are whole over the Explicit axes: indexing a stack split over one is ambiguous.)"""
+    import equinox_vit as vit
+    from test_any_model import VIT_PLAN, serial_step
+    from test_pipeline_by_plan import scheduled_step
+
+    mesh = jax.make_mesh((2, 2, 2), ("data", "pipe", "model"))
+    model = vit.VisionTransformer(key=jax.random.key(0))
+    batch = vit.batch(8)
+    serial_loss, serial_model = serial_step(vit.loss, model, *batch)
+    plan = {**VIT_PLAN, "attention_blocks": eqpar.Pipeline(2, 2, schedule="1f1b")}
+    loss, updated = scheduled_step(vit.loss, model, plan, mesh, *batch)
+    assert_tree_close(loss, serial_loss, what="loss")
+    assert_tree_close(updated, serial_model, what="updated")
