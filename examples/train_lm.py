@@ -904,6 +904,25 @@ def training_flops_per_token(config: lm.LMConfig) -> float:
     return 3.0 * forward
 
 
+# How long a process waits at start-up for the others to have compiled the step. Gloo, which
+# connects CPU processes at their first collective, waits only 30 s for a peer (a limit JAX
+# does not expose); a process that compiles faster than its peer would fail there.
+COMPILED_BARRIER_SECONDS = 600
+
+
+def wait_for_every_process(name: str, step: int) -> None:
+    """Meet the other processes of a multi-process run (a no-op alone) at a barrier of JAX's
+    coordination service (through orbax's public wrapper of it), which waits up to
+    `COMPILED_BARRIER_SECONDS` and runs nothing on the devices; every process calls it with
+    the same `name` and `step`."""
+    if jax.process_count() == 1:
+        return
+    from orbax.checkpoint import multihost
+
+    barrier = multihost.get_barrier_sync_fn()
+    barrier(key=f"train_lm:{name}:{step}", timeout_ms=COMPILED_BARRIER_SECONDS * 1000)
+
+
 def run_training(
     run: RunConfig,
     *,
@@ -1090,6 +1109,7 @@ def run_training(
                 compiled, parameters=model, optimizer_state=opt_state, batch=tokens
             )
             log.info(f"compiled in {compile_seconds:.1f} s; {metrics.format_memory(memory)}")
+            wait_for_every_process("compiled", start)
             note = metrics.utilisation_note(device, run.precision)
             if device.platform == "cpu":
                 log.info(

@@ -101,10 +101,13 @@ def _run_until_a_checkpoint_then_kill(command: list, tmp_path: Path, ckpt: Path)
     try:
         deadline = time.monotonic() + TIMEOUT
         while not _saved_steps(ckpt) and time.monotonic() < deadline:
-            ended = [p for p in started if p.poll() is not None]
-            if ended:
+            if any(p.poll() is not None for p in started):
+                for process in started:  # the others too: what each was doing
+                    if process.poll() is None:
+                        process.kill()
                 output = "\n".join(
-                    f"exit status {p.returncode}:\n{p.communicate()[0]}" for p in ended
+                    f"process {i}, exit status {p.returncode}:\n{p.communicate()[0]}"
+                    for i, p in enumerate(started)
                 )
                 pytest.fail(f"a process ended before the kill:\n{output}")
             time.sleep(0.02)
