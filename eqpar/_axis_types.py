@@ -84,13 +84,15 @@ def _is_traced(x: Any) -> bool:
     return isinstance(x, Tracer)
 
 
-def constrain(x: Any, sharding: NamedSharding) -> Any:
-    """Lay `x` out as `sharding` says, on a mesh of any axis types.
+def constrain(x: Any, sharding: NamedSharding | None) -> Any:
+    """Lay `x` out as `sharding` says, on a mesh of any axis types (`None`: as it is).
 
     A concrete array is placed (`jax.device_put`, which takes every axis type). A traced one
     is resharded over the Explicit axes the spec names (`jax.sharding.reshard`, which changes
     its type) and constrained over the Auto ones (`jax.lax.with_sharding_constraint` with the
     Explicit names left out, so the type's own sharding stays)."""
+    if sharding is None:
+        return x
     if not _is_traced(x):
         return jax.device_put(x, sharding)
     mesh, spec = sharding.mesh, sharding.spec
@@ -157,6 +159,6 @@ def gather_explicit(x: Any) -> Any:
         return x  # not split over an Explicit axis
     if _is_traced(x):
         return jax.sharding.reshard(x, NamedSharding(mesh, PartitionSpec()))
-    placed = x.sharding  # the concrete mesh: the type's is abstract
+    placed: Any = x.sharding  # the concrete mesh: the type's is abstract
     auto = frozenset(mesh.axis_names) - explicit_axes(mesh)
     return jax.device_put(x, NamedSharding(placed.mesh, keep_axes(placed.spec, auto, rank=rank)))

@@ -1286,7 +1286,7 @@ def unparallelize(model: PyTree) -> PyTree:
         return to_serial_layer(node)
 
     model = jax.tree.map(gather_explicit, model)  # before unstacking: indexing takes them
-    converted = jax.tree.map(
+    return jax.tree.map(
         serial,
         model,
         is_leaf=lambda node: (
@@ -1294,4 +1294,3 @@ def unparallelize(model: PyTree) -> PyTree:
             or block_options(node) is not None
         ),
     )
-    return converted
