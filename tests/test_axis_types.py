@@ -192,3 +192,21 @@ def test_vit_3d_one_forward_one_backward_by_plan_on_explicit_axes():
     loss, updated = scheduled_step(vit.loss, model, plan, mesh, *batch)
     assert_tree_close(loss, serial_loss, what="loss")
     assert_tree_close(updated, serial_model, what="updated")
+
+
+def test_checkpoint_written_on_an_auto_mesh_restores_onto_an_explicit_one(tmp_path):
+    """Bitwise, with the target's sharding in the restored array's type."""
+    from eqpar.checkpoint import Checkpointer
+
+    auto = eqpar.DeviceMesh((2, 4), ("data", "model"))
+    weight = jnp.arange(64.0).reshape(8, 8)
+    placed = jax.device_put(weight, NamedSharding(auto.jax_mesh, P("data", "model")))
+    with Checkpointer(tmp_path) as checkpointer:
+        checkpointer.save(1, {"w": placed}, force=True)
+    explicit = jax.make_mesh((4, 2), ("data", "model"))
+    where = NamedSharding(explicit, P("model", "data"))
+    with Checkpointer(tmp_path) as checkpointer:
+        target = {"w": jax.ShapeDtypeStruct((8, 8), jnp.float32, sharding=where)}
+        restored = checkpointer.restore(target=target)["w"]
+    assert jax.typeof(restored).sharding.spec == P("model", "data")
+    assert (jax.device_get(restored) == jax.device_get(weight)).all()
