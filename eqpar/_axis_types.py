@@ -5,10 +5,12 @@ JAX constrains an array differently by the type of the mesh axes its spec names:
 `AxisType.Explicit` axes the sharding is part of the array's type, and only
 `jax.sharding.reshard` changes it (`with_sharding_constraint` refuses those axes, and
 `jax.shard_map` refuses an argument whose type differs from its `in_specs` there).
-`jax.make_mesh` makes Explicit axes by default, `eqpar.DeviceMesh` Auto ones. Every place
-eqpar lays arrays out goes through `constrain` (and every `jax.shard_map` it enters through
-`enter_shard_map`), so that both kinds of mesh, and meshes that mix them, take the same
-specs.
+`jax.make_mesh` makes Explicit axes by default, `eqpar.DeviceMesh` Auto ones. eqpar's
+placement (`placement.with_sharding_constraint`, `Distribution.constrain`, `check`) goes
+through `constrain`, `eqpar.shard_map` enters `jax.shard_map` through `enter_shard_map`, and
+`unparallelize` hands one-device code `gather_explicit`'s whole arrays, so that both kinds of
+mesh, and meshes that mix them, take the same specs. (The `jax.shard_map` calls inside
+eqpar's layers and executors run within the caller's region, on what it entered.)
 """
 
 from collections.abc import Hashable, Iterable
