@@ -70,16 +70,27 @@ def _explicit_target(
     rank = jax.numpy.ndim(x)
     current = _current_spec(x, rank)
     entries = list(spec) + [None] * (rank - len(spec))
+    named = {n for e in entries for n in _names(e) if n in explicit}
     target = []
     for wanted, now in zip(entries, current):
-        if wanted is PartitionSpec.UNCONSTRAINED:
-            target.append(_entry(n for n in _names(now) if n in explicit))
+        if wanted is PartitionSpec.UNCONSTRAINED:  # as it is, unless `spec` moves that axis
+            target.append(_entry(n for n in _names(now) if n in explicit and n not in named))
             continue
         names = [n for n in _names(wanted) if n in explicit]
-        names += [n for n in _names(now) if n in explicit and n in keep and n not in names]
+        names += [n for n in _names(now) if n in explicit and n in keep and n not in named]
         target.append(_entry(names))
     had = (_entry(n for n in _names(now) if n in explicit) for now in current)
     return PartitionSpec(*target), PartitionSpec(*had)
+
+
+def context_mesh() -> Any:
+    """The mesh `jax.set_mesh` set: concrete outside a trace, abstract inside one; `None`
+    when none is set."""
+    try:
+        mesh = jax.sharding.get_mesh()
+    except ValueError:  # `get_mesh` refuses to run under a trace
+        mesh = jax.sharding.get_abstract_mesh()
+    return None if mesh.empty else mesh
 
 
 def _is_traced(x: Any) -> bool:
@@ -89,19 +100,25 @@ def _is_traced(x: Any) -> bool:
 def constrain(x: Any, sharding: NamedSharding | None) -> Any:
     """Lay `x` out as `sharding` says, on a mesh of any axis types (`None`: as it is).
 
-    A concrete array is placed (`jax.device_put`, which takes every axis type). A traced one
-    is resharded over the Explicit axes the spec names (`jax.sharding.reshard`, which changes
-    its type) and constrained over the Auto ones (`jax.lax.with_sharding_constraint` with the
-    Explicit names left out, so the type's own sharding stays)."""
+    On a mesh without Explicit axes this is `jax.lax.with_sharding_constraint`. Otherwise a
+    concrete array is placed (`jax.device_put`, which takes every axis type; UNCONSTRAINED
+    entries keep the array's own split), and a traced one is resharded over the Explicit
+    axes the spec names (`jax.sharding.reshard`, which changes its type) and constrained
+    over the Auto ones (`jax.lax.with_sharding_constraint` with the Explicit names left out,
+    so the type's own sharding stays)."""
     if sharding is None:
         return x
-    if not _is_traced(x):
-        return jax.device_put(x, sharding)
     mesh, spec = sharding.mesh, sharding.spec
     explicit = explicit_axes(mesh)
     if not explicit:
         return jax.lax.with_sharding_constraint(x, sharding)
     rank = jax.numpy.ndim(x)
+    # An abstract mesh: inside a trace (a constant there too goes the traced way).
+    if not (_is_traced(x) or isinstance(mesh, jax.sharding.AbstractMesh)):
+        if any(e is PartitionSpec.UNCONSTRAINED for e in spec):  # device_put takes no such
+            target, _ = _explicit_target(x, spec, frozenset(mesh.axis_names), frozenset())
+            sharding = NamedSharding(mesh, target)
+        return jax.device_put(x, sharding)
     target, current = _explicit_target(x, spec, explicit, frozenset())
     if target != current:
         x = jax.sharding.reshard(x, NamedSharding(mesh, target))

@@ -763,7 +763,9 @@ class Checkpointer:
     - `checksums`: store a checksum of every leaf and verify it on restore (see the module
       docstring). Sub-byte dtypes (int4, ...) are not checksummed.
     - `timeout`: seconds `save` and `restore` wait at their barrier for the other processes
-      of a multi-process job before failing.
+      of a multi-process job before failing. Orbax's own barriers inside a save or restore
+      (of JAX's coordination service here, not collectives) wait at most 300 s, which orbax
+      does not let us set.
 
     ```python
     import tempfile
@@ -821,6 +823,13 @@ class Checkpointer:
         # The step a background save is writing, and the unfinished directories of that step
         # that were there before it began (which are not its own).
         self._pending: tuple[int, frozenset[str]] | None = None
+        if jax.process_count() > 1:
+            # Orbax creates the directory only alone here (see `_open_manager`). Once, at
+            # the start: a manager reopened later (after a failed background save, on the
+            # processes that saw it) must not wait for the others.
+            if jax.process_index() == 0:
+                self._directory.mkdir(parents=True, exist_ok=True)
+            self._barrier("open")
         self._manager = self._open_manager()
 
     def _open_manager(self) -> PyTree:
@@ -834,7 +843,8 @@ class Checkpointer:
             # still waiting in that psum 49 s after its peer had left it, which then failed
             # the peer's first training step at Gloo's 30 s start-up limit. Naming every
             # process makes each of them a barrier of JAX's coordination service instead (no
-            # device work, and a timeout); orbax then leaves creating the directory to us.
+            # device work, and a timeout of orbax's own, 300 s); orbax then leaves creating
+            # the directory to us (`__init__`).
             every_process = set(range(jax.process_count()))
             processes = dict(
                 multiprocessing_options=ocp.options.MultiprocessingOptions(
@@ -842,9 +852,6 @@ class Checkpointer:
                 ),
                 create=False,
             )
-            if jax.process_index() == 0:
-                self._directory.mkdir(parents=True, exist_ok=True)
-            self._barrier("open")
         options = ocp.CheckpointManagerOptions(
             save_decision_policy=policies.AnySavePolicy([every, preempted]),
             preservation_policy=policies.LatestN(self._keep),

@@ -68,6 +68,10 @@ def _to_device_mesh(mesh: DeviceMesh | Mesh, where: str) -> DeviceMesh:
     if isinstance(mesh, DeviceMesh):
         return mesh
     if isinstance(mesh, Mesh):
+        # Auto axes whatever the mesh's types: a distribution leaves the model's own code to
+        # the compiler, which under Explicit axes would refuse it (a batch split over `data`
+        # times weights FSDP splits over `data` has no legal typed result). Inputs go
+        # through `distribute_input`, onto this mesh.
         return DeviceMesh(mesh.devices.shape, tuple(mesh.axis_names), mesh.devices)
     raise TypeError(
         f"{where}: device_mesh must be an eqpar.DeviceMesh or jax.sharding.Mesh; got "
@@ -348,7 +352,9 @@ class Distribution:
         return eqx.combine(jax.device_put(arrays, shardings), static)
 
     def constrain(self, tree: PyTree, model: PyTree | None = None) -> PyTree:
-        """Pin the layout of `tree` inside a jitted function (`with_sharding_constraint`).
+        """Pin the layout of `tree` inside a jitted function: `with_sharding_constraint` over
+        the mesh's Auto axes, `jax.sharding.reshard` over its Explicit ones (outside `jit`,
+        the arrays are placed with `jax.device_put`).
 
         The compiler picks the shardings of a jitted function's results by itself, and they
         need not be the layout (e.g. it may split a replicated bias). Pass the updated model
@@ -461,7 +467,10 @@ class DataParallel(Distribution):
     **Arguments:**
 
     - `device_mesh`: the mesh; its first axis carries the batch (a mesh of several axes
-      warns: the others only replicate). Modules that declare a layout keep it.
+      warns: the others only replicate). Modules that declare a layout keep it. A
+      `jax.sharding.Mesh` is used with Auto axes whatever its axis types (`device_mesh`
+      says so): the compiler partitions the model's own code; place inputs with
+      `distribute_input`.
     - `devices`: build a 1-D mesh (axis `"data"`) over these devices instead.
 
     Neither given: a 1-D mesh over all devices. Both given: `ValueError`.
@@ -670,7 +679,8 @@ class FSDP(Distribution):
     **Arguments:**
 
     - `device_mesh`: the mesh (default: `layout_map`'s, or a 1-D `"data"` mesh over
-      `devices` or all devices).
+      `devices` or all devices); a `jax.sharding.Mesh` is used with Auto axes whatever its
+      axis types, as for `DataParallel`.
     - `devices`: devices for the 1-D mesh; not together with `device_mesh`.
     - `axis`: the mesh axis for parameters and batch (default: the first axis).
     - `layout_map`: optional `LayoutMap` for leaves laid out explicitly.

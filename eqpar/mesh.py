@@ -100,8 +100,10 @@ class DeviceMesh:
 
     Axes are `AxisType.Auto` by default (the compiler propagates shardings), unlike
     `jax.make_mesh`, whose default is `AxisType.Explicit` (the sharding is part of each
-    array's type). eqpar takes meshes of either kind, and meshes that mix them, wherever it
-    takes a mesh: it reshards arrays over Explicit axes and constrains them over Auto ones.
+    array's type). eqpar's placement, `eqpar.shard_map`, plans (pipelines included),
+    checkpoints and `eqpar.check` take meshes of either kind and meshes that mix them: they
+    reshard arrays over Explicit axes and constrain them over Auto ones. `SplitSequence`
+    needs its axis Auto (it refuses an Explicit one, saying so).
 
     **Arguments:**
 
@@ -163,11 +165,16 @@ class DeviceMesh:
                 f"DeviceMesh: axis_names {axis_names} repeats {duplicates}; names must be unique."
             )
         types = (axis_types,) * len(shape) if isinstance(axis_types, AxisType) else axis_types
-        if isinstance(types, str) or not all(isinstance(t, AxisType) for t in types):
+        if (
+            isinstance(types, str)
+            or not isinstance(types, Sequence)
+            or not all(isinstance(t, AxisType) and t != AxisType.Manual for t in types)
+        ):
             raise TypeError(
-                f"DeviceMesh: axis_types must be a jax.sharding.AxisType or one per axis; got "
-                f"{axis_types!r}. Write e.g. AxisType.Explicit, or (AxisType.Explicit, "
-                f"AxisType.Auto) for a mesh of two axes."
+                f"DeviceMesh: axis_types must be AxisType.Auto or AxisType.Explicit (of "
+                f"jax.sharding), or one of them per axis; got {axis_types!r}. Write e.g. "
+                f"AxisType.Explicit, or (AxisType.Explicit, AxisType.Auto) for two axes. "
+                f"(Manual axes are what shard_map makes inside its region.)"
             )
         types = tuple(types)
         if len(types) != len(shape):

@@ -44,6 +44,7 @@ from jax.tree_util import tree_flatten_with_path, tree_map_with_path
 from jaxtyping import Array, ArrayLike, PyTree
 
 from ._axis_types import constrain as constrain_on_any_axes
+from ._axis_types import context_mesh
 from ._paths import path_to_str
 from ._specs import check_spec
 
@@ -82,13 +83,12 @@ class DataPartitionType(enum.Enum):
 def _context_mesh(function: str | None = None) -> PyTree:
     """The context mesh, concrete outside a trace and abstract inside one (an error naming
     `function` when given); `None` when none is set."""
-    try:
-        mesh = jax.sharding.get_mesh()
-    except ValueError:  # `get_mesh` refuses to run under a trace
-        if function:
+    if function:
+        try:
+            jax.sharding.get_mesh()
+        except ValueError:  # `get_mesh` refuses to run under a trace
             raise ValueError(f"`{function}` must be called outside `jax.jit`.") from None
-        mesh = jax.sharding.get_abstract_mesh()
-    return None if mesh.empty else mesh
+    return context_mesh()
 
 
 def _resolve(mesh: Any, partition: object, function: str) -> tuple[Mesh, NamedSharding, int]:

@@ -12,7 +12,7 @@ from jax import lax
 from jax.sharding import Mesh, PartitionSpec
 
 from . import _current
-from ._axis_types import enter_shard_map
+from ._axis_types import context_mesh, enter_shard_map
 from ._paths import path_to_str
 from ._specs import check_spec, entry_names, is_spec_leaf, show_spec
 from ._splits import fresh_record
@@ -214,7 +214,8 @@ def shard_map(
         )
         # Over Explicit mesh axes JAX takes only arguments typed as their in_specs say.
         manual = None if axis_names is None else frozenset(axis_names)
-        dynamic = enter_shard_map(dynamic, tuple(stored), jax_mesh, manual=manual)
+        entered_mesh = jax_mesh if jax_mesh is not None else context_mesh()
+        dynamic = enter_shard_map(dynamic, tuple(stored), entered_mesh, manual=manual)
         out_dynamic = inner(*dynamic)
         return eqx.combine(out_dynamic, static_out[-1])
 

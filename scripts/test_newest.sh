@@ -7,7 +7,8 @@
 #     bash scripts/test_newest.sh              # the subset
 #     bash scripts/test_newest.sh tests/x.py   # other tests
 #     PYTHON=/path/to/python3.13 bash scripts/test_newest.sh   # another interpreter
-# Without PYTHON it takes the highest python3.N among pyenv's versions and the PATH.
+# Without PYTHON it takes the highest released python3.N among pyenv's versions and the PATH
+# (python3 when there is none).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 if [ -z "${PYTHON:-}" ]; then
@@ -16,7 +17,10 @@ import glob, os, re, shutil, subprocess
 
 root = subprocess.run(["pyenv", "root"], capture_output=True, text=True).stdout.strip() \
     if shutil.which("pyenv") else ""
-found = glob.glob(os.path.join(root, "versions", "*", "bin", "python3.*")) if root else []
+# Released CPython builds only: pyenv's "3.14-dev", "3.15.0a1" or free-threaded "3.13.0t"
+# may have no JAX wheels.
+found = [path for path in glob.glob(os.path.join(root, "versions", "*", "bin", "python3.*"))
+         if re.fullmatch(r"\d+\.\d+\.\d+", path.split(os.sep)[-3])] if root else []
 found += [path for n in range(8, 30) if (path := shutil.which(f"python3.{n}"))]
 versions = {}
 for path in found:
@@ -30,8 +34,8 @@ print(max(versions, key=versions.get) if versions else "")
 PY
 )"
     if [ -z "$PYTHON" ]; then
-        echo "test_newest.sh: no python3.N found (pyenv or PATH); pass PYTHON=/path/to/python" >&2
-        exit 2
+        PYTHON=python3
+        echo "test_newest.sh: no python3.N found (pyenv or PATH): python3 (PYTHON= to choose)" >&2
     fi
 fi
 export PYTHON EQPAR_VENV=.venv-newest

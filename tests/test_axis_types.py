@@ -130,14 +130,32 @@ def test_with_sharding_constraint_lays_out_over_either_axis_type(kind):
     assert jnp.array_equal(out, x @ w)
     placed = with_sharding_constraint(x, NamedSharding(mesh, P(None, "model")))  # outside jit
     assert placed.sharding.is_equivalent_to(NamedSharding(mesh, P(None, "model")), 2)
+    if A in KINDS[kind]:  # (JAX refuses UNCONSTRAINED on a mesh without Auto axes)
+        # UNCONSTRAINED keeps what is there, outside jit too (device_put takes no such entry)
+        kept = with_sharding_constraint(placed, NamedSharding(mesh, P("data", P.UNCONSTRAINED)))
+        assert jnp.array_equal(kept, x)
+        assert kept.sharding.shard_shape(x.shape)[0] == 4  # rows over data
+
+
+def test_shard_map_with_the_mesh_set_by_jax_set_mesh_reshards_too():
+    mesh = make_mesh("explicit")
+    double = eqpar.shard_map(lambda b: 2 * b, mesh=None, in_specs=P("data"), out_specs=P("data"))
+    with jax.set_mesh(mesh):
+        out = double(jnp.ones((8, 4)))  # an unplaced argument
+    assert jax.typeof(out).sharding.spec == P("data", None)
+    assert jnp.array_equal(out, 2 * jnp.ones((8, 4)))
 
 
 @pytest.mark.parametrize("kind", ["explicit", "explicit-model"])
 def test_distribution_placement_and_constrain_on_explicit_axes(kind):
-    """FSDP through the compiler: placement, a jitted SGD step with `constrain`, equal to one
-    device, the parameters where the layout says."""
+    """FSDP through the compiler, given a `jax.make_mesh` mesh: placement, a jitted SGD step
+    with `constrain`, equal to one device, the parameters where the layout says."""
     mesh = make_mesh(kind)
     fsdp = eqpar.FSDP(mesh, min_size_bytes=0)
+    # Through the compiler: the same devices with Auto axes (under Explicit ones the MLP's
+    # own matmul of a batch split over data by weights split over data has no legal type).
+    assert fsdp.device_mesh.jax_mesh.axis_types == (A, A)
+    assert (fsdp.device_mesh.devices == mesh.devices).all()
     model = fsdp.distribute_model(mlp())
     x, y = (fsdp.distribute_input(a) for a in batch())
 
@@ -173,6 +191,8 @@ def test_device_mesh_axis_types():
     assert mixed.jax_mesh.axis_types == (E, A)
     with pytest.raises(ValueError, match="axis_types has 1; give one type per axis"):
         eqpar.DeviceMesh((2, 4), ("data", "model"), axis_types=(E,))
+    with pytest.raises(TypeError, match="Manual axes are what shard_map makes"):
+        eqpar.DeviceMesh((8,), ("data",), axis_types=AxisType.Manual)
 
 
 def test_vit_3d_one_forward_one_backward_by_plan_on_explicit_axes():

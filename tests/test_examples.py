@@ -20,6 +20,12 @@ def test_primitives_tour_runs():
     assert "round trip exact: True" in result.stdout
 
 
+def _without_choices() -> dict[str, str]:
+    """The environment without the interpreter and environment folder a caller chose (as
+    scripts/test_newest.sh does for the tests it runs)."""
+    return {k: v for k, v in os.environ.items() if k not in ("PYTHON", "EQPAR_VENV")}
+
+
 def test_scripts_install_their_extras_once_per_pyproject_change(tmp_path):
     """`scripts/_env.sh EXTRAS` installs only what is missing since pyproject.toml last
     changed (a stand-in python records the pip calls instead of installing)."""
@@ -41,7 +47,7 @@ def test_scripts_install_their_extras_once_per_pyproject_change(tmp_path):
         calls.write_text("")
         subprocess.run(
             ["bash", "-c", f"source scripts/_env.sh {extras}"],
-            cwd=tmp_path, check=True, capture_output=True, timeout=60,
+            cwd=tmp_path, check=True, capture_output=True, timeout=60, env=_without_choices(),
         )  # fmt: skip
         return [line for line in calls.read_text().splitlines() if " -e " in line]
 
@@ -78,7 +84,7 @@ def test_scripts_make_the_environment_again_for_another_interpreter(tmp_path):
     result = subprocess.run(
         ["bash", "-c", "source scripts/_env.sh examples"],
         cwd=tmp_path, capture_output=True, text=True, timeout=60,
-        env={**os.environ, "PYTHON": str(newer)},
+        env={**_without_choices(), "PYTHON": str(newer)},
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert "made by another Python" in result.stderr
