@@ -824,12 +824,11 @@ class Checkpointer:
         # that were there before it began (which are not its own).
         self._pending: tuple[int, frozenset[str]] | None = None
         if jax.process_count() > 1:
-            # Orbax creates the directory only alone here (see `_open_manager`). Once, at
-            # the start: a manager reopened later (after a failed background save, on the
-            # processes that saw it) must not wait for the others.
-            if jax.process_index() == 0:
-                self._directory.mkdir(parents=True, exist_ok=True)
-            self._barrier("open")
+            # Orbax creates the directory only alone (see `_open_manager`): every process
+            # makes it if missing, with no barrier, so that opening a Checkpointer never waits
+            # for the others (a process may open one more, e.g. to list the steps of a
+            # directory that another process has just created).
+            self._directory.mkdir(parents=True, exist_ok=True)
         self._manager = self._open_manager()
 
     def _open_manager(self) -> PyTree:
@@ -844,7 +843,7 @@ class Checkpointer:
             # the peer's first training step at Gloo's 30 s start-up limit. Naming every
             # process makes each of them a barrier of JAX's coordination service instead (no
             # device work, and a timeout of orbax's own, 300 s); orbax then leaves creating
-            # the directory to us (`__init__`).
+            # the directory to us (`__init__`). Orbax opens a manager with no barrier then.
             every_process = set(range(jax.process_count()))
             processes = dict(
                 multiprocessing_options=ocp.options.MultiprocessingOptions(

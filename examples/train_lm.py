@@ -727,12 +727,14 @@ METRICS_FILE = "metrics.jsonl"
 def saved_steps(directory: pathlib.Path) -> list[int]:
     """The committed checkpoint steps in `directory`, oldest first (`[]` where there is no
     such directory; nothing is created)."""
-    from eqpar.checkpoint import Checkpointer
+    from orbax.checkpoint import utils
 
     if not pathlib.Path(directory).is_dir():
         return []
-    with Checkpointer(directory) as checkpointer:
-        return checkpointer.all_steps()
+    # A listing, not a `Checkpointer`: in a multi-process run the directory may exist for one
+    # process and not yet for another, and a Checkpointer opened on only some processes
+    # would wait in orbax's barriers for the others (what `Checkpointer.all_steps` lists).
+    return sorted(utils.checkpoint_steps(directory))
 
 
 def check_checkpoint_start(checkpoint: CheckpointOptions, steps: Sequence[int], last: int) -> None:

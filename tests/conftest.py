@@ -10,21 +10,11 @@ import pathlib
 import sys
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# Most of the suite's time is XLA:CPU compiling small programs; LLVM's optimisations of the
-# machine code are a third of that (measured: 44.5 s of backend compile in two pipeline
-# tests, 15 s less at level 0) and buy nothing at the tests' sizes. The level changes no
-# HLO: collective bytes and `memory_analysis()` (buffer assignment) are the same, and the
-# numeric tests' tolerances come from the arithmetic, not from the code generated.
-# A level set by hand in XLA_FLAGS is kept; on an accelerator the default level stays.
-FAST_COMPILE = "--xla_backend_optimization_level=0"
-_flags = os.environ.get("XLA_FLAGS", "")
-if os.environ["JAX_PLATFORMS"] == "cpu" and "--xla_backend_optimization_level" not in _flags:
-    os.environ["XLA_FLAGS"] = f"{_flags} {FAST_COMPILE}".strip()
 # The measuring tools (`_hlo`: collective bytes and memory read off compiled programs) are a
 # support module of benchmarks/, not part of the package; the tests import them from there.
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))
 
-import jax  # noqa: E402
+import jax
 
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_enable_x64", False)

@@ -111,6 +111,11 @@ def _run_until_a_checkpoint_then_kill(command: list, tmp_path: Path, ckpt: Path)
                 )
                 pytest.fail(f"a process ended before the kill:\n{output}")
             time.sleep(0.02)
+        if not _saved_steps(ckpt):
+            for process in started:
+                process.kill()
+            output = "\n".join(f"process {i}:\n{p.communicate()[0]}" for i, p in enumerate(started))
+            pytest.fail(f"no checkpoint within {TIMEOUT} s:\n{output}")
         os.kill(started[1].pid, signal.SIGKILL)
         started[1].wait(timeout=30)
         # The job is lost: the survivor fails in its next collective, or in a checkpoint's
