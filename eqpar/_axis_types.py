@@ -138,12 +138,10 @@ def enter_shard_map(
     `args` with a `PartitionSpec` per array (the `in_specs` given to `jax.shard_map`)."""
     if mesh is None:
         return args
-    explicit = explicit_axes(mesh)
-    if manual is not None:
-        explicit &= manual
+    all_explicit = explicit_axes(mesh)
+    explicit = all_explicit if manual is None else all_explicit & manual
     if not explicit:
         return args
-    all_explicit = explicit_axes(mesh)
     keep = frozenset(mesh.axis_names) - explicit
 
     def enter(spec: Any, subtree: PyTree) -> PyTree:
@@ -173,11 +171,12 @@ def gather_explicit(x: Any) -> Any:
     mesh = getattr(typed, "mesh", None)
     if typed is None or mesh is None or not explicit_axes(mesh):
         return x
+    explicit = explicit_axes(mesh)
     rank = jax.numpy.ndim(x)
-    if keep_axes(typed.spec, explicit_axes(mesh), rank=rank) == PartitionSpec(*[None] * rank):
+    if keep_axes(typed.spec, explicit, rank=rank) == PartitionSpec(*[None] * rank):
         return x  # not split over an Explicit axis
     if _is_traced(x):
         return jax.sharding.reshard(x, NamedSharding(mesh, PartitionSpec()))
     placed: Any = x.sharding  # the concrete mesh: the type's is abstract
-    auto = frozenset(mesh.axis_names) - explicit_axes(mesh)
+    auto = frozenset(mesh.axis_names) - explicit
     return jax.device_put(x, NamedSharding(placed.mesh, keep_axes(placed.spec, auto, rank=rank)))
