@@ -17,6 +17,7 @@ from typing import Any
 
 import equinox as eqx
 import jax
+from jax.core import Tracer
 from jax.sharding import PartitionSpec
 
 from ._axis_types import gather_explicit
@@ -25,6 +26,7 @@ from ._matching import compile_key, single_match, unused_key_hints
 from ._paths import children, map_children, path_to_str
 from ._specs import check_spec
 from ._typing import PyTree
+from .layout import named_shardings, partition_specs
 from .mesh import DeviceMesh, as_jax_mesh
 from .nn._plan_blocks import (
     BlockOptions,
@@ -1015,7 +1017,23 @@ def parallelize(
         if strict:
             raise ValueError(message + " Pass strict=False to only warn.")
         warnings.warn(message, stacklevel=2)
+    if mesh is not None:
+        converted = _placed(converted, mesh)
     return converted
+
+
+def _placed(model: PyTree, mesh: DeviceMesh | jax.sharding.Mesh) -> PyTree:
+    """`model`'s concrete arrays placed on `mesh` by its layout (abstract leaves and tracers
+    stay as they are): what the converted layers need to open their own regions."""
+    specs = partition_specs(model, mesh=mesh)
+    shardings = named_shardings(specs, mesh)
+
+    def place(leaf: Any, sharding: Any) -> Any:
+        if isinstance(leaf, jax.Array) and not isinstance(leaf, Tracer):
+            return jax.device_put(leaf, sharding)
+        return leaf
+
+    return jax.tree.map(place, model, shardings, is_leaf=lambda x: x is None)
 
 
 # Layers a split activation passes through unchanged on its way to the next linear. Not

@@ -15,6 +15,7 @@ from .._axes import axis_size
 from .._checks import check_bool_mask, check_context_options, check_nonempty_sequence
 from .._vma import cast_varying, varies_over
 from ..context import all_gather_attention, ring_attention
+from ._own_region import axis_names_of, call_in_own_region, needs_own_region
 from ._twins import adopt, check_block, check_divides, check_sequence_layout, rebuilt
 
 __all__ = [
@@ -190,6 +191,19 @@ class HeadParallelAttention(eqx.nn.MultiheadAttention):
         `sequence_parallel=True`, this device's block `[q_seq / n, output_size]`.
         """
         owner = type(self).__name__
+        if needs_own_region(self.axis_name) and not self.sequence_parallel:
+            options = {"inference": inference, "deterministic": deterministic}
+            return call_in_own_region(
+                owner,
+                self.axis_name,
+                self,
+                lambda layer, q, k, v, m, rng, heads: layer(
+                    q, k, v, m, key=rng, process_heads=heads, **options
+                ),
+                (query, key_, value, mask, key, process_heads),
+                arg_specs=(P(),) * 6,
+                out_specs=P(),
+            )
         if deterministic is not None:
             inference = deterministic
         check_bool_mask(owner, "mask", mask)
@@ -361,6 +375,43 @@ class ContextParallelAttention(eqx.nn.MultiheadAttention):
         """The `eqx.nn.MultiheadAttention` with the same parameters."""
         return rebuilt(self, eqx.nn.MultiheadAttention)
 
+    def _own_region(
+        self,
+        owner: str,
+        query: Array,
+        key_: Array,
+        value: Array,
+        mask: Array | None,
+        key: PRNGKeyArray | None,
+        process_heads: Callable | None,
+        options: dict,
+    ) -> Array:
+        """Called outside `shard_map` over the sequence axis (the one-device step on placed
+        arrays): the whole sequence, split over the axis inside a region of its own."""
+        if self.layout != "contiguous":
+            raise ValueError(
+                f"{owner}: with layout={self.layout!r} the sequence is stored in an order of "
+                f"its own, which only `eqpar.shard_map` with the balanced sequence as input "
+                f"gives (see `eqpar.context`); outside shard_map over {self.axis_name!r} the "
+                f"layer takes the serial order. Use layout='contiguous', or run the step "
+                f"inside `eqpar.shard_map`."
+            )
+        axes = axis_names_of(self.axis_name)
+        if self.head_axis_name is not None:
+            axes += axis_names_of(self.head_axis_name)
+        sequence = P(self.axis_name)
+        return call_in_own_region(
+            owner,
+            axes,
+            self,
+            lambda layer, q, k, v, m, rng, heads: layer(
+                q, k, v, m, key=rng, process_heads=heads, **options
+            ),
+            (query, key_, value, mask, key, process_heads),
+            arg_specs=(sequence, sequence, sequence, sequence, P(), P()),
+            out_specs=sequence,
+        )
+
     def _heads(self, owner: str) -> int:
         if self.head_axis_name is None:
             return self.num_heads
@@ -387,6 +438,17 @@ class ContextParallelAttention(eqx.nn.MultiheadAttention):
         **Returns:** `[q_block, output_size]`, this device's block of the output.
         """
         owner = type(self).__name__
+        if needs_own_region(self.axis_name):
+            return self._own_region(
+                owner,
+                query,
+                key_,
+                value,
+                mask,
+                key,
+                process_heads,
+                {"inference": inference, "deterministic": deterministic},
+            )
         del key
         if deterministic is not None:
             inference = deterministic

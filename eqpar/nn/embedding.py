@@ -12,6 +12,7 @@ from jaxtyping import Array, Float, Int, Integer, PRNGKeyArray
 from .._axes import axis_size
 from .._checks import check_int
 from .._vma import varies_over
+from ._own_region import call_in_own_region, needs_own_region
 from ._twins import adopt, check_block, check_divides, gather_replicated, rebuilt
 
 __all__ = [
@@ -79,6 +80,16 @@ class VocabParallelEmbedding(_SplitEmbedding):
         """
         del key
         owner = type(self).__name__
+        if needs_own_region(self.axis_name):
+            return call_in_own_region(
+                owner,
+                self.axis_name,
+                self,
+                lambda layer, x: layer(x),
+                (x,),
+                arg_specs=(P(),),
+                out_specs=P(),
+            )
         n = axis_size(self.axis_name, owner)
         check_divides(owner, "num_embeddings", self.num_embeddings, n, self.axis_name)
         rows = self.num_embeddings // n
@@ -272,6 +283,16 @@ class FeatureParallelEmbedding(_SplitEmbedding):
         """
         del key
         owner = type(self).__name__
+        if needs_own_region(self.axis_name):
+            return call_in_own_region(
+                owner,
+                self.axis_name,
+                self,
+                lambda layer, x: layer(x),
+                (x,),
+                arg_specs=(P(),),
+                out_specs=P(),
+            )
         n = axis_size(self.axis_name, owner)
         check_divides(owner, "embedding_size", self.embedding_size, n, self.axis_name)
         check_block(

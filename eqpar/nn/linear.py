@@ -41,6 +41,7 @@ from .._checks import (
 )
 from .._splits import Split, close_split, open_split
 from ._heads import mark_column_output
+from ._own_region import call_in_own_region, feature_spec, needs_own_region
 from ._twins import (
     adopt,
     check_block,
@@ -722,6 +723,16 @@ class ColumnParallelLinear(eqx.nn.Linear):
         `[n, out_features / n]` with `sequence_parallel=True`.
         """
         owner = type(self).__name__
+        if needs_own_region(self.axis_name) and not self.sequence_parallel:
+            return call_in_own_region(
+                owner,
+                self.axis_name,
+                self,
+                lambda layer, x: layer(x),
+                (x,),
+                arg_specs=(P(),),
+                out_specs=P() if self.gather_output else feature_spec(x, self.axis_name),
+            )
         n = axis_size(self.axis_name, owner)
         assert isinstance(self.out_features, int) and isinstance(self.in_features, int)
         check_divides(owner, "out_features", self.out_features, n, self.axis_name)
@@ -845,6 +856,16 @@ class RowParallelLinear(eqx.nn.Linear):
         """
         del key
         owner = type(self).__name__
+        if needs_own_region(self.axis_name) and not self.sequence_parallel:
+            return call_in_own_region(
+                owner,
+                self.axis_name,
+                self,
+                lambda layer, x: layer(x),
+                (x,),
+                arg_specs=(feature_spec(x, self.axis_name),),
+                out_specs=P(),
+            )
         n = axis_size(self.axis_name, owner)
         assert isinstance(self.out_features, int) and isinstance(self.in_features, int)
         check_divides(owner, "in_features", self.in_features, n, self.axis_name)

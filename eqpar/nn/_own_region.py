@@ -1,0 +1,174 @@
+"""A converted layer called outside a manual region opens its own.
+
+The twins that `eqpar.parallelize` makes compute on their block of the parameters inside
+`shard_map` over their mesh axis. Called anywhere else (the user's one-device step: `jax.jit`
+around a per-example `jax.vmap`, on arrays placed on a mesh), a twin opens a `jax.shard_map`
+over just its axis, on the mesh its parameters live on, and returns what the serial layer
+returns: the global view. The mesh's other axes stay with the compiler. Explicit ones become
+Auto for the region's span (`jax.sharding.auto_axes`): a region under the user's per-example
+`vmap` cannot carry an explicit batch sharding across its boundary (JAX's batching rule for
+`shard_map` gives the batch dimension no axis, so the batch would be gathered), while an Auto
+axis lets the compiler keep the batch where it is. The result is the same program as the
+`eqpar.shard_map` route: one reduction per row-parallel layer, attention or embedding.
+
+eqpar owns this because no JAX API opens a manual region only where one is not open yet,
+nor finds the mesh from the arrays a layer holds.
+"""
+
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import equinox as eqx
+import jax
+from jax.core import Tracer
+from jax.sharding import AxisType, PartitionSpec
+from jaxtyping import PyTree
+
+from .._axes import bound_axis_size
+from .._paths import path_to_str
+from .._splits import fresh_record
+
+
+def axis_names_of(axis_name: Hashable) -> tuple[Hashable, ...]:
+    """The mesh axes that `axis_name` (one axis or a tuple of them) names."""
+    return tuple(axis_name) if isinstance(axis_name, tuple) else (axis_name,)
+
+
+def needs_own_region(axis_name: Hashable) -> bool:
+    """Whether `axis_name` is unbound here (not inside `shard_map` over it), so that a layer
+    split over it must open its own region."""
+    return bound_axis_size(axis_name) is None
+
+
+def layer_specs(layer: PyTree) -> PyTree:
+    """The `shard_map` specs of one converted layer: what it declares by leaf path
+    (`__partition_specs__`), replicated elsewhere, `None` at non-array leaves."""
+    declared = dict(layer.__partition_specs__())
+
+    def spec(path: tuple, leaf: Any) -> PartitionSpec | None:
+        if not eqx.is_array(leaf):
+            return None
+        return declared.get(path_to_str(path), PartitionSpec())
+
+    return jax.tree_util.tree_map_with_path(spec, layer)
+
+
+def _region_mesh(owner: str, layer: PyTree, names: tuple[Hashable, ...]) -> Any:
+    """The mesh to open the region on: the one `jax.set_mesh` set, else the mesh the layer's
+    placed parameters live on (their type says it, traced or not)."""
+    context = jax.sharding.get_abstract_mesh()
+    if not context.empty and all(name in context.axis_names for name in names):
+        return context
+    for leaf in jax.tree.leaves(eqx.filter(layer, eqx.is_array)):
+        mesh = getattr(getattr(jax.typeof(leaf), "sharding", None), "mesh", None)
+        if mesh is not None and not mesh.empty and all(n in mesh.axis_names for n in names):
+            return mesh
+    missing = names[0] if len(names) == 1 else names
+    raise ValueError(
+        f"{owner}: the mesh axis {missing!r} is not bound here (this is not inside "
+        f"`eqpar.shard_map` over it), so the layer opens its own region, on the mesh its "
+        f"parameters are placed on; but they are not placed on a mesh with that axis. "
+        f"Place the model: `eqpar.parallelize(model, plan, mesh=mesh)` places the converted "
+        f"model, or `jax.device_put(model, eqpar.named_shardings(eqpar.partition_specs(model), "
+        f"mesh))`; or run the step under `with jax.set_mesh(mesh):`, or inside "
+        f"`eqpar.shard_map` over {missing!r}. (`eqpar.unparallelize(model)` gives the serial "
+        f"model, for one device.)"
+    )
+
+
+def call_in_own_region(
+    owner: str,
+    axis_name: Hashable,
+    layer: PyTree,
+    call: Callable[..., PyTree],
+    args: tuple,
+    *,
+    arg_specs: tuple,
+    out_specs: PyTree,
+) -> PyTree:
+    """`call(layer, *args)` inside `jax.shard_map` over `axis_name` only, on the mesh of
+    `layer`'s parameters (see the module docstring).
+
+    **Arguments:**
+
+    - `owner`: the layer's class name, for messages.
+    - `axis_name`: the axis (or tuple of axes) the layer splits over.
+    - `layer`: the converted layer; its specs come from its `__partition_specs__`.
+    - `call`: `(layer, *args) -> output`, run where `axis_name` is bound (it calls the layer
+      again, which then takes its ordinary path).
+    - `args`: the array arguments (pytrees; non-array leaves are closed over by `call`).
+    - `arg_specs`: one spec (prefix) per argument, global view.
+    - `out_specs`: the output's specs, global view.
+
+    **Returns:** the output, global view.
+    """
+    names = axis_names_of(axis_name)
+    mesh = _region_mesh(owner, layer, names)
+    others = tuple(
+        name
+        for name, kind in zip(mesh.axis_names, mesh.axis_types)
+        if kind == AxisType.Explicit and name not in names
+    )
+    in_specs = (layer_specs(layer), *arg_specs)
+    _check_divisible(owner, mesh, in_specs, (layer, *args))
+    # Only arrays cross the boundary; the rest (static fields, floats such as a dropout
+    # rate, flags) is closed over.
+    dynamic, static = eqx.partition((layer, *args), eqx.is_array)
+
+    def body(*inputs: Any) -> PyTree:
+        with fresh_record():  # splits the layer opens end with the region
+            return call(*eqx.combine(inputs, static))
+
+    def region(*inputs: Any) -> PyTree:
+        inner = jax.sharding.get_abstract_mesh()
+        return jax.shard_map(
+            body,
+            mesh=inner if not inner.empty else mesh,
+            in_specs=in_specs,
+            out_specs=out_specs,
+            axis_names=set(names),
+        )(*inputs)
+
+    run = region
+    if others:
+        run = jax.sharding.auto_axes(region, axes=others, out_sharding=out_specs)
+    if not any(isinstance(leaf, Tracer) for leaf in jax.tree.leaves(dynamic)):
+        run = jax.jit(run)  # called eagerly on placed arrays: one program over the mesh
+    if jax.sharding.get_abstract_mesh().empty:
+        with jax.sharding.use_abstract_mesh(getattr(mesh, "abstract_mesh", mesh)):
+            return run(*dynamic)
+    return run(*dynamic)
+
+
+def feature_spec(x: Any, axis_name: Hashable) -> PartitionSpec:
+    """`x`'s last dimension (its features) split over `axis_name`, the others whole."""
+    return PartitionSpec(*([None] * (jax.numpy.ndim(x) - 1)), axis_name)
+
+
+def _check_divisible(owner: str, mesh: Any, specs: tuple, inputs: tuple) -> None:
+    """Refuse, naming the leaf, an input whose split dimension the axes do not divide
+    (rather than `shard_map`'s message about its own arguments)."""
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+
+    def check(path: tuple, spec: Any, subtree: PyTree) -> None:
+        if not isinstance(spec, PartitionSpec):
+            return
+        for inner, leaf in jax.tree_util.tree_leaves_with_path(subtree):
+            if not eqx.is_array(leaf):
+                continue
+            for dim, entry in enumerate(spec):
+                n = 1
+                for name in axis_names_of(entry) if entry is not None else ():
+                    n *= sizes[name]
+                if dim < leaf.ndim and leaf.shape[dim] % n:
+                    index, rest = path[0].idx, (*path[1:], *inner)
+                    where = path_to_str(rest) if index == 0 else f"argument {index}"
+                    raise ValueError(
+                        f"{owner}: `{where}` has shape {tuple(leaf.shape)}, whose dimension "
+                        f"{dim} is split over {entry!r} ({n} devices), which does not divide "
+                        f"it. Choose sizes that divide by {n}, or a smaller axis."
+                    )
+
+    jax.tree_util.tree_map_with_path(
+        check, specs, inputs, is_leaf=lambda s: s is None or isinstance(s, PartitionSpec)
+    )

@@ -1,0 +1,194 @@
+"""The one-device training step, unchanged, on a parallelized model.
+
+`step` below is written once, for one device: `eqx.filter_jit`, `eqx.filter_value_and_grad`
+of the model's own loss (which `jax.vmap`s over the batch), a plain SGD update. The serial
+run calls it on the model as its author wrote it; the parallel run calls the same function on
+`eqpar.parallelize(model, plan, mesh=mesh)` (which places the model) with the batch placed by
+one `jax.device_put`. Every converted layer called outside `shard_map` opens its own region
+over its axis, so nothing inside the step changes: no `shard_map`, no `pmean`.
+
+Meshes come three ways: `eqpar.DeviceMesh` (Auto axes), `jax.make_mesh` with the data axis
+Auto and the model axis Explicit (mixed), and `jax.make_mesh`'s default (every axis
+Explicit). With an Explicit data axis the author's own code must follow JAX's explicit
+sharding rules, which a reshape of the vmapped batch breaks (the ViT's patch embedding fails
+in JAX alone, without eqpar); the all-Explicit case runs on a model whose code JAX accepts.
+"""
+
+import equinox as eqx
+import equinox_bert as bert
+import equinox_vit as vit
+import gpt2_port as gpt
+import jax
+import jax.numpy as jnp
+import pytest
+from _hlo import collective_summary
+from jax import lax
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+from numerics import assert_arrays_close, assert_tree_close
+
+import eqpar
+
+LR = 0.5
+
+
+@eqx.filter_jit
+def step(model, loss_fn, *batch):
+    """One SGD step, written for one device."""
+    value, grads = eqx.filter_value_and_grad(loss_fn)(model, *batch)
+    return value, eqx.apply_updates(model, jax.tree.map(lambda g: -LR * g, grads))
+
+
+def make_mesh(kind: str) -> eqpar.DeviceMesh | jax.sharding.Mesh:
+    if kind == "auto":
+        return eqpar.DeviceMesh((2, 4), ("data", "model"))
+    if kind == "mixed":
+        types = (AxisType.Auto, AxisType.Explicit)
+        return jax.make_mesh((2, 4), ("data", "model"), axis_types=types)
+    return jax.make_mesh((2, 4), ("data", "model"))  # JAX's default: Explicit axes
+
+
+def placed_batch(batch, mesh):
+    jax_mesh = mesh.jax_mesh if isinstance(mesh, eqpar.DeviceMesh) else mesh
+    return jax.device_put(batch, NamedSharding(jax_mesh, P("data")))
+
+
+VIT_PLAN = {
+    r"attention_blocks/\d+/attention": eqpar.HeadParallel(),
+    r"attention_blocks/\d+/linear1": eqpar.ColumnParallel(),
+    r"attention_blocks/\d+/linear2": eqpar.RowParallel(),
+}
+BERT_PLAN = {
+    "embedder_block/token_embedder": eqpar.VocabParallel(),
+    r"layers/\d+/attention_block/attention": eqpar.HeadParallel(),
+    r"layers/\d+/ff_block/mlp": eqpar.ColumnParallel(),
+    r"layers/\d+/ff_block/output": eqpar.RowParallel(),
+    "classifier": eqpar.ColumnParallel(gather_output=True),
+}
+GPT_PLAN = {
+    r"blocks/\d+/attn/(q|k|v)_proj": eqpar.ColumnParallel(),
+    r"blocks/\d+/attn/c_proj": eqpar.RowParallel(),
+    r"blocks/\d+/mlp/c_fc": eqpar.ColumnParallel(),
+    r"blocks/\d+/mlp/c_proj": eqpar.RowParallel(),
+    r"blocks/\d+/attn": eqpar.HeadParallel(fields=("n_head",)),
+}
+
+
+@pytest.fixture(scope="module")
+def models():
+    """Each model with its loss, a batch and the serial step's result."""
+    cases = {
+        "vit": (vit.VisionTransformer(key=jax.random.key(0)), vit.loss, vit.batch(4)),
+        "bert": (bert.Encoder(key=jax.random.key(0)), bert.loss, bert.batch(4)),
+        "gpt2": (gpt.GPT(key=jax.random.key(0)), gpt.loss, gpt.batch(4)),
+    }
+    return {
+        name: (model, loss, batch, step(model, loss, *batch))
+        for name, (model, loss, batch) in cases.items()
+    }
+
+
+def assert_step_equals_serial(parallel, loss, batch, serial, mesh):
+    value, updated = step(parallel, loss, *placed_batch(batch, mesh))
+    serial_value, serial_model = serial
+    assert_tree_close(value, serial_value, what="loss")
+    assert_arrays_close(eqpar.unparallelize(updated), serial_model)
+    return updated
+
+
+@pytest.mark.parametrize("mesh_kind", ["auto", "mixed"])
+@pytest.mark.parametrize(
+    ("name", "plan"),
+    [("vit", VIT_PLAN), ("bert", BERT_PLAN), ("gpt2", GPT_PLAN)],
+    ids=["vit", "bert", "gpt2"],
+)
+def test_data_and_tensor_parallel_with_the_one_device_step(models, name, plan, mesh_kind):
+    """DP x TP on the team's test models (dropout on, where their authors put it): the
+    one-device step on the parallelized, placed model equals the serial step."""
+    model, loss, batch, serial = models[name]
+    mesh = make_mesh(mesh_kind)
+    parallel = eqpar.parallelize(model, plan, mesh=mesh)
+    updated = assert_step_equals_serial(parallel, loss, batch, serial, mesh)
+    # The update keeps the layout: the next step runs on it as it is.
+    assert eqpar.partition_specs(updated) == eqpar.partition_specs(parallel)
+
+
+def test_fsdp_tensor_parallel_and_remat_with_the_one_device_step(models):
+    """FSDP over `data` on top of TP (one placement call, outside the step) and remat by
+    plan entry."""
+    model, loss, batch, serial = models["vit"]
+    mesh = make_mesh("auto")
+    plan = {"attention_blocks": eqpar.Remat("full"), **VIT_PLAN}
+    parallel = eqpar.parallelize(model, plan, mesh=mesh)
+    storage = eqpar.FSDP(mesh, axis="data", min_size_bytes=0).partition_specs(parallel)
+    parallel = eqx.filter_shard(parallel, eqpar.named_shardings(storage, mesh))
+    assert parallel.attention_blocks[0].linear1.weight.sharding.spec == P("model", "data")
+    assert_step_equals_serial(parallel, loss, batch, serial, mesh)
+
+
+class MLPClassifier(eqx.Module):
+    """A model whose code JAX's explicit sharding accepts as it is (per-example linears)."""
+
+    mlp: eqx.nn.MLP
+
+    def __init__(self, key):
+        self.mlp = eqx.nn.MLP(8, 4, 32, depth=1, key=key)
+
+    def __call__(self, x):
+        return self.mlp(x)
+
+
+def mlp_loss(model, x, labels):
+    logits = jax.vmap(model)(x)
+    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), labels[:, None], axis=1))
+
+
+MLP_PLAN = {"mlp/layers/0": eqpar.ColumnParallel(), "mlp/layers/1": eqpar.RowParallel()}
+
+
+@pytest.mark.parametrize("mesh_kind", ["auto", "mixed", "explicit"])
+def test_every_kind_of_mesh_compiles_to_the_shard_map_routes_collectives(mesh_kind):
+    """On a mesh with every axis Explicit too, with the arrays' shardings in their types; and
+    the unchanged step compiles to the collectives of the `eqpar.shard_map` route."""
+    model = MLPClassifier(jax.random.key(0))
+    x = jax.random.normal(jax.random.key(1), (16, 8))
+    labels = jax.random.randint(jax.random.key(2), (16,), 0, 4)
+    serial = step(model, mlp_loss, x, labels)
+    mesh = make_mesh(mesh_kind)
+    parallel = eqpar.parallelize(model, MLP_PLAN, mesh=mesh)
+    if mesh_kind == "explicit":
+        assert jax.typeof(parallel.mlp.layers[0].weight).sharding.spec == P("model", None)
+    assert_step_equals_serial(parallel, mlp_loss, (x, labels), serial, mesh)
+
+    batch = placed_batch((x, labels), mesh)
+    unchanged = step.lower(parallel, mlp_loss, *batch).compile()
+    routed = eqpar.shard_map(
+        lambda m, *b: lax.pmean(mlp_loss(m, *b), "data"),
+        mesh=mesh,
+        in_specs=(eqpar.partition_specs(parallel), P("data"), P("data")),
+        out_specs=P(),
+    )
+    manual = step.lower(parallel, routed, *batch).compile()
+    assert collective_summary(unchanged).bytes == collective_summary(manual).bytes
+    assert collective_summary(unchanged).counts == {"all-reduce": 2}  # the row layer's psum
+
+
+def test_an_unplaced_model_outside_shard_map_says_how_to_place_it():
+    parallel = eqpar.parallelize(MLPClassifier(jax.random.key(0)), MLP_PLAN)
+    with pytest.raises(ValueError, match=r"not placed on a mesh.*parallelize\(model, plan, mesh"):
+        jax.vmap(parallel)(jnp.ones((2, 8)))
+
+
+def test_a_split_the_axis_does_not_divide_names_the_leaf():
+    """Called under `jax.set_mesh` (the region's mesh then comes from the context) on a mesh
+    whose axis does not divide the layer's 12 features."""
+    model = {"up": eqx.nn.Linear(8, 12, key=jax.random.key(0))}
+    parallel = eqpar.parallelize(model, {"up": eqpar.ColumnParallel()})
+    mesh = eqpar.DeviceMesh((8,), ("model",))
+    with (
+        jax.set_mesh(mesh.jax_mesh),
+        pytest.raises(
+            ValueError, match=r"ColumnParallelLinear: `weight` has shape \(12, 8\).*over 'model'"
+        ),
+    ):
+        parallel["up"](jnp.ones(8))
