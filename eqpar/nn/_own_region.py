@@ -76,6 +76,15 @@ def _region_mesh(owner: str, layer: PyTree, names: tuple[Hashable, ...]) -> Any:
     )
 
 
+def axis_is_explicit(owner: str, layer: PyTree, axis_name: Hashable) -> bool:
+    """Whether `axis_name` (any of its axes) is Explicit on the mesh the layer's region
+    opens on: the arrays' types then carry their sharding over it."""
+    names = axis_names_of(axis_name)
+    mesh = _region_mesh(owner, layer, names)
+    types = dict(zip(mesh.axis_names, mesh.axis_types))
+    return any(types[name] == AxisType.Explicit for name in names)
+
+
 def call_in_own_region(
     owner: str,
     axis_name: Hashable,
@@ -104,6 +113,18 @@ def call_in_own_region(
     """
     names = axis_names_of(axis_name)
     mesh = _region_mesh(owner, layer, names)
+    # An array passed more than once (self-attention's query, key and value) crosses once:
+    # inside, one value, whose cotangent is summed over the axis once rather than per use.
+    first = {}
+    for i, arg in enumerate(args):
+        first.setdefault(id(arg), i)
+    kept = [i for i, arg in enumerate(args) if first[id(arg)] == i]
+    if len(kept) < len(args):
+        order = [kept.index(first[id(arg)]) for arg in args]
+        inner_call = call
+        call = lambda layer, *unique: inner_call(layer, *(unique[j] for j in order))
+        args = tuple(args[i] for i in kept)
+        arg_specs = tuple(arg_specs[i] for i in kept)
     others = tuple(
         name
         for name, kind in zip(mesh.axis_names, mesh.axis_types)

@@ -41,7 +41,12 @@ from .._checks import (
 )
 from .._splits import Split, close_split, open_split
 from ._heads import mark_column_output
-from ._own_region import call_in_own_region, feature_spec, needs_own_region
+from ._own_region import (
+    axis_is_explicit,
+    call_in_own_region,
+    feature_spec,
+    needs_own_region,
+)
 from ._twins import (
     adopt,
     check_block,
@@ -724,15 +729,25 @@ class ColumnParallelLinear(eqx.nn.Linear):
         """
         owner = type(self).__name__
         if needs_own_region(self.axis_name) and not self.sequence_parallel:
+            # The whole output either way (the global view). With gather_output=True on an
+            # Auto axis the compiler gathers it where the code after needs it (it may not:
+            # a softmax runs on the split logits); on an Explicit axis the sharding is in the
+            # output's type, and the code after was written for a whole one.
+            gather = self.gather_output and axis_is_explicit(owner, self, self.axis_name)
             return call_in_own_region(
                 owner,
                 self.axis_name,
                 self,
-                lambda layer, x: layer(x),
+                lambda layer, x: layer._forward_block(x, gather=gather),
                 (x,),
                 arg_specs=(P(),),
-                out_specs=P() if self.gather_output else feature_spec(x, self.axis_name),
+                out_specs=P() if gather else feature_spec(x, self.axis_name),
             )
+        return self._forward_block(x, gather=self.gather_output)
+
+    def _forward_block(self, x: Array, *, gather: bool = False) -> Array:
+        """Inside the region: this device's block of the output (gathered if `gather`)."""
+        owner = type(self).__name__
         n = axis_size(self.axis_name, owner)
         assert isinstance(self.out_features, int) and isinstance(self.in_features, int)
         check_divides(owner, "out_features", self.out_features, n, self.axis_name)
@@ -747,7 +762,7 @@ class ColumnParallelLinear(eqx.nn.Linear):
         else:
             y = column_linear(x, self.weight, axis_name=self.axis_name, gather=None)
         y = y if self.bias is None else y + self.bias
-        if self.gather_output:
+        if gather:
             return gather_replicated(y, self.axis_name, y.ndim - 1)
         # Until the row-parallel partner, the features are split: a dropout between reads this.
         kind = "features_of_tokens" if self.sequence_parallel else "features"
