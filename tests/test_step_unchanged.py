@@ -192,3 +192,37 @@ def test_a_split_the_axis_does_not_divide_names_the_leaf():
         ),
     ):
         parallel["up"](jnp.ones(8))
+
+
+CONTEXT_PLANS = {
+    "dp2xcp4": ((2, 4, 1), {r"blocks/\d+/attention": eqpar.ContextParallel()}),
+    "dp2xcp2xtp2": (
+        (2, 2, 2),
+        {
+            r"blocks/\d+/attention": eqpar.ContextParallel(head_axis_name="model"),
+            r"blocks/\d+/up": eqpar.ColumnParallel(),
+            r"blocks/\d+/down": eqpar.RowParallel(),
+        },
+    ),
+}
+
+
+@pytest.mark.parametrize("case", CONTEXT_PLANS)
+def test_context_parallel_attention_with_the_one_device_step(case):
+    """The rotary encoder (rotary positions in `process_heads`, dropouts on the sequence and
+    between the MLP's linears): each attention splits the sequence over `context` on entry
+    and joins it on exit, its rotary taking global positions inside."""
+    from test_any_model import RotaryEncoder, rotary_loss
+
+    model = RotaryEncoder(key=jax.random.key(3))
+    k1, k2, k3 = jax.random.split(jax.random.key(4), 3)
+    batch = (
+        jax.random.normal(k1, (4, 16, 16)),
+        jax.random.normal(k2, (4, 16, 16)),
+        jax.random.split(k3, 4),
+    )
+    serial = step(model, rotary_loss, *batch)
+    shape, plan = CONTEXT_PLANS[case]
+    mesh = eqpar.DeviceMesh(shape, ("data", "context", "model"))
+    parallel = eqpar.parallelize(model, plan, mesh=mesh)
+    assert_step_equals_serial(parallel, rotary_loss, batch, serial, mesh)

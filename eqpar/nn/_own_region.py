@@ -20,7 +20,6 @@ from typing import Any
 
 import equinox as eqx
 import jax
-from jax.core import Tracer
 from jax.sharding import AxisType, PartitionSpec
 from jaxtyping import PyTree
 
@@ -153,8 +152,9 @@ def call_in_own_region(
     run = region
     if others:
         run = jax.sharding.auto_axes(region, axes=others, out_sharding=out_specs)
-    if not any(isinstance(leaf, Tracer) for leaf in jax.tree.leaves(dynamic)):
-        run = jax.jit(run)  # called eagerly on placed arrays: one program over the mesh
+    # Under an outer `jit` this inlines; called eagerly (under `jax.vmap` alone, say) it is
+    # the program that runs the region on the mesh.
+    run = jax.jit(run)
     if jax.sharding.get_abstract_mesh().empty:
         with jax.sharding.use_abstract_mesh(getattr(mesh, "abstract_mesh", mesh)):
             return run(*dynamic)
