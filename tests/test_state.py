@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from numerics import assert_tree_close
+from numerics import FLOAT32_RTOL, assert_tree_close
 
 import eqpar
 
@@ -81,7 +81,12 @@ def assert_step_close(got, want, model):
     serial_loss, serial_state, serial_grads = want
     grads = eqpar.unparallelize(grads)
     assert_tree_close(loss, serial_loss, what="loss")
-    assert_tree_close(grads, serial_grads, what="grads")
+    # A batch norm's backward subtracts from each example's cotangent the batch mean of the
+    # cotangents and of their products with the normalized input: three terms of one size
+    # that largely cancel, so the gradient of every layer before one carries the rounding of
+    # those terms, a few times a plain sum's (measured: 1.05e-5 of the leaf's scale on
+    # JAX 0.12 for the spectral-norm layer before `norm2`).
+    assert_tree_close(grads, serial_grads, rtol=4 * FLOAT32_RTOL, what="grads")
     assert_tree_close(state, serial_state, what="state")
     model = eqpar.unparallelize(model)
     assert_tree_close(sgd(model, grads), sgd(model, serial_grads), what="updated")

@@ -45,6 +45,9 @@ def make_mesh(kind: str) -> eqpar.DeviceMesh | jax.sharding.Mesh:
     if kind == "mixed":
         types = (AxisType.Auto, AxisType.Explicit)
         return jax.make_mesh((2, 4), ("data", "model"), axis_types=types)
+    if kind == "mixed-explicit-data":
+        types = (AxisType.Explicit, AxisType.Auto)
+        return jax.make_mesh((2, 4), ("data", "model"), axis_types=types)
     return jax.make_mesh((2, 4), ("data", "model"))  # JAX's default: Explicit axes
 
 
@@ -146,7 +149,7 @@ def mlp_loss(model, x, labels):
 MLP_PLAN = {"mlp/layers/0": eqpar.ColumnParallel(), "mlp/layers/1": eqpar.RowParallel()}
 
 
-@pytest.mark.parametrize("mesh_kind", ["auto", "mixed", "explicit"])
+@pytest.mark.parametrize("mesh_kind", ["auto", "mixed", "mixed-explicit-data", "explicit"])
 def test_every_kind_of_mesh_compiles_to_the_shard_map_routes_collectives(mesh_kind):
     """On a mesh with every axis Explicit too, with the arrays' shardings in their types; and
     the unchanged step compiles to the collectives of the `eqpar.shard_map` route."""

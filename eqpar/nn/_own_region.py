@@ -24,6 +24,7 @@ from jax.sharding import AxisType, PartitionSpec
 from jaxtyping import PyTree
 
 from .._axes import bound_axis_size
+from .._axis_types import keep_axes
 from .._paths import path_to_str
 from .._splits import fresh_record
 
@@ -151,7 +152,19 @@ def call_in_own_region(
 
     run = region
     if others:
-        run = jax.sharding.auto_axes(region, axes=others, out_sharding=out_specs)
+        # Back from Auto, the output keeps its split over the region's Explicit axes (its
+        # type says it); an Auto axis has no place in a type.
+        explicit = frozenset(others) | {
+            name
+            for name, kind in zip(mesh.axis_names, mesh.axis_types)
+            if kind == AxisType.Explicit
+        }
+        typed = jax.tree.map(
+            lambda spec: keep_axes(spec, explicit, rank=len(spec)),
+            out_specs,
+            is_leaf=lambda x: isinstance(x, PartitionSpec),
+        )
+        run = jax.sharding.auto_axes(region, axes=others, out_sharding=typed)
     # Under an outer `jit` this inlines; called eagerly (under `jax.vmap` alone, say) it is
     # the program that runs the region on the mesh.
     run = jax.jit(run)
