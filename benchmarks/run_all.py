@@ -30,6 +30,12 @@ ROOT = HERE.parent
 # (module, heading, arguments at default sizes, arguments with --quick)
 BENCHMARKS: list[tuple[str, str, list[str], list[str]]] = [
     ("tensor_parallel", "Tensor-parallel MLP block", [], []),
+    (
+        "step_unchanged",
+        "The one-device step against the shard_map route (GPT-2 small, ahead of time)",
+        [],
+        ["--quick"],
+    ),
     ("sequence_parallel", "Sequence parallelism against tensor parallelism", [], ["--quick"]),
     ("remat", "Rematerialization policies: activation memory against depth", [], ["--quick"]),
     ("fsdp_layers", "FSDP layer by layer against FSDP at the boundary and DP", [], ["--quick"]),
