@@ -858,6 +858,14 @@ def parallelize(
     which rotates each token by its global position. `Replicated()` keeps either layer as
     it is.
 
+    **Placement and the one-device step.** With `mesh`, the converted model comes back
+    placed on it by its layout (`eqpar.partition_specs`). A converted layer called outside
+    `shard_map` over its axis opens its own region there (`jax.shard_map` over that axis
+    only, on the mesh its parameters live on, or the one `jax.set_mesh` set) and returns
+    the whole output, so the training step written for one device runs unchanged under
+    `jax.jit`, with the batch placed over the data axis by `jax.device_put`. Sequence
+    parallel styles, `ExpertParallel` and scheduled pipelines run inside `eqpar.shard_map`.
+
     **Blocks.** `Remat(policy)` on a block of the model (or a list of blocks) runs the
     block's own `__call__` under `jax.checkpoint`. `Pipeline(stages, microbatches)` on a
     list of blocks runs them as a pipeline while the model's own loop over them runs as
@@ -873,7 +881,8 @@ def parallelize(
       and `SplitSequence`, for mixtures of experts `ExpertParallel`, for a list of blocks
       `Pipeline`, and for raw array leaves `Sharded` (the compiled route).
     - `mesh`: optional; when given, the styles' axes must be mesh axes and every size the
-      plan splits must divide by its axis size (checked here rather than at trace time).
+      plan splits must divide by its axis size (checked here rather than at trace time), and
+      the converted model's concrete arrays are placed on it.
     - `strict`: a plan key that matches no layer raises (`True`) or warns (`False`).
 
     **Returns:** the converted model (a new pytree; `model` is unchanged).
