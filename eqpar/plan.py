@@ -863,8 +863,10 @@ def parallelize(
     `shard_map` over its axis opens its own region there (`jax.shard_map` over that axis
     only, on the mesh its parameters live on, or the one `jax.set_mesh` set) and returns
     the whole output, so the training step written for one device runs unchanged under
-    `jax.jit`, with the batch placed over the data axis by `jax.device_put`. Sequence
-    parallel styles, `ExpertParallel` and scheduled pipelines run inside `eqpar.shard_map`.
+    `jax.jit`, with the batch placed over the data axis by `jax.device_put` (with a `1f1b` /
+    `zb-h1` pipeline, through `eqpar.value_and_grad`, which then opens the schedule's region).
+    Sequence parallel styles and `ExpertParallel` run inside `eqpar.shard_map`; a `gpipe` /
+    `circular` pipeline outside it runs its blocks in order.
 
     **Blocks.** `Remat(policy)` on a block of the model (or a list of blocks) runs the
     block's own `__call__` under `jax.checkpoint`. `Pipeline(stages, microbatches)` on a

@@ -229,3 +229,39 @@ def test_context_parallel_attention_with_the_one_device_step(case):
     mesh = eqpar.DeviceMesh(shape, ("data", "context", "model"))
     parallel = eqpar.parallelize(model, plan, mesh=mesh)
     assert_step_equals_serial(parallel, rotary_loss, batch, serial, mesh)
+
+
+@eqx.filter_jit
+def scheduled_step(model, loss_fn, *batch):
+    """The one-device step with `eqpar.value_and_grad` in place of Equinox's (a schedule
+    that runs its own backward pass computes the loss and gradients itself)."""
+    value, grads = eqpar.value_and_grad(loss_fn)(model, *batch)
+    return value, eqx.apply_updates(model, jax.tree.map(lambda g: -LR * g, grads))
+
+
+@pytest.mark.parametrize(
+    ("schedule", "shape", "names", "tensor_parallel"),
+    [
+        ("1f1b", (2, 2, 2), ("data", "pipe", "model"), True),
+        ("zb-h1", (2, 2), ("data", "pipe"), False),
+    ],
+    ids=["1f1b-3d", "zb-h1-dp-pp"],
+)
+def test_scheduled_pipelines_without_shard_map(models, schedule, shape, names, tensor_parallel):
+    """1F1B and ZB-H1 by plan on the ViT's blocks: `eqpar.value_and_grad` called outside
+    `shard_map` opens the schedule's region itself (over the pipe axis and the axes the
+    layers split over), and the step equals one device's."""
+    model, loss, _, _ = models["vit"]
+    batch = vit.batch(8)
+    serial = step(model, loss, *batch)
+    size = 1
+    for n in shape:
+        size *= n
+    mesh = eqpar.DeviceMesh(shape, names, devices=jax.devices()[:size])
+    plan = {"attention_blocks": eqpar.Pipeline(stages=2, microbatches=2, schedule=schedule)}
+    if tensor_parallel:
+        plan.update(VIT_PLAN)
+    parallel = eqpar.parallelize(model, plan, mesh=mesh)
+    value, updated = scheduled_step(parallel, loss, *placed_batch(batch, mesh))
+    assert_tree_close(value, serial[0], what="loss")
+    assert_arrays_close(eqpar.unparallelize(updated), serial[1])

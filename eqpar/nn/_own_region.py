@@ -25,6 +25,7 @@ from jaxtyping import PyTree
 
 from .._axes import bound_axis_size
 from .._axis_types import keep_axes
+from .._declare import declared_partition_specs
 from .._paths import path_to_str
 from .._splits import fresh_record
 
@@ -94,6 +95,7 @@ def call_in_own_region(
     *,
     arg_specs: tuple,
     out_specs: PyTree,
+    specs: PyTree | None = None,
 ) -> PyTree:
     """`call(layer, *args)` inside `jax.shard_map` over `axis_name` only, on the mesh of
     `layer`'s parameters (see the module docstring).
@@ -108,6 +110,8 @@ def call_in_own_region(
     - `args`: the array arguments (pytrees; non-array leaves are closed over by `call`).
     - `arg_specs`: one spec (prefix) per argument, global view.
     - `out_specs`: the output's specs, global view.
+    - `specs`: `layer`'s specs, where its own `__partition_specs__` does not give them (a
+      whole model: `manual_specs`).
 
     **Returns:** the output, global view.
     """
@@ -130,7 +134,7 @@ def call_in_own_region(
         for name, kind in zip(mesh.axis_names, mesh.axis_types)
         if kind == AxisType.Explicit and name not in names
     )
-    in_specs = (layer_specs(layer), *arg_specs)
+    in_specs = (layer_specs(layer) if specs is None else specs, *arg_specs)
     _check_divisible(owner, mesh, in_specs, (layer, *args))
     # Only arrays cross the boundary; the rest (static fields, floats such as a dropout
     # rate, flags) is closed over.
@@ -206,3 +210,33 @@ def _check_divisible(owner: str, mesh: Any, specs: tuple, inputs: tuple) -> None
     jax.tree_util.tree_map_with_path(
         check, specs, inputs, is_leaf=lambda s: s is None or isinstance(s, PartitionSpec)
     )
+
+
+def manual_specs(tree: PyTree, axes: frozenset) -> PyTree:
+    """The `shard_map` specs of `tree` over the manual `axes` only: what its modules declare
+    (`__partition_specs__`), without the other axes (left to the compiler), replicated where
+    nothing is declared; `None` at non-array leaves."""
+    declared = declared_partition_specs(tree)
+
+    def spec(path: tuple, leaf: Any) -> PartitionSpec | None:
+        if not eqx.is_array(leaf):
+            return None
+        found = declared.get(path_to_str(path), PartitionSpec())
+        return keep_axes(found, axes, rank=len(found))
+
+    return jax.tree_util.tree_map_with_path(spec, tree)
+
+
+def region_mesh_of(owner: str, tree: PyTree, axis_name: Hashable) -> Any:
+    """The mesh a region over `axis_name` opens on for `tree`'s arrays (see `_region_mesh`)."""
+    return _region_mesh(owner, tree, axis_names_of(axis_name))
+
+
+def declared_axes(tree: PyTree) -> frozenset:
+    """Every mesh axis that the modules inside `tree` split a parameter over."""
+    found: set = set()
+    for spec in declared_partition_specs(tree).values():
+        for entry in spec:
+            if entry is not None and entry is not PartitionSpec.UNCONSTRAINED:
+                found.update(axis_names_of(entry))
+    return frozenset(found)

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.custom_batching import custom_vmap
 from jax.extend.core import Literal
+from jax.sharding import PartitionSpec as P
 from jaxtyping import PyTree
 
 from .._axes import bound_axis_size
@@ -42,6 +43,7 @@ from .._typing import AxisName
 from .._vma import varying_axes
 from ..pipeline._microbatch import Microbatched
 from ._accumulate import accumulated_value_and_grad, split_microbatches
+from ._own_region import call_in_own_region, declared_axes, manual_specs
 from ._block_outputs import (
     BlockOutputs,
     Later,
@@ -370,8 +372,8 @@ class PipelinedBlocks(eqx.Module):
                 raise ValueError(
                     f"{_OWNER}: schedule={self.schedule!r} runs the loss inside the pipeline, "
                     f"so it computes the loss and the gradients itself: take them with "
-                    f"`eqpar.value_and_grad(loss_fn)(model, *batch)` inside `shard_map` "
-                    f"instead of differentiating the loss (or calling the model) directly."
+                    f"`eqpar.value_and_grad(loss_fn)(model, *batch)` (inside `shard_map` or "
+                    f"not) instead of differentiating the loss (or calling the model) directly."
                 )
             return recorder.mark(self, layout, how, x, per_layer_values, shared_values)
         num_layers = self.num_layers
@@ -1338,9 +1340,48 @@ def value_and_grad(
                 "value_and_grad: the model holds several lists pipelined with a schedule that "
                 "runs the loss inside the pipeline; one such list per model."
             )
-        return _scheduled_value_and_grad(loss_fn, model, batch, scheduled[0], reduction)
+        blocks = scheduled[0]
+        if bound_axis_size(blocks.pipeline.axis_name) is None:
+            return _in_own_pipeline_region(loss_fn, model, batch, blocks, reduction)
+        return _scheduled_value_and_grad(loss_fn, model, batch, blocks, reduction)
 
     return run
+
+
+def _in_own_pipeline_region(
+    loss_fn: Callable, model: PyTree, batch: tuple, blocks: PipelinedBlocks, reduction: str
+) -> tuple:
+    """The scheduled step called outside `shard_map` over the pipe axis (the one-device step
+    on a placed model): inside a region of its own over that axis only. The batch is whole
+    over it (the compiler keeps it split over the data axes), so the loss and gradients are
+    the whole batch's; layers split over other axes open their own regions inside."""
+    axis = blocks.pipeline.axis_name
+    # Over the axes the model's layers split over too (a tensor-parallel stage): a region
+    # nested in the schedule's branches per layer is not one XLA partitions.
+    names = frozenset(axis if isinstance(axis, tuple) else (axis,)) | declared_axes(model)
+    axis = tuple(sorted(names, key=str))
+    specs = manual_specs(model, names)
+    index = next(i for i, node in enumerate(jax.tree.leaves(model, is_leaf=_is_pipelined))
+                 if node is blocks)  # fmt: skip
+
+    def step(model: PyTree, *batch: PyTree) -> tuple:
+        inner = [n for n in jax.tree.leaves(model, is_leaf=_is_pipelined)][index]
+        return _scheduled_value_and_grad(loss_fn, model, batch, inner, reduction)
+
+    return call_in_own_region(
+        "value_and_grad",
+        axis,
+        model,
+        step,
+        batch,
+        arg_specs=(P(),) * len(batch),
+        out_specs=(P(), specs),
+        specs=specs,
+    )
+
+
+def _is_pipelined(node: object) -> bool:
+    return isinstance(node, PipelinedBlocks)
 
 
 def _global_value_and_grad(
