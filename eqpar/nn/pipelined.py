@@ -43,7 +43,6 @@ from .._typing import AxisName
 from .._vma import varying_axes
 from ..pipeline._microbatch import Microbatched
 from ._accumulate import accumulated_value_and_grad, split_microbatches
-from ._own_region import call_in_own_region, declared_axes, manual_specs
 from ._block_outputs import (
     BlockOutputs,
     Later,
@@ -60,6 +59,7 @@ from ._block_outputs import (
     with_values,
     write_row,
 )
+from ._own_region import call_in_own_region, declared_axes, manual_specs
 from ._reduction import reduction_of
 from .pipeline import PipelineModule
 from .stacks import RematPolicy, ScannedLayers, map_arrays, stack_layers, unstack_layers
