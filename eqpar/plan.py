@@ -1034,15 +1034,20 @@ def parallelize(
 
 
 def _placed(model: PyTree, mesh: DeviceMesh | jax.sharding.Mesh) -> PyTree:
-    """`model`'s concrete arrays placed on `mesh` by its layout (abstract leaves and tracers
-    stay as they are): what the converted layers need to open their own regions."""
+    """`model`'s concrete arrays (NumPy's too) placed on `mesh` by its layout: what the
+    converted layers need to open their own regions. Abstract leaves and tracers stay as
+    they are, and so does an array already on this mesh (laid out by the user, e.g. split
+    for FSDP as well)."""
     specs = partition_specs(model, mesh=mesh)
     shardings = named_shardings(specs, mesh)
+    jax_mesh = as_jax_mesh(mesh)
 
     def place(leaf: Any, sharding: Any) -> Any:
-        if isinstance(leaf, jax.Array) and not isinstance(leaf, Tracer):
-            return jax.device_put(leaf, sharding)
-        return leaf
+        if not eqx.is_array(leaf) or isinstance(leaf, Tracer):
+            return leaf
+        if getattr(getattr(leaf, "sharding", None), "mesh", None) == jax_mesh:
+            return leaf
+        return jax.device_put(leaf, sharding)
 
     return jax.tree.map(place, model, shardings, is_leaf=lambda x: x is None)
 

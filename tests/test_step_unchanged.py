@@ -210,8 +210,11 @@ CONTEXT_PLANS = {
 }
 
 
-@pytest.mark.parametrize("case", CONTEXT_PLANS)
-def test_context_parallel_attention_with_the_one_device_step(case):
+@pytest.mark.parametrize(
+    ("case", "mesh_kind"),
+    [("dp2xcp4", "auto"), ("dp2xcp2xtp2", "auto"), ("dp2xcp2xtp2", "explicit")],
+)
+def test_context_parallel_attention_with_the_one_device_step(case, mesh_kind):
     """The rotary encoder (rotary positions in `process_heads`, dropouts on the sequence and
     between the MLP's linears): each attention splits the sequence over `context` on entry
     and joins it on exit, its rotary taking global positions inside."""
@@ -226,7 +229,9 @@ def test_context_parallel_attention_with_the_one_device_step(case):
     )
     serial = step(model, rotary_loss, *batch)
     shape, plan = CONTEXT_PLANS[case]
-    mesh = eqpar.DeviceMesh(shape, ("data", "context", "model"))
+    names = ("data", "context", "model")
+    # On Explicit axes the sequence enters each attention's region resharded to its split.
+    mesh = eqpar.DeviceMesh(shape, names) if mesh_kind == "auto" else jax.make_mesh(shape, names)
     parallel = eqpar.parallelize(model, plan, mesh=mesh)
     assert_step_equals_serial(parallel, rotary_loss, batch, serial, mesh)
 
@@ -263,5 +268,68 @@ def test_scheduled_pipelines_without_shard_map(models, schedule, shape, names, t
         plan.update(VIT_PLAN)
     parallel = eqpar.parallelize(model, plan, mesh=mesh)
     value, updated = scheduled_step(parallel, loss, *placed_batch(batch, mesh))
+    assert_tree_close(value, serial[0], what="loss")
+    assert_arrays_close(eqpar.unparallelize(updated), serial[1])
+
+
+@pytest.mark.parametrize("mesh_kind", ["mixed", "explicit"])
+def test_a_row_parallel_layer_whose_input_is_whole_enters_its_block(mesh_kind):
+    """A row-parallel layer alone (its input whole, not split over `model` by a column
+    layer before it): on Explicit axes the input is resharded to its block on entry."""
+    model = MLPClassifier(jax.random.key(0))
+    x = jax.random.normal(jax.random.key(1), (16, 8))
+    labels = jax.random.randint(jax.random.key(2), (16,), 0, 4)
+    serial = step(model, mlp_loss, x, labels)
+    mesh = make_mesh(mesh_kind)
+    parallel = eqpar.parallelize(model, {"mlp/layers/1": eqpar.RowParallel()}, mesh=mesh)
+    assert_step_equals_serial(parallel, mlp_loss, (x, labels), serial, mesh)
+
+
+def test_a_layer_inside_a_region_that_leaves_its_axis_to_the_compiler_is_refused():
+    mesh = make_mesh("auto")
+    parallel = eqpar.parallelize(MLPClassifier(jax.random.key(0)), MLP_PLAN, mesh=mesh)
+    forward = eqpar.shard_map(
+        lambda m, x: jax.vmap(m)(x),
+        mesh=mesh,
+        in_specs=(P(), P("data")),
+        out_specs=P("data"),
+        axis_names={"data"},
+    )
+    with pytest.raises(ValueError, match=r"manual region over \('data',\) that leaves 'model'"):
+        forward(parallel, jnp.ones((4, 8)))
+
+
+class RawBlock(eqx.Module):
+    w: jax.Array
+
+    def __call__(self, x):
+        return jnp.tanh(x @ self.w)
+
+
+class RawModel(eqx.Module):
+    layers: list
+
+    def __call__(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_a_scheduled_pipeline_of_raw_arrays_laid_out_for_the_compiler():
+    """1F1B on blocks whose raw weights `Sharded` keys split over `model` (the compiled
+    route): `eqpar.value_and_grad` outside `shard_map` leaves `model` to the compiler and
+    makes the other axes manual, the batch split over `data`."""
+    keys = jax.random.split(jax.random.key(0), 4)
+    model = RawModel([RawBlock(0.3 * jax.random.normal(k, (8, 8))) for k in keys])
+    loss = lambda m, x, y: jnp.mean((jax.vmap(m)(x) - y) ** 2)
+    x, y = jax.random.normal(jax.random.key(1), (2, 8, 8))
+    serial = step(model, loss, x, y)
+    plan = {
+        "layers": eqpar.Pipeline(stages=2, microbatches=2, schedule="1f1b"),
+        r"layers/\d+/w": eqpar.Sharded(P(None, "model")),
+    }
+    mesh = eqpar.DeviceMesh((2, 2, 2), ("data", "pipe", "model"))
+    parallel = eqpar.parallelize(model, plan, mesh=mesh)
+    value, updated = scheduled_step(parallel, loss, *placed_batch((x, y), mesh))
     assert_tree_close(value, serial[0], what="loss")
     assert_arrays_close(eqpar.unparallelize(updated), serial[1])

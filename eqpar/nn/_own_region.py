@@ -8,14 +8,19 @@ returns: the global view. The mesh's other axes stay with the compiler. Explicit
 Auto for the region's span (`jax.sharding.auto_axes`): a region under the user's per-example
 `vmap` cannot carry an explicit batch sharding across its boundary (JAX's batching rule for
 `shard_map` gives the batch dimension no axis, so the batch would be gathered), while an Auto
-axis lets the compiler keep the batch where it is. The result is the same program as the
-`eqpar.shard_map` route: one reduction per row-parallel layer, attention or embedding.
+axis lets the compiler keep the batch where it is. Each layer then moves what it moves inside
+the `eqpar.shard_map` route (one reduction per row-parallel layer, attention or embedding);
+between layers the compiler lays the activations out, which can move less (a head's logits
+left split over the vocabulary) and under FSDP gathers a weight where each use needs it.
+A layer inside a manual region over other axes (`eqpar.shard_map(..., axis_names=...)`
+without its axis) is refused: XLA does not partition a region nested that way.
 
 eqpar owns this because no JAX API opens a manual region only where one is not open yet,
 nor finds the mesh from the arrays a layer holds.
 """
 
-from collections.abc import Callable, Hashable
+import dataclasses
+from collections.abc import Callable, Hashable, Iterator
 from typing import Any
 
 import equinox as eqx
@@ -24,7 +29,7 @@ from jax.sharding import AxisType, PartitionSpec
 from jaxtyping import PyTree
 
 from .._axes import bound_axis_size
-from .._axis_types import keep_axes
+from .._axis_types import enter_shard_map, keep_axes
 from .._declare import declared_partition_specs
 from .._paths import path_to_str
 from .._splits import fresh_record
@@ -65,10 +70,22 @@ def _region_mesh(owner: str, layer: PyTree, names: tuple[Hashable, ...]) -> Any:
         if mesh is not None and not mesh.empty and all(n in mesh.axis_names for n in names):
             return mesh
     missing = names[0] if len(names) == 1 else names
+    where = "no array parameters"
+    for path, leaf in jax.tree_util.tree_leaves_with_path(eqx.filter(layer, eqx.is_array)):
+        sharding = getattr(leaf, "sharding", None)
+        mesh = getattr(sharding, "mesh", None)
+        where = (
+            f"`{path_to_str(path)}` is on a mesh with axes {tuple(mesh.axis_names)}"
+            if mesh is not None and not getattr(mesh, "empty", False)
+            else f"`{path_to_str(path)}` is on {len(getattr(sharding, 'device_set', ()) or ())} "
+            f"device(s), not on a mesh"
+        )
+        break
     raise ValueError(
         f"{owner}: the mesh axis {missing!r} is not bound here (this is not inside "
         f"`eqpar.shard_map` over it), so the layer opens its own region, on the mesh its "
-        f"parameters are placed on; but they are not placed on a mesh with that axis. "
+        f"parameters are placed on; but they are not placed on a mesh with that axis "
+        f"({where}). "
         f"Place the model: `eqpar.parallelize(model, plan, mesh=mesh)` places the converted "
         f"model, or `jax.device_put(model, eqpar.named_shardings(eqpar.partition_specs(model), "
         f"mesh))`; or run the step under `with jax.set_mesh(mesh):`, or inside "
@@ -96,6 +113,7 @@ def call_in_own_region(
     arg_specs: tuple,
     out_specs: PyTree,
     specs: PyTree | None = None,
+    arg_names: tuple[str, ...] | None = None,
 ) -> PyTree:
     """`call(layer, *args)` inside `jax.shard_map` over `axis_name` only, on the mesh of
     `layer`'s parameters (see the module docstring).
@@ -112,11 +130,28 @@ def call_in_own_region(
     - `out_specs`: the output's specs, global view.
     - `specs`: `layer`'s specs, where its own `__partition_specs__` does not give them (a
       whole model: `manual_specs`).
+    - `arg_names`: the arguments' names, for messages.
 
     **Returns:** the output, global view.
     """
     names = axis_names_of(axis_name)
+    manual = frozenset(jax.sharding.get_abstract_mesh().manual_axes)
+    if manual:
+        missing = names[0] if len(names) == 1 else names
+        raise ValueError(
+            f"{owner}: called inside a manual region over {tuple(sorted(manual, key=str))} "
+            f"that leaves {missing!r} to the compiler, where the layer would open a region of "
+            f"its own over {missing!r} nested in it, which XLA does not partition. Make "
+            f"{missing!r} manual too (`eqpar.shard_map(..., axis_names=...)` with it, or "
+            f"without `axis_names`), or call the step outside `shard_map`, where each layer "
+            f"opens its own region."
+        )
     mesh = _region_mesh(owner, layer, names)
+    arg_names = (
+        tuple(arg_names)
+        if arg_names is not None
+        else tuple(f"argument {i + 1}" for i in range(len(args)))
+    )
     # An array passed more than once (self-attention's query, key and value) crosses once:
     # inside, one value, whose cotangent is summed over the axis once rather than per use.
     first = {}
@@ -129,13 +164,14 @@ def call_in_own_region(
         call = lambda layer, *unique: inner_call(layer, *(unique[j] for j in order))
         args = tuple(args[i] for i in kept)
         arg_specs = tuple(arg_specs[i] for i in kept)
+        arg_names = tuple(arg_names[i] for i in kept)
     others = tuple(
         name
         for name, kind in zip(mesh.axis_names, mesh.axis_types)
         if kind == AxisType.Explicit and name not in names
     )
     in_specs = (layer_specs(layer) if specs is None else specs, *arg_specs)
-    _check_divisible(owner, mesh, in_specs, (layer, *args))
+    _check_divisible(owner, mesh, in_specs, (layer, *args), arg_names)
     # Only arrays cross the boundary; the rest (static fields, floats such as a dropout
     # rate, flags) is closed over.
     dynamic, static = eqx.partition((layer, *args), eqx.is_array)
@@ -146,9 +182,12 @@ def call_in_own_region(
 
     def region(*inputs: Any) -> PyTree:
         inner = jax.sharding.get_abstract_mesh()
+        inner = inner if not inner.empty else mesh
+        # Over the region's Explicit axes the arguments' types must match in_specs.
+        inputs = enter_shard_map(inputs, in_specs, inner, manual=frozenset(names))
         return jax.shard_map(
             body,
-            mesh=inner if not inner.empty else mesh,
+            mesh=inner,
             in_specs=in_specs,
             out_specs=out_specs,
             axis_names=set(names),
@@ -158,13 +197,13 @@ def call_in_own_region(
     if others:
         # Back from Auto, the output keeps its split over the region's Explicit axes (its
         # type says it); an Auto axis has no place in a type.
-        explicit = frozenset(others) | {
+        explicit = {
             name
             for name, kind in zip(mesh.axis_names, mesh.axis_types)
             if kind == AxisType.Explicit
         }
         typed = jax.tree.map(
-            lambda spec: keep_axes(spec, explicit, rank=len(spec)),
+            lambda spec: keep_axes(spec, frozenset(explicit), rank=len(spec)),
             out_specs,
             is_leaf=lambda x: isinstance(x, PartitionSpec),
         )
@@ -183,7 +222,9 @@ def feature_spec(x: Any, axis_name: Hashable) -> PartitionSpec:
     return PartitionSpec(*([None] * (jax.numpy.ndim(x) - 1)), axis_name)
 
 
-def _check_divisible(owner: str, mesh: Any, specs: tuple, inputs: tuple) -> None:
+def _check_divisible(
+    owner: str, mesh: Any, specs: tuple, inputs: tuple, arg_names: tuple[str, ...]
+) -> None:
     """Refuse, naming the leaf, an input whose split dimension the axes do not divide
     (rather than `shard_map`'s message about its own arguments)."""
     sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
@@ -200,7 +241,9 @@ def _check_divisible(owner: str, mesh: Any, specs: tuple, inputs: tuple) -> None
                     n *= sizes[name]
                 if dim < leaf.ndim and leaf.shape[dim] % n:
                     index, rest = path[0].idx, (*path[1:], *inner)
-                    where = path_to_str(rest) if index == 0 else f"argument {index}"
+                    where = path_to_str(rest) if index == 0 else arg_names[index - 1]
+                    if index and inner:
+                        where += "/" + path_to_str(inner)
                     raise ValueError(
                         f"{owner}: `{where}` has shape {tuple(leaf.shape)}, whose dimension "
                         f"{dim} is split over {entry!r} ({n} devices), which does not divide "
@@ -227,16 +270,54 @@ def manual_specs(tree: PyTree, axes: frozenset) -> PyTree:
     return jax.tree_util.tree_map_with_path(spec, tree)
 
 
-def region_mesh_of(owner: str, tree: PyTree, axis_name: Hashable) -> Any:
+def region_axes(tree: PyTree) -> frozenset:
+    """Every mesh axis a converted layer inside `tree` works over (its `axis_name`, an
+    attention's `head_axis_name`, a mixture of experts' expert and model axes): what a region
+    around all of them must make manual, so that none opens its own nested in it. Axes that
+    `Sharded` keys lay raw arrays out over are the compiler's, and not among them."""
+    found: set = set()
+    for module in _modules(tree):
+        if callable(getattr(module, "to_serial", None)):
+            for field in ("axis_name", "head_axis_name"):
+                value = getattr(module, field, None)
+                if value is not None:
+                    found.update(axis_names_of(value))
+        for field in ("expert_axis_name", "model_axis_name"):
+            value = getattr(module, field, None)
+            if value is not None and isinstance(module, eqx.Module):
+                found.update(axis_names_of(value))
+    return frozenset(found)
+
+
+def _modules(node: Any) -> Iterator[eqx.Module]:
+    """Every Equinox module in `node`, itself included, through fields, lists and dicts."""
+    if isinstance(node, eqx.Module):
+        yield node
+        for field in dataclasses.fields(node):
+            yield from _modules(getattr(node, field.name, None))
+    elif isinstance(node, list | tuple):
+        for item in node:
+            yield from _modules(item)
+    elif isinstance(node, dict):
+        for item in node.values():
+            yield from _modules(item)
+
+
+def region_mesh(owner: str, tree: PyTree, axis_name: Hashable) -> Any:
     """The mesh a region over `axis_name` opens on for `tree`'s arrays (see `_region_mesh`)."""
     return _region_mesh(owner, tree, axis_names_of(axis_name))
 
 
-def declared_axes(tree: PyTree) -> frozenset:
-    """Every mesh axis that the modules inside `tree` split a parameter over."""
+def compiler_axes(tree: PyTree) -> frozenset:
+    """The mesh axes that `Sharded` keys lay raw arrays of blocks in `tree` out over: the
+    compiler's, never a region's."""
+    from ._plan_blocks import block_options  # a block's options; that module imports layers
+
     found: set = set()
-    for spec in declared_partition_specs(tree).values():
-        for entry in spec:
-            if entry is not None and entry is not PartitionSpec.UNCONSTRAINED:
-                found.update(axis_names_of(entry))
+    for module in _modules(tree):
+        options = block_options(module)
+        for _, spec in options.specs if options is not None else ():
+            for entry in spec:
+                if entry is not None and entry is not PartitionSpec.UNCONSTRAINED:
+                    found.update(axis_names_of(entry))
     return frozenset(found)

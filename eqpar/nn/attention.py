@@ -91,6 +91,10 @@ def _project_heads(
     return query_heads, key_heads, value_heads
 
 
+# The array arguments of an attention's call, as `eqx.nn.MultiheadAttention` names them.
+_ARGUMENTS = ("query", "key_", "value", "mask", "key", "process_heads")
+
+
 class HeadParallelAttention(eqx.nn.MultiheadAttention):
     """`eqx.nn.MultiheadAttention` with its heads split over a mesh axis.
 
@@ -203,6 +207,7 @@ class HeadParallelAttention(eqx.nn.MultiheadAttention):
                 (query, key_, value, mask, key, process_heads),
                 arg_specs=(P(),) * 6,
                 out_specs=P(),
+                arg_names=_ARGUMENTS,
             )
         if deterministic is not None:
             inference = deterministic
@@ -410,6 +415,7 @@ class ContextParallelAttention(eqx.nn.MultiheadAttention):
             (query, key_, value, mask, key, process_heads),
             arg_specs=(sequence, sequence, sequence, sequence, P(), P()),
             out_specs=sequence,
+            arg_names=_ARGUMENTS,
         )
 
     def _heads(self, owner: str) -> int:

@@ -87,6 +87,7 @@ class VocabParallelEmbedding(_SplitEmbedding):
                 self,
                 lambda layer, x: layer(x),
                 (x,),
+                arg_names=("x",),
                 arg_specs=(P(),),
                 out_specs=P(),
             )
@@ -290,6 +291,7 @@ class FeatureParallelEmbedding(_SplitEmbedding):
                 self,
                 lambda layer, x: layer(x),
                 (x,),
+                arg_names=("x",),
                 arg_specs=(P(),),
                 out_specs=P(),
             )

@@ -740,6 +740,7 @@ class ColumnParallelLinear(eqx.nn.Linear):
                 self,
                 lambda layer, x: layer._forward_block(x, gather=gather),
                 (x,),
+                arg_names=("x",),
                 arg_specs=(P(),),
                 out_specs=P() if gather else feature_spec(x, self.axis_name),
             )
@@ -878,6 +879,7 @@ class RowParallelLinear(eqx.nn.Linear):
                 self,
                 lambda layer, x: layer(x),
                 (x,),
+                arg_names=("x",),
                 arg_specs=(feature_spec(x, self.axis_name),),
                 out_specs=P(),
             )

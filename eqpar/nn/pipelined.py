@@ -59,7 +59,14 @@ from ._block_outputs import (
     with_values,
     write_row,
 )
-from ._own_region import call_in_own_region, declared_axes, manual_specs
+from ._own_region import (
+    axis_names_of,
+    call_in_own_region,
+    compiler_axes,
+    manual_specs,
+    region_axes,
+    region_mesh,
+)
 from ._reduction import reduction_of
 from .pipeline import PipelineModule
 from .stacks import RematPolicy, ScannedLayers, map_arrays, stack_layers, unstack_layers
@@ -1352,15 +1359,19 @@ def _in_own_pipeline_region(
     loss_fn: Callable, model: PyTree, batch: tuple, blocks: PipelinedBlocks, reduction: str
 ) -> tuple:
     """The scheduled step called outside `shard_map` over the pipe axis (the one-device step
-    on a placed model): inside a region of its own over that axis only. The batch is whole
-    over it (the compiler keeps it split over the data axes), so the loss and gradients are
-    the whole batch's; layers split over other axes open their own regions inside."""
-    axis = blocks.pipeline.axis_name
-    # Over the axes the model's layers split over too (a tensor-parallel stage): a region
-    # nested in the schedule's branches per layer is not one XLA partitions.
-    names = frozenset(axis if isinstance(axis, tuple) else (axis,)) | declared_axes(model)
-    axis = tuple(sorted(names, key=str))
-    specs = manual_specs(model, names)
+    on a placed model): inside a region of its own, as the documented recipe writes it by
+    hand. It is manual over every mesh axis but those `Sharded` keys leave to the compiler
+    (a collective the compiler would place inside the schedule's per-device branches could
+    wait on a device in another branch); the batch's first dimension is split over the axes
+    that neither the pipeline nor a converted layer works over (the data axes)."""
+    owner = "value_and_grad"
+    pipe = frozenset(axis_names_of(blocks.pipeline.axis_name))
+    mesh = region_mesh(owner, model, blocks.pipeline.axis_name)
+    compiler = compiler_axes(model)
+    manual = frozenset(mesh.axis_names) - compiler
+    data = tuple(name for name in mesh.axis_names if name in manual - pipe - region_axes(model))
+    specs = manual_specs(model, manual)
+    batch_spec = P(data) if data else P()
     index = next(i for i, node in enumerate(jax.tree.leaves(model, is_leaf=_is_pipelined))
                  if node is blocks)  # fmt: skip
 
@@ -1369,14 +1380,15 @@ def _in_own_pipeline_region(
         return _scheduled_value_and_grad(loss_fn, model, batch, inner, reduction)
 
     return call_in_own_region(
-        "value_and_grad",
-        axis,
+        owner,
+        tuple(name for name in mesh.axis_names if name in manual),
         model,
         step,
         batch,
-        arg_specs=(P(),) * len(batch),
+        arg_specs=(batch_spec,) * len(batch),
         out_specs=(P(), specs),
         specs=specs,
+        arg_names=tuple(f"batch[{i}]" for i in range(len(batch))),
     )
 
 
