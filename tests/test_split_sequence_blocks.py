@@ -179,5 +179,6 @@ def test_raw_arrays_with_a_sequence_split_on_the_compiled_route():
     assert_tree_close(loss, serial_loss, what="loss")
     assert_arrays_close(eqpar.unparallelize(updated), serial_model)
     explicit = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+    unplaced = eqpar.parallelize(model, plan)  # `parallel` lives on the Auto mesh
     with jax.set_mesh(explicit), pytest.raises(ValueError, match=r"'model' is an Explicit"):
-        jax.eval_shape(llama.loss, parallel, tokens)
+        jax.eval_shape(llama.loss, unplaced, tokens)
