@@ -137,7 +137,8 @@ def call_in_own_region(
     names = axis_names_of(axis_name)
     manual = frozenset(jax.sharding.get_abstract_mesh().manual_axes)
     if manual:
-        missing = names[0] if len(names) == 1 else names
+        left = tuple(name for name in names if name not in manual)
+        missing = left[0] if len(left) == 1 else left
         raise ValueError(
             f"{owner}: called inside a manual region over {tuple(sorted(manual, key=str))} "
             f"that leaves {missing!r} to the compiler, where the layer would open a region of "
