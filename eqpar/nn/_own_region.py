@@ -277,7 +277,7 @@ def region_axes(tree: PyTree) -> frozenset:
     around all of them must make manual, so that none opens its own nested in it. Axes that
     `Sharded` keys lay raw arrays out over are the compiler's, and not among them."""
     found: set = set()
-    for module in _modules(tree):
+    for module in modules_in(tree):
         if callable(getattr(module, "to_serial", None)):
             for field in ("axis_name", "head_axis_name"):
                 value = getattr(module, field, None)
@@ -290,35 +290,20 @@ def region_axes(tree: PyTree) -> frozenset:
     return frozenset(found)
 
 
-def _modules(node: Any) -> Iterator[eqx.Module]:
+def modules_in(node: Any) -> Iterator[eqx.Module]:
     """Every Equinox module in `node`, itself included, through fields, lists and dicts."""
     if isinstance(node, eqx.Module):
         yield node
         for field in dataclasses.fields(node):
-            yield from _modules(getattr(node, field.name, None))
+            yield from modules_in(getattr(node, field.name, None))
     elif isinstance(node, list | tuple):
         for item in node:
-            yield from _modules(item)
+            yield from modules_in(item)
     elif isinstance(node, dict):
         for item in node.values():
-            yield from _modules(item)
+            yield from modules_in(item)
 
 
 def region_mesh(owner: str, tree: PyTree, axis_name: Hashable) -> Any:
     """The mesh a region over `axis_name` opens on for `tree`'s arrays (see `_region_mesh`)."""
     return _region_mesh(owner, tree, axis_names_of(axis_name))
-
-
-def compiler_axes(tree: PyTree) -> frozenset:
-    """The mesh axes that `Sharded` keys lay raw arrays of blocks in `tree` out over: the
-    compiler's, never a region's."""
-    from ._plan_blocks import block_options  # a block's options; that module imports layers
-
-    found: set = set()
-    for module in _modules(tree):
-        options = block_options(module)
-        for _, spec in options.specs if options is not None else ():
-            for entry in spec:
-                if entry is not None and entry is not PartitionSpec.UNCONSTRAINED:
-                    found.update(axis_names_of(entry))
-    return frozenset(found)

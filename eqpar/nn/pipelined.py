@@ -62,11 +62,12 @@ from ._block_outputs import (
 from ._own_region import (
     axis_names_of,
     call_in_own_region,
-    compiler_axes,
     manual_specs,
+    modules_in,
     region_axes,
     region_mesh,
 )
+from ._plan_blocks import block_options
 from ._reduction import reduction_of
 from .pipeline import PipelineModule
 from .stacks import RematPolicy, ScannedLayers, map_arrays, stack_layers, unstack_layers
@@ -1390,6 +1391,19 @@ def _in_own_pipeline_region(
         specs=specs,
         arg_names=tuple(f"batch[{i}]" for i in range(len(batch))),
     )
+
+
+def compiler_axes(tree: PyTree) -> frozenset:
+    """The mesh axes that `Sharded` keys lay raw arrays of blocks in `tree` out over: the
+    compiler's, never a region's."""
+    found: set = set()
+    for module in modules_in(tree):
+        options = block_options(module)
+        for _, spec in options.specs if options is not None else ():
+            for entry in spec:
+                if entry is not None and entry is not P.UNCONSTRAINED:
+                    found.update(axis_names_of(entry))
+    return frozenset(found)
 
 
 def _is_pipelined(node: object) -> bool:
