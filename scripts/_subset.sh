@@ -6,7 +6,7 @@ SUBSET=(
     tests/test_spmd.py  # spmd, _specs, layout, _paths, mesh
     tests/test_layout.py  # layout, _declare, _matching (LayoutMap)
     "tests/test_axis_types.py::test_shard_map_takes_arguments_typed_otherwise_and_equals_one_device"  # _axis_types
-    tests/test_axis_types.py::test_quick_start_runs_as_printed_on_explicit_and_mixed_meshes  # _axis_types
+    tests/test_axis_types.py::test_quick_start_runs_as_printed_on_explicit_and_mixed_meshes  # _axis_types, nn/_own_region
     "tests/test_pipeline.py::test_matches_serial_twin[gpipe-4-4]"  # pipeline, nn/pipeline, _vma
     "tests/test_pipeline.py::test_matches_serial_twin[circular-4-4]"  # pipeline, nn/pipeline
     "tests/test_pipeline.py::test_matches_serial_twin[1f1b-4-4]"  # pipeline, nn/pipeline
