@@ -26,6 +26,7 @@ from jax import lax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 from numerics import assert_arrays_close, assert_tree_close
+from test_plan import PLAN as BERT_PLAN
 
 import eqpar
 
@@ -60,13 +61,6 @@ VIT_PLAN = {
     r"attention_blocks/\d+/attention": eqpar.HeadParallel(),
     r"attention_blocks/\d+/linear1": eqpar.ColumnParallel(),
     r"attention_blocks/\d+/linear2": eqpar.RowParallel(),
-}
-BERT_PLAN = {
-    "embedder_block/token_embedder": eqpar.VocabParallel(),
-    r"layers/\d+/attention_block/attention": eqpar.HeadParallel(),
-    r"layers/\d+/ff_block/mlp": eqpar.ColumnParallel(),
-    r"layers/\d+/ff_block/output": eqpar.RowParallel(),
-    "classifier": eqpar.ColumnParallel(gather_output=True),
 }
 GPT_PLAN = {
     r"blocks/\d+/attn/(q|k|v)_proj": eqpar.ColumnParallel(),

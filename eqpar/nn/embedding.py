@@ -34,6 +34,20 @@ class _SplitEmbedding(eqx.nn.Embedding):
         """The `eqx.nn.Embedding` with the same table."""
         return rebuilt(self, eqx.nn.Embedding)
 
+    def _in_own_region(self, x: Array) -> Array:
+        """Called outside `shard_map` over the axis: the lookup inside a region of its own,
+        the ids and the embedding whole over the axis."""
+        return call_in_own_region(
+            type(self).__name__,
+            self.axis_name,
+            self,
+            lambda layer, x: layer(x),
+            (x,),
+            arg_names=("x",),
+            arg_specs=(P(),),
+            out_specs=P(),
+        )
+
 
 class VocabParallelEmbedding(_SplitEmbedding):
     """`eqx.nn.Embedding` with its rows (the vocabulary) split over a mesh axis.
@@ -81,16 +95,7 @@ class VocabParallelEmbedding(_SplitEmbedding):
         del key
         owner = type(self).__name__
         if needs_own_region(self.axis_name):
-            return call_in_own_region(
-                owner,
-                self.axis_name,
-                self,
-                lambda layer, x: layer(x),
-                (x,),
-                arg_names=("x",),
-                arg_specs=(P(),),
-                out_specs=P(),
-            )
+            return self._in_own_region(x)
         n = axis_size(self.axis_name, owner)
         check_divides(owner, "num_embeddings", self.num_embeddings, n, self.axis_name)
         rows = self.num_embeddings // n
@@ -285,16 +290,7 @@ class FeatureParallelEmbedding(_SplitEmbedding):
         del key
         owner = type(self).__name__
         if needs_own_region(self.axis_name):
-            return call_in_own_region(
-                owner,
-                self.axis_name,
-                self,
-                lambda layer, x: layer(x),
-                (x,),
-                arg_names=("x",),
-                arg_specs=(P(),),
-                out_specs=P(),
-            )
+            return self._in_own_region(x)
         n = axis_size(self.axis_name, owner)
         check_divides(owner, "embedding_size", self.embedding_size, n, self.axis_name)
         check_block(
