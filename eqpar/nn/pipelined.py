@@ -1368,7 +1368,7 @@ def _in_own_pipeline_region(
     owner = "value_and_grad"
     pipe = frozenset(axis_names_of(blocks.pipeline.axis_name))
     mesh = region_mesh(owner, model, blocks.pipeline.axis_name)
-    compiler = compiler_axes(model)
+    compiler = _compiler_axes(model)
     manual = frozenset(mesh.axis_names) - compiler
     data = tuple(name for name in mesh.axis_names if name in manual - pipe - region_axes(model))
     specs = manual_specs(model, manual)
@@ -1393,7 +1393,7 @@ def _in_own_pipeline_region(
     )
 
 
-def compiler_axes(tree: PyTree) -> frozenset:
+def _compiler_axes(tree: PyTree) -> frozenset:
     """The mesh axes that `Sharded` keys lay raw arrays of blocks in `tree` out over: the
     compiler's, never a region's."""
     found: set = set()
