@@ -117,6 +117,47 @@ def _dense_loss(mlp, mesh, names):
     return lambda mlp, x: jnp.mean(forward(mlp, x) ** 2)
 
 
+def _sort_and_gather_loss(layer, mesh, names, buffer_factor: float):
+    """A textbook sort-and-gather exchange with the layer's own weights, the baseline of
+    table 3: the assignments sorted by expert, each (source, expert) pair given
+    `ceil(buffer_factor * T k / E)` slots (overflow dropped), one all-to-all there and one
+    back, the experts as one batched matmul over their slots. Its receive buffer holds as
+    many rows as the layer's at the same buffer factor."""
+
+    def forward(moe, tokens):
+        n, local = lax.axis_size("expert"), moe.up.shape[0]
+        num_experts, (num_tokens, features) = n * local, tokens.shape
+        slots = math.ceil(buffer_factor * num_tokens * TOP_K / num_experts)
+        probs = jax.nn.softmax(jax.vmap(moe.router)(tokens), axis=-1)
+        top, chosen = lax.top_k(probs, TOP_K)
+        weights = top / jnp.sum(top, axis=-1, keepdims=True)
+        assigned = chosen.T.reshape(-1)
+        order = jnp.argsort(assigned, stable=True)
+        sorted_experts = assigned[order]
+        counts = jnp.zeros(num_experts, jnp.int32).at[assigned].add(1)
+        rank = jnp.arange(assigned.shape[0]) - (jnp.cumsum(counts) - counts)[sorted_experts]
+        kept = rank < slots
+        slot = jnp.where(kept, sorted_experts * slots + rank, num_experts * slots)
+        buffer = jnp.zeros((num_experts * slots, features), tokens.dtype)
+        buffer = buffer.at[slot].set(tokens[order % num_tokens], mode="drop")
+        received = lax.all_to_all(buffer.reshape(n, -1, features), "expert", 0, 0, tiled=True)
+        x = received.reshape(n, local, slots, features).transpose(1, 0, 2, 3)
+        x = x.reshape(local, n * slots, features)
+        hidden = moe.activation(jnp.einsum("gcf,gfh->gch", x, moe.up))
+        y = jnp.einsum("gch,ghf->gcf", hidden, moe.down).reshape(local, n, slots, features)
+        y = y.transpose(1, 0, 2, 3).reshape(n, -1, features)
+        back = lax.all_to_all(y, "expert", 0, 0, tiled=True).reshape(-1, features)
+        out_sorted = jnp.where(kept[:, None], back[jnp.minimum(slot, back.shape[0] - 1)], 0)
+        out = jnp.zeros_like(out_sorted).at[order].set(out_sorted)
+        return jnp.einsum("ktf,tk->tf", out.reshape(TOP_K, num_tokens, features), weights)
+
+    tokens = P(names)
+    sharded = eqpar.shard_map(
+        forward, mesh=mesh, in_specs=(eqpar.partition_specs(layer), tokens), out_specs=tokens
+    )
+    return lambda layer, x: jnp.mean(sharded(layer, x) ** 2)
+
+
 def _compiled_step(loss, model, mesh, x):
     """The training step (gradients for the model and its input), compiled, and seconds."""
     specs = eqpar.partition_specs(model)
@@ -414,6 +455,12 @@ def measure_memory(exchange_rows: list[dict]) -> list[dict]:
         name = f"MoE EP {mesh_name}, capacity_factor 1.25 (same C, one round, may drop)"
         row = {"name": name, "temp": memory_figures(compiled)["temp"], "mesh": mesh_name}
         rows.append(row | {"capacity_factor": 1.25})
+        for factor in BUFFER_FACTORS:
+            loss = _sort_and_gather_loss(capped, mesh, names, factor)
+            compiled, _ = _compiled_step(loss, capped, mesh, x)
+            name = f"sort-and-gather exchange {mesh_name}, buffer_factor {factor} (may drop)"
+            row = {"name": name, "temp": memory_figures(compiled)["temp"], "mesh": mesh_name}
+            rows.append(row | {"baseline_factor": factor})
     return rows
 
 

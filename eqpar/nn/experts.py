@@ -454,7 +454,9 @@ class MixtureOfExperts(eqx.Module):
         sorted_experts = routed[order]
         params = _ExpertParams(self.up, self.gate, self.down, self.up_bias, self.down_bias)
         if self.expert_axis_name is None:
-            out_sorted = _apply_experts(params, rows, sorted_experts, self._static(1, 0))
+            out_sorted = _apply_experts(
+                params, rows, sorted_experts, self._static(1, 0), grouped=True
+            )
         else:
             out_sorted = self._exchange(params, rows, sorted_experts, num_tokens)
         out = jnp.zeros_like(out_sorted).at[order].set(out_sorted)
@@ -642,21 +644,87 @@ def _within_capacity(assigned: Array, num_experts: int, capacity: int) -> Array:
     return jnp.zeros_like(assigned, dtype=bool).at[order].set(rank < capacity)
 
 
-def _apply_experts(params: _ExpertParams, rows: Array, expert_of_row: Array, static: _Static):
-    """The experts on rows grouped by (local) expert; `expert_of_row` is sorted, and rows
-    with an id past the last expert give zeros."""
+def _apply_experts(
+    params: _ExpertParams, rows: Array, expert_of_row: Array, static: _Static, *, grouped: bool
+) -> Array:
+    """The experts on rows: row `i` through local expert `expert_of_row[i]` (an id past the
+    last expert gives zeros). `grouped`: the rows already come sorted by expert.
+
+    On GPU and TPU the rows are sorted by expert (unless `grouped`) and run as XLA's ragged
+    dot. On CPU JAX lowers `lax.ragged_dot` by a generic rule that copies the rows once per
+    expert (a `[experts, rows, features]` masked copy, in the forward and again in each
+    transpose), so a layer's temp grew with its number of local experts; there each matmul
+    is instead a loop over the local experts that holds one `[rows, out]` product at a time
+    and selects each expert's rows from it, in the rows' own order (no sort, no gathered
+    copy). Both do the same multiply-adds as that rule, and give the same values: each
+    output row is its own expert's product, selected, not summed. The choice is made when
+    the program is lowered (`lax.platform_dependent`).
+    """
+    return lax.platform_dependent(
+        params,
+        rows,
+        expert_of_row,
+        cpu=functools.partial(_experts_by_loop, static=static),
+        default=functools.partial(_experts_by_ragged_dot, static=static, grouped=grouped),
+    )
+
+
+def _experts_by_loop(
+    params: _ExpertParams, rows: Array, expert_of_row: Array, static: _Static
+) -> Array:
+    def times_own_expert(x: Array, weights: Array) -> Array:
+        def expert(out: Array, weights_and_id: tuple[Array, Array]) -> tuple[Array, None]:
+            own_weights, e = weights_and_id
+            return jnp.where((expert_of_row == e)[:, None], x @ own_weights, out), None
+
+        # Expert 0 outside the loop: its product gives the carry the type (dtype, and the
+        # mesh axes it varies over) that every later expert's has. The loop scans over the
+        # weights rather than indexing them with its counter: the transpose then stacks
+        # each expert's gradient instead of writing it at a saved index, and such an index
+        # read back from a pipeline schedule's buffers is typed as varying over the pipe
+        # axis, which JAX's dynamic_update_slice refuses against expert-split weights.
+        first = jnp.where((expert_of_row == 0)[:, None], x @ weights[0], 0)
+        ids = jnp.arange(1, weights.shape[0], dtype=expert_of_row.dtype)
+        return lax.scan(expert, first, (weights[1:], ids))[0]
+
+    return _expert_mlp(params, rows, expert_of_row, times_own_expert, static)
+
+
+def _experts_by_ragged_dot(
+    params: _ExpertParams, rows: Array, expert_of_row: Array, static: _Static, grouped: bool
+) -> Array:
+    order = None if grouped else jnp.argsort(expert_of_row, stable=True)
+    if order is not None:
+        rows, expert_of_row = rows[order], expert_of_row[order]
+    group_sizes = jnp.zeros(static.local_experts, jnp.int32).at[expert_of_row].add(1, mode="drop")
+
+    def times_own_expert(x: Array, weights: Array) -> Array:
+        return lax.ragged_dot(x, weights, group_sizes)
+
+    out = _expert_mlp(params, rows, expert_of_row, times_own_expert, static)
+    return out if order is None else jnp.zeros_like(out).at[order].set(out)
+
+
+def _expert_mlp(
+    params: _ExpertParams,
+    rows: Array,
+    expert_of_row: Array,
+    times_own_expert: Callable[[Array, Array], Array],
+    static: _Static,
+) -> Array:
+    """Each row through its expert's MLP, `times_own_expert(x, weights)` being each row of
+    `x` times its own expert's block of `weights` (`[experts, in, out]`)."""
     local = static.local_experts
-    group_sizes = jnp.zeros(local, jnp.int32).at[expert_of_row].add(1, mode="drop")
     row_expert = jnp.minimum(expert_of_row, local - 1)
     valid = (expert_of_row < local)[:, None]
-    hidden = lax.ragged_dot(rows, params.up, group_sizes)
+    hidden = times_own_expert(rows, params.up)
     if params.up_bias is not None:
         hidden = hidden + params.up_bias[row_expert]
     if params.gate is not None:
-        hidden = static.activation(lax.ragged_dot(rows, params.gate, group_sizes)) * hidden
+        hidden = static.activation(times_own_expert(rows, params.gate)) * hidden
     else:
         hidden = static.activation(hidden)
-    out = lax.ragged_dot(hidden, params.down, group_sizes)
+    out = times_own_expert(hidden, params.down)
     if static.model_axis_name is not None:
         out = lax.psum(out, static.model_axis_name)
     if params.down_bias is not None:
@@ -697,11 +765,7 @@ def _one_round(
     )
     expert = jnp.where(position[None, :] < meta.recv_counts[:, None], expert, static.local_experts)
     expert = expert.reshape(-1)
-    order = jnp.argsort(expert, stable=True)
-    out_sorted = _apply_experts(
-        params, received.reshape(-1, features)[order], expert[order], static
-    )
-    out = jnp.zeros_like(out_sorted).at[order].set(out_sorted)
+    out = _apply_experts(params, received.reshape(-1, features), expert, static, grouped=False)
     back = lax.all_to_all(out.reshape(received.shape), static.axis_name, 0, 0, tiled=True)
     # In the experts' result type (float32 parameters on bfloat16 tokens mix in float32,
     # as the serial layer does).
