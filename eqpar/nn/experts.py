@@ -3,8 +3,10 @@ experts split over a mesh axis (expert parallelism).
 
 `MixtureOfExperts` is an ordinary Equinox layer: a router (`eqx.nn.Linear`, features ->
 experts), the experts' weights stacked `[E, ...]`, top-k gating, and the usual auxiliary
-losses. The experts run as grouped matmuls (`lax.ragged_dot`) over the tokens sorted by
-expert, so no token is padded to a fixed capacity and the program does not grow with E.
+losses. The experts run as grouped matmuls, so no token is padded to a fixed capacity and
+the program does not grow with E: on GPU and TPU `lax.ragged_dot` over the tokens sorted by
+expert; on CPU, where JAX lowers `ragged_dot` by copying the rows once per expert, a scan
+over the local experts that holds one expert's product at a time (`_apply_experts`).
 
 With `expert_axis_name` set (the `eqpar.ExpertParallel` plan style sets it), each device of
 that axis holds `E / n` experts and its own tokens; the layer sends each (token, expert)
