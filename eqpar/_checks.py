@@ -67,8 +67,10 @@ def check_context_options(
     """Shared by `ContextParallelAttention` and the `ContextParallel` style."""
     if layout not in ("contiguous", "balanced"):
         raise ValueError(f"{owner}: layout must be 'contiguous' or 'balanced'; got {layout!r}.")
-    if strategy not in ("ring", "all_gather"):
-        raise ValueError(f"{owner}: strategy must be 'ring' or 'all_gather'; got {strategy!r}.")
+    if strategy not in ("ring", "all_gather", "ulysses"):
+        raise ValueError(
+            f"{owner}: strategy must be 'ring', 'all_gather' or 'ulysses'; got {strategy!r}."
+        )
     if head_axis_name is not None and head_axis_name == axis_name:
         raise ValueError(
             f"{owner}: head_axis_name={head_axis_name!r} is the context axis itself; heads and "

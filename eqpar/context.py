@@ -1,7 +1,7 @@
 """Context (sequence) parallelism: attention over a sequence split across a mesh axis.
 
 Inside `shard_map`, each device of a `context` axis holds `seq / n` tokens of every
-sequence: its block of the queries, keys and values. Two ways to attend over the whole
+sequence: its block of the queries, keys and values. Three ways to attend over the whole
 sequence from there:
 
 - `ring_attention`: every device keeps its queries while the key/value blocks travel the
@@ -13,19 +13,27 @@ sequence from there:
 - `all_gather_attention`: all-gather the keys and values, attend locally. Less
   communication in the backward pass (one reduce-scatter of the key/value gradients), but
   every device holds the whole key/value: the choice for short sequences.
+- `ulysses_attention`: an all-to-all trades the sequence split for a split of the heads
+  (each device gets the whole sequence of `H / n` heads), attention runs locally, and a
+  second all-to-all trades back. The heads must divide over the axis (with
+  `ring_axis_name`, only over this axis: a ring over another axis attends between the
+  longer blocks). Least traffic when `n` is large: the bytes do not grow with `n`.
 
 Memory and communication per device, for one attention call of `B` sequences of length `S`
-with `H` heads of size `D` (`b` bytes per element, `n` devices, `c = S / n`):
+with `H` heads of size `D` (`b` bytes per element, `n` devices, `c = S / n`, and
+`X = B c H D`, one device's block of queries, keys or values):
 
-| | ring | all-gather |
-| --- | --- | --- |
-| scores held at once | `B H c^2` | `B H c S` |
-| keys/values held | 2 blocks, `2 B c H D` | whole, `2 B S H D` |
-| forward bytes received | `(n - 1) 2 B c H D b` | `(n - 1) 2 B c H D b` |
-| backward bytes received | `(n - 1) 2 B c H D b + n 2 B c H D 4` | `(n - 1) 2 B c H D 4` |
+| | ring | all-gather | Ulysses |
+| --- | --- | --- | --- |
+| scores held at once | `B H c^2` | `B H c S` | `B (H/n) S^2` |
+| keys/values held | `2 X` (2 blocks) | `2 n X` (whole) | `2 X` (`H/n` heads, whole) |
+| bytes received, forward | `2 (n-1) X b` | `2 (n-1) X b` | `4 (n-1)/n X b` |
+| bytes received, backward | `2 (n-1) X b + 2 n X 4` | `2 (n-1) X 4` | `4 (n-1)/n X b` |
 
 (plus `(n - 1) B c` bytes per pass for a key padding mask). The ring's backward moves the
-key/value blocks again and their float32 gradients one full turn.
+key/value blocks again and their float32 gradients one full turn. Ulysses's four arrays are
+the queries, keys, values and output forward, and their gradients backward (with
+grouped-query attention the keys and values count `H_kv` heads instead of `H`).
 
 **Causal attention and load balance.** With `causal=True` a device whose tokens come late in
 the sequence attends to more keys than one whose tokens come early. With
@@ -64,6 +72,7 @@ __all__ = [
     "balance_sequence",
     "ring_attention",
     "sequence_positions",
+    "ulysses_attention",
     "unbalance_sequence",
 ]
 
@@ -224,7 +233,11 @@ def _check_inputs(
     key_mask: Array | None,
     causal: bool,
     layout: str,
+    *,
+    grouped: bool = False,
 ) -> None:
+    """`grouped`: keys and values may have fewer heads than the queries, a divisor of
+    theirs (grouped-query attention)."""
     _check_layout(owner, layout)
     if query.ndim < 3:
         raise ValueError(
@@ -237,7 +250,15 @@ def _check_inputs(
             f"{owner}: query, key and value must share their batch dimensions; got shapes "
             f"{query.shape}, {key.shape}, {value.shape}."
         )
-    if key.shape[-2:] != query.shape[-2:]:
+    if grouped and key.shape[-1] == query.shape[-1] and query.shape[-2] % key.shape[-2] == 0:
+        pass  # grouped-query attention: each key/value head serves a group of query heads
+    elif grouped:
+        raise ValueError(
+            f"{owner}: key must have query's head size {query.shape[-1]} and a number of "
+            f"heads that divides query's {query.shape[-2]} (grouped-query attention); got "
+            f"{key.shape[-2:]} (heads, head size)."
+        )
+    elif key.shape[-2:] != query.shape[-2:]:
         raise ValueError(
             f"{owner}: key must have query's heads and head size {query.shape[-2:]}; got "
             f"{key.shape[-2:]}."
@@ -513,10 +534,12 @@ def _prepare(
     causal: bool,
     layout: str,
     scale: float | None,
+    *,
+    grouped: bool = False,
 ) -> tuple[int, float, Array, Array, Array, Array | None]:
     """Checked inputs, typed as varying alike, with their batch dimensions flattened into one
     (one added where there are none)."""
-    _check_inputs(owner, query, key, value, key_mask, causal, layout)
+    _check_inputs(owner, query, key, value, key_mask, causal, layout, grouped=grouped)
     n = axis_size(axis_name, owner)
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
@@ -665,11 +688,133 @@ def all_gather_attention(
     q_pos = _positions(me, q_len, n, layout)
     k_pos = jnp.concatenate([_positions(j, kv_len, n, layout) for j in range(n)])
     mask = _block_mask(q_pos, k_pos, whole_mask, causal)
-    s = _scores(q, whole_k, mask, scale)
+    out = _attend(q, whole_k, whole_v, mask, scale).astype(query.dtype)
+    return out.reshape((*batch, *out.shape[1:]))
+
+
+def _attend(q: Array, k: Array, v: Array, mask: Array | None, scale: float) -> Array:
+    """Softmax attention of `q` over all of `k` and `v` in float32, `[B, q, H, Dv]`; a query
+    that sees no key gets zeros. Written here rather than with
+    `jax.nn.dot_product_attention` so that values may have another head size than keys (as
+    `eqx.nn.MultiheadAttention` allows) and so that such a query gets zeros, as in
+    `ring_attention`."""
+    s = _scores(q, k, mask, scale)
     row_max = s.max(axis=-1, keepdims=True)
     seen = ~jnp.isneginf(row_max)
     p = jnp.exp(s - jnp.where(seen, row_max, 0.0))
     weights = p / jnp.where(seen, p.sum(axis=-1, keepdims=True), 1.0)
-    out = jnp.einsum("bhqk,bkhd->bqhd", weights, whole_v.astype(jnp.float32))
-    out = out.astype(query.dtype)
+    return jnp.einsum("bhqk,bkhd->bqhd", weights, v.astype(jnp.float32))
+
+
+def ulysses_attention(
+    query: Float[Array, "*batch q_block heads qk_size"],
+    key: Float[Array, "*batch kv_block kv_heads qk_size"],
+    value: Float[Array, "*batch kv_block kv_heads v_size"],
+    *,
+    axis_name: AxisName,
+    causal: bool = False,
+    key_mask: Bool[Array, "*batch kv_block"] | None = None,
+    layout: Layout = "contiguous",
+    scale: float | None = None,
+    ring_axis_name: AxisName | None = None,
+) -> Float[Array, "*batch q_block heads v_size"]:
+    """Attention over a sequence split across `axis_name` by trading the split for a split
+    of the heads (Ulysses; inside `shard_map`): the twin of `ring_attention`, with the same
+    arguments and result.
+
+    An all-to-all gives each device the whole sequence of `heads / n` of the heads (its
+    block of every device's queries, keys and values), it attends over the whole sequence
+    for those heads, and a second all-to-all returns each device its block of the sequence
+    with every head. Per device and attention call it receives `(n - 1) / n` of its queries,
+    keys, values and output, `(n - 1) / n x B c (2 H D + 2 H_kv D) b` bytes forward and the
+    same backward (the all-to-alls' transposes), against the ring's `(n - 1) 2 B c H D b`
+    forward: less by about `n / 2` when heads are many. It holds `[S, S]` scores for its
+    `H / n` heads, like `all_gather_attention` for its whole heads.
+
+    - **Heads.** The query heads must divide over the axis. Keys and values may have fewer
+      heads, a divisor of the query's (grouped-query attention): they travel as they are
+      when their count divides the axis too; otherwise each is repeated the fewest times
+      that make it divide (to `lcm(kv_heads, n)` heads), which moves that many more bytes.
+    - **Hybrid.** With `ring_axis_name`, the sequence is split over both axes
+      (`P((ring_axis_name, axis_name))` on it, contiguous layout): the all-to-all runs over
+      `axis_name` only, and the ring over `ring_axis_name` attends between the resulting
+      longer blocks. Heads need to divide only `axis_name`'s size, so a head count that
+      does not divide all the devices still runs.
+    - Causal and padding masks and the layouts are as in `ring_attention`; rotary positions
+      are the caller's, from `sequence_positions` (global positions, as for the ring).
+
+    **Arguments:** as `ring_attention`, and
+
+    - `key`, `value`: `kv_heads` heads, a divisor of the query's `heads`.
+    - `ring_axis_name`: an optional second axis the sequence is split over, attended over
+      by `ring_attention` (the hybrid above).
+
+    **Returns:** `[*batch, q_block, heads, v_size]`, this device's block of the output.
+
+    ```python
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import Mesh, PartitionSpec as P
+    from eqpar.context import ulysses_attention
+
+    mesh = Mesh(np.array(jax.devices()[:4]), ("context",))
+    q, k, v = jax.random.normal(jax.random.key(0), (3, 16, 4, 8))  # [seq, heads, size] each
+    f = jax.shard_map(
+        lambda q, k, v: ulysses_attention(q, k, v, axis_name="context", causal=True),
+        mesh=mesh, in_specs=P("context"), out_specs=P("context"),
+    )
+    expected = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    assert jnp.allclose(f(q, k, v), expected, atol=1e-5)
+    ```
+    """
+    owner = "ulysses_attention"
+    batch = query.shape[:-3]
+    if ring_axis_name is not None and layout != "contiguous":
+        raise ValueError(
+            f"{owner}: with ring_axis_name the sequence is split over two axes in contiguous "
+            f"blocks; layout={layout!r} is for one axis. Use layout='contiguous'."
+        )
+    n, scale, q, k, v, key_mask = _prepare(
+        owner, query, key, value, key_mask, axis_name, causal, layout, scale, grouped=True
+    )
+    if ring_axis_name is not None:
+        axis_size(ring_axis_name, owner)
+    heads, kv_heads = q.shape[2], k.shape[2]
+    if heads % n:
+        raise ValueError(
+            f"{owner}: the {heads} query heads do not divide over the {n} devices of axis "
+            f"{axis_name!r}. Split the sequence over fewer devices for the all-to-all and the "
+            f"rest with ring_axis_name=..., or use ring_attention, which takes any head count."
+        )
+    # Key/value heads repeated the fewest times that make them divide the axis (each query
+    # head keeps its key/value head: head h becomes heads h r ... h r + r - 1).
+    repeat = math.lcm(kv_heads, n) // kv_heads
+    if repeat > 1:
+        k, v = jnp.repeat(k, repeat, axis=2), jnp.repeat(v, repeat, axis=2)
+
+    def to_heads(x: Array) -> Array:  # [B, c, H, D] -> [B, n c, H / n, D]
+        return lax.all_to_all(x, axis_name, 2, 1, tiled=True)
+
+    q_heads, k_heads, v_heads = to_heads(q), to_heads(k), to_heads(v)
+    whole_mask = None
+    if key_mask is not None:
+        whole_mask = lax.all_gather(key_mask, axis_name, axis=1, tiled=True)
+    # This device's key/value heads, each repeated for its group of local query heads.
+    group = q_heads.shape[2] // k_heads.shape[2]
+    k_heads, v_heads = (jnp.repeat(x, group, axis=2) for x in (k_heads, v_heads))
+    if ring_axis_name is None:
+        # Every device's block in axis order: the whole sequence, in `layout` order.
+        positions = jnp.concatenate([_positions(j, q.shape[1], n, layout) for j in range(n)])
+        mask = _block_mask(positions, positions, whole_mask, causal)
+        out = _attend(q_heads, k_heads, v_heads, mask, scale).astype(query.dtype)
+    else:
+        out = ring_attention(
+            q_heads,
+            k_heads,
+            v_heads,
+            axis_name=ring_axis_name,
+            causal=causal,
+            key_mask=whole_mask,
+            scale=scale,
+        )
+    out = lax.all_to_all(out, axis_name, 1, 2, tiled=True)  # back to [B, c, H, Dv]
     return out.reshape((*batch, *out.shape[1:]))

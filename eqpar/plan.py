@@ -273,10 +273,12 @@ class ContextParallel(Style):
     """Split an `eqx.nn.MultiheadAttention`'s sequence over `axis_name` (context
     parallelism, `ContextParallelAttention`): it takes this device's block of the sequence
     (`[seq / n, size]`) and gives that block of the output, attending to the whole sequence
-    by ring attention (`strategy="ring"`) or by all-gathering the keys and values
-    (`strategy="all_gather"`, for short sequences). `causal=True` makes it causal over the
-    whole sequence; the layer's `mask` is a per-key padding mask of this device's keys.
-    `layout="balanced"` evens out causal work (store the sequence in
+    by ring attention (`strategy="ring"`), by all-gathering the keys and values
+    (`strategy="all_gather"`, for short sequences), or by Ulysses all-to-alls that split the
+    heads instead of the sequence for the attention itself (`strategy="ulysses"`: the
+    heads must divide over the axis; the least traffic when they are many). `causal=True`
+    makes it causal over the whole sequence; the layer's `mask` is a per-key padding mask of
+    this device's keys. `layout="balanced"` evens out causal work (store the sequence in
     `eqpar.context.balance_sequence` order). `head_axis_name` also splits the heads over a
     tensor-parallel axis.
 

@@ -23,12 +23,17 @@ from eqpar.context import (
     balance_sequence,
     ring_attention,
     sequence_positions,
+    ulysses_attention,
     unbalance_sequence,
 )
 from eqpar.nn.parallel_layers import ContextParallelAttention
 
 B, S, H, D = 2, 48, 4, 8  # S divides by 2n for n = 2, 4, 8; no other size is a multiple of S
-STRATEGIES = {"ring": ring_attention, "all_gather": all_gather_attention}
+STRATEGIES = {
+    "ring": ring_attention,
+    "all_gather": all_gather_attention,
+    "ulysses": ulysses_attention,
+}
 LR = 0.5
 
 
@@ -66,8 +71,14 @@ CASES = {
 }
 
 
-PAIRS = [(strategy, n, "causal-balanced-padded") for strategy in STRATEGIES for n in (2, 4, 8)]
+PAIRS = [
+    (strategy, n, "causal-balanced-padded")
+    for strategy in STRATEGIES
+    for n in (2, 4, 8)
+    if strategy != "ulysses" or H % n == 0  # Ulysses splits the H heads over the axis
+]
 PAIRS += [("ring", 8, "causal-contiguous"), ("ring", 4, "padded"), ("all_gather", 4, "padded")]
+PAIRS += [("ulysses", 4, "causal-contiguous"), ("ulysses", 2, "padded")]
 
 
 @functools.partial(jax.jit, static_argnums=5)
@@ -111,6 +122,101 @@ def test_attention_matches_serial(strategy, n, case):
     got = parallel(q, k, v, key_mask, cotangent)
     expected = serial_value_and_grads(q, k, v, key_mask, cotangent, causal)
     assert_tree_close(got, expected)
+
+
+def grouped_serial_attention(q, k, v, causal, key_mask):
+    """`serial_attention` with each key/value head serving `H / kv_heads` query heads."""
+    group = q.shape[2] // k.shape[2]
+    return serial_attention(q, jnp.repeat(k, group, 2), jnp.repeat(v, group, 2), causal, key_mask)
+
+
+def check_against_serial(sharded, inputs, causal, *, n=None):
+    """Outputs and gradients of `sharded(q, k, v, key_mask)` against
+    `grouped_serial_attention`; with `n`, the inputs go in balanced order over n devices."""
+    q, k, v, key_mask, cotangent = inputs
+
+    def order(x):
+        return x if n is None else balance_sequence(x, n, axis=1)
+
+    def restore(x):
+        return x if n is None else unbalance_sequence(x, n, axis=1)
+
+    @jax.jit
+    def parallel(q, k, v, key_mask, cotangent):
+        def attention(q, k, v):
+            return restore(sharded(order(q), order(k), order(v), order(key_mask)))
+
+        out, pullback = jax.vjp(attention, q, k, v)
+        return out, pullback(cotangent)
+
+    @jax.jit
+    def serial(q, k, v, key_mask, cotangent):
+        def attention(q, k, v):
+            return grouped_serial_attention(q, k, v, causal, key_mask)
+
+        out, pullback = jax.vjp(attention, q, k, v)
+        return out, pullback(cotangent)
+
+    assert_tree_close(parallel(q, k, v, key_mask, cotangent), serial(q, k, v, key_mask, cotangent))
+
+
+@pytest.mark.parametrize("kv_heads", [2, 1])
+def test_ulysses_grouped_query_attention_matches_serial(kv_heads):
+    """Keys and values with fewer heads than the queries (4): 2 or 1 heads do not divide
+    the 4 devices, so each is repeated to lcm(kv_heads, 4) = 4 heads before the all-to-all.
+    Causal, balanced, padded; outputs and gradients."""
+    n = 4
+    q, k, v, key_mask, cotangent = inputs(value_size=2 * D)
+    k, v = k[:, :, :kv_heads], v[:, :, :kv_heads]
+    sharded = jax.shard_map(
+        lambda q, k, v, m: ulysses_attention(
+            q, k, v, axis_name="context", causal=True, key_mask=m, layout="balanced"
+        ),
+        mesh=context_mesh(n),
+        in_specs=P(None, "context"),
+        out_specs=P(None, "context"),
+    )
+    check_against_serial(sharded, (q, k, v, key_mask, cotangent), True, n=n)
+
+
+def test_ulysses_hybrid_runs_heads_that_do_not_divide_the_devices():
+    """4 heads on 8 devices: the sequence split over ring=2 x heads=4, the all-to-all over
+    the 4 and the ring over the 2. Causal and padded; outputs and gradients."""
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("ring", "heads"))
+    q, k, v, key_mask, cotangent = inputs(value_size=2 * D)
+    k, v = k[:, :, :2], v[:, :, :2]  # grouped-query attention as well
+    sequence = P(None, ("ring", "heads"))
+    sharded = jax.shard_map(
+        lambda q, k, v, m: ulysses_attention(
+            q, k, v, axis_name="heads", ring_axis_name="ring", causal=True, key_mask=m
+        ),
+        mesh=mesh,
+        in_specs=sequence,
+        out_specs=sequence,
+    )
+    check_against_serial(sharded, (q, k, v, key_mask, cotangent), True)
+
+
+def test_ulysses_refuses_heads_it_cannot_split_naming_the_fix():
+    q = jnp.zeros((1, 8, 4, 2))
+    cases = [
+        (q[:, :, :2], dict(axis_name="context"), "2 query heads do not divide over the 4"),
+        (q, dict(axis_name="context", kv=q[:, :, :3]), "divides query's 4"),
+        (q, dict(axis_name="context", ring_axis_name="context", layout="balanced"), "contiguous"),
+    ]
+    for query, options, message in cases:
+        kv = options.pop("kv", query)
+        f = jax.shard_map(
+            functools.partial(
+                lambda q, kv, options: inspect.unwrap(ulysses_attention)(q, kv, kv, **options),
+                options=options,
+            ),
+            mesh=context_mesh(4),
+            in_specs=P(None, "context"),
+            out_specs=P(None, "context"),
+        )
+        with pytest.raises(ValueError, match=message):
+            jax.eval_shape(f, query, kv)
 
 
 def test_balance_sequence_round_trip_and_positions():
@@ -209,8 +315,22 @@ def block_inputs():
         ({"data": 2, "context": 4}, eqpar.ContextParallel(causal=True)),
         ({"data": 2, "context": 4}, eqpar.ContextParallel(strategy="all_gather")),
         ({"context": 4, "model": 2}, eqpar.ContextParallel(causal=True, head_axis_name="model")),
+        ({"data": 2, "context": 4}, eqpar.ContextParallel(causal=True, strategy="ulysses")),
+        (
+            {"context": 2, "model": 2},
+            eqpar.ContextParallel(
+                causal=True, layout="balanced", strategy="ulysses", head_axis_name="model"
+            ),
+        ),
     ],
-    ids=["context4-balanced", "data2-context4-ring", "data2-context4-gather", "context4-model2"],
+    ids=[
+        "context4-balanced",
+        "data2-context4-ring",
+        "data2-context4-gather",
+        "context4-model2",
+        "data2-context4-ulysses",
+        "context2-model2-ulysses-balanced",
+    ],
 )
 def test_plan_matches_multihead_attention(mesh_shape, style):
     """A block with eqx.nn.MultiheadAttention, converted by ContextParallel: loss, gradients
@@ -266,7 +386,7 @@ def test_plan_refuses_what_it_cannot_split():
     with pytest.raises(ValueError, match="layout"):
         eqpar.ContextParallel(layout="zigzag")
     with pytest.raises(ValueError, match="strategy"):
-        eqpar.ContextParallel(strategy="ulysses")
+        eqpar.ContextParallel(strategy="tree")
     with pytest.raises(ValueError, match="2 \\* num_devices"):
         balance_sequence(jnp.arange(10), 4)
 
@@ -314,6 +434,30 @@ def test_ring_program_holds_no_whole_sequence(n):
     summary = collective_summary(ring)
     assert set(summary.counts) == {"collective-permute"}
     assert summary.bytes["collective-permute"] == (n - 1) * 2 * block * 2 + n * 2 * block
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_ulysses_moves_the_formula_bytes_by_all_to_all_only(n):
+    """Per device: forward, the queries, keys, values and output each cross once, `(n - 1)
+    / n` of `B (S / n) H 2D` floats received; backward, their four gradients likewise."""
+    shape = jax.ShapeDtypeStruct((B, S, H, 2 * D), jnp.float32)
+    sharded = jax.shard_map(
+        lambda q, k, v, c: jnp.sum(
+            ulysses_attention(q, k, v, axis_name="context", causal=True) * c
+        )[None],
+        mesh=context_mesh(n),
+        in_specs=P(None, "context"),
+        out_specs=P("context"),
+    )
+    # The loss too, as a training step returns it: without it the forward output's
+    # all-to-all is dead code (its gradient does not need it).
+    step = jax.value_and_grad(lambda q, k, v, c: sharded(q, k, v, c).sum(), argnums=(0, 1, 2))
+    summary = collective_summary(jax.jit(step).lower(shape, shape, shape, shape).compile())
+    block = B * (S // n) * H * 2 * D * 4
+    # Besides the all-to-alls, only the loss's sum over the devices (one float each).
+    assert set(summary.counts) == {"all-to-all", "all-reduce"}
+    assert summary.bytes["all-reduce"] <= 16
+    assert summary.bytes["all-to-all"] == pytest.approx(8 * (n - 1) / n * block, rel=0.01)
 
 
 def test_every_attention_refuses_a_non_bool_mask():

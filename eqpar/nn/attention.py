@@ -14,7 +14,7 @@ from jaxtyping import Array, Bool, Float, PRNGKeyArray, PyTree
 from .._axes import axis_size
 from .._checks import check_bool_mask, check_context_options, check_nonempty_sequence
 from .._vma import cast_varying, varies_over
-from ..context import all_gather_attention, ring_attention
+from ..context import all_gather_attention, ring_attention, ulysses_attention
 from ._own_region import axis_names_of, call_in_own_region, needs_own_region
 from ._twins import adopt, check_block, check_divides, check_sequence_layout, rebuilt
 
@@ -306,11 +306,13 @@ class ContextParallelAttention(eqx.nn.MultiheadAttention):
     sharded over `axis_name`); the layer projects its own tokens and attends to the whole
     sequence with `eqpar.context.ring_attention` (`strategy="ring"`: key/value blocks travel
     the ring, no device holds the whole key/value) or `all_gather_attention`
-    (`strategy="all_gather"`: for short sequences), and returns this device's block of the
-    output, `[seq / n, output_size]`. The parameters stay whole on every device (their
-    gradients are summed over the axis by `shard_map`'s autodiff), unless `head_axis_name`
-    also splits the heads over a second (tensor-parallel) axis, as `HeadParallelAttention`
-    does.
+    (`strategy="all_gather"`: for short sequences) or `ulysses_attention`
+    (`strategy="ulysses"`: all-to-alls trade the sequence split for a split of the heads,
+    which must divide over the axis; least traffic when heads are many), and returns this
+    device's block of the output, `[seq / n, output_size]`. The parameters stay whole on
+    every device (their gradients are summed over the axis by `shard_map`'s autodiff),
+    unless `head_axis_name` also splits the heads over a second (tensor-parallel) axis, as
+    `HeadParallelAttention` does.
 
     The mask: a `[seq, seq]` mask cannot be cut into per-device blocks (each device's queries
     meet every device's keys), so causality is the layer's option (`causal=True`), and
@@ -328,7 +330,7 @@ class ContextParallelAttention(eqx.nn.MultiheadAttention):
     - `axis_name`: the mesh axis the sequence is split over.
     - `causal`: causal attention over the whole sequence.
     - `layout`: `"contiguous"` or `"balanced"` (see `eqpar.context`).
-    - `strategy`: `"ring"` or `"all_gather"`.
+    - `strategy`: `"ring"`, `"all_gather"` or `"ulysses"`.
     - `head_axis_name`: optional second mesh axis to split the heads over.
 
     ```python
@@ -503,7 +505,11 @@ class ContextParallelAttention(eqx.nn.MultiheadAttention):
         query_heads, key_heads, value_heads = _project_heads(
             self, query, key_, value, heads, process_heads, owner
         )
-        attend = ring_attention if self.strategy == "ring" else all_gather_attention
+        attend = {
+            "ring": ring_attention,
+            "all_gather": all_gather_attention,
+            "ulysses": ulysses_attention,
+        }[self.strategy]
         attn = attend(
             query_heads,
             key_heads,
