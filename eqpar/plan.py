@@ -283,8 +283,9 @@ class ContextParallel(Style):
     tensor-parallel axis.
 
     Keyed by a hand-written attention block (an `eqx.Module` of the author's that calls
-    `jax.nn.dot_product_attention`), the block's own call becomes ring attention over the
-    axis on its block of the sequence (`causal` is then the call's `is_causal`); split the
+    `jax.nn.dot_product_attention`), the block's own call becomes ring attention (or Ulysses
+    attention, `strategy="ulysses"`, which also takes keys and values with fewer heads) over
+    the axis on its block of the sequence (`causal` is then the call's `is_causal`); split the
     sequence where the blocks begin with `SplitSequence(axis_name)`. Attention written as an
     einsum and a softmax is refused when traced, naming this route.
 
@@ -318,17 +319,18 @@ class ContextParallel(Style):
 
     def check_block(self) -> None:
         """Refuse the options that a hand-written attention block cannot take."""
-        if self.strategy != "ring" or self.head_axis_name is not None:
+        if self.strategy == "all_gather" or self.head_axis_name is not None:
             raise ValueError(
                 f"parallelize: {self!r} names a hand-written attention block, whose "
-                f"jax.nn.dot_product_attention becomes ring attention: strategy='ring' only, "
-                f"and no head_axis_name (split its heads with ColumnParallel keys and "
-                f"HeadParallel(fields=...))."
+                f"jax.nn.dot_product_attention becomes ring or Ulysses attention: "
+                f"strategy='ring' or 'ulysses', and no head_axis_name (split its heads with "
+                f"ColumnParallel keys and HeadParallel(fields=...))."
             )
 
     def convert(self, layer: PyTree) -> PyTree:
         if not isinstance(layer, eqx.nn.MultiheadAttention):  # a hand-written block
-            return convert_block(layer, "ContextParallel", context=(self.axis_name, self.layout))
+            context = (self.axis_name, self.layout, self.strategy)
+            return convert_block(layer, "ContextParallel", context=context)
         return ContextParallelAttention(
             layer,
             axis_name=self.axis_name,

@@ -160,14 +160,30 @@ CP = {
 }
 
 
-def test_context_parallel_on_a_hand_written_block_that_calls_dot_product_attention():
-    """The block's own `jax.nn.dot_product_attention(..., is_causal=True)` runs as ring
-    attention on its block of the sequence; the learned positions, sliced by `[:seq]` before
-    the blocks, stay global; the residual dropouts draw their rows of the serial mask."""
+@pytest.mark.parametrize("strategy", ["ring", "ulysses"])
+def test_context_parallel_on_a_hand_written_block_that_calls_dot_product_attention(
+    strategy, monkeypatch
+):
+    """The block's own `jax.nn.dot_product_attention(..., is_causal=True)` runs as ring (or
+    Ulysses) attention on its block of the sequence; the learned positions, sliced by
+    `[:seq]` before the blocks, stay global; the residual dropouts draw their rows of the
+    serial mask."""
     model = gpt.GPT(key=jax.random.key(0), fused=True)
     mesh = mesh_of((2, 4), ("data", "context"))
-    report = eqpar.check(gpt.loss, model, *gpt.batch(4), mesh=mesh, plan=CP, batch_specs=P("data"))
-    assert report.ok
+    plan = {**CP, r"blocks/\d+/attn": eqpar.ContextParallel(strategy=strategy)}
+    from eqpar.nn import _attention_calls
+
+    called = []
+    attend = getattr(_attention_calls, f"{strategy}_attention")
+    monkeypatch.setattr(
+        _attention_calls,
+        f"{strategy}_attention",
+        lambda *args, **kwargs: called.append(1) or attend(*args, **kwargs),
+    )
+    report = eqpar.check(
+        gpt.loss, model, *gpt.batch(4), mesh=mesh, plan=plan, batch_specs=P("data")
+    )
+    assert report.ok and called
     assert (
         type(eqpar.unparallelize(eqpar.parallelize(model, CP)).blocks[0].attn) is gpt.FusedAttention
     )
@@ -178,7 +194,7 @@ def test_context_parallel_on_einsum_attention_is_refused_naming_the_route(gpt2):
     mesh = mesh_of((2, 4), ("data", "context"))
     with pytest.raises(ValueError, match=r"without calling jax.nn.dot_product_attention.*Call jax"):
         eqpar.check(gpt.loss, model, *batch, mesh=mesh, plan=CP, batch_specs=P("data"))
-    with pytest.raises(ValueError, match="strategy='ring' only"):
+    with pytest.raises(ValueError, match="strategy='ring' or 'ulysses'"):
         eqpar.parallelize(model, {r"blocks/\d+/attn": eqpar.ContextParallel(strategy="all_gather")})
 
 

@@ -3,7 +3,8 @@
 A block that attends by calling `jax.nn.dot_product_attention` (as most hand-written
 attention in Equinox code does) can run on a sequence split over a context axis if that one
 call becomes ring attention (`eqpar.context.ring_attention`, which takes the same
-`[..., seq, heads, size]` layout). `ContextParallel(...)` keyed by such a block does exactly
+`[..., seq, heads, size]` layout), or Ulysses attention (`ulysses_attention`, which also
+takes keys and values with fewer heads, as `jax.nn.dot_product_attention` does). `ContextParallel(...)` keyed by such a block does exactly
 that: the block's `__call__` runs as a copy of the author's function whose globals see
 `jax.nn.dot_product_attention` (by any of the names the module imported it under: `jax`,
 `jax.nn`, the function itself) as ring attention over the axis. Nothing process-wide
@@ -21,7 +22,7 @@ from typing import Any, cast
 
 import jax
 
-from ..context import ring_attention
+from ..context import ring_attention, ulysses_attention
 
 _TARGET = jax.nn.dot_product_attention
 
@@ -46,9 +47,13 @@ class _JaxView:
         return getattr(jax, name)
 
 
-def context_attention(owner: str, axis_name: Hashable, layout: str, calls: list) -> Callable:
-    """`jax.nn.dot_product_attention`'s signature, computed by ring attention over
-    `axis_name` on this device's block of the sequence (`calls` counts the calls)."""
+def context_attention(
+    owner: str, axis_name: Hashable, layout: str, strategy: str, calls: list
+) -> Callable:
+    """`jax.nn.dot_product_attention`'s signature, computed by ring (or Ulysses, by
+    `strategy`) attention over `axis_name` on this device's block of the sequence (`calls`
+    counts the calls)."""
+    attend = ulysses_attention if strategy == "ulysses" else ring_attention
 
     def attention(
         query: jax.Array,
@@ -66,14 +71,14 @@ def context_attention(owner: str, axis_name: Hashable, layout: str, calls: list)
             given = [n for n, v in (("bias", bias), ("mask", mask)) if v is not None]
             raise ValueError(
                 f"{owner}: ContextParallel runs this block's jax.nn.dot_product_attention as "
-                f"ring attention over {axis_name!r}, which takes `is_causal` and `scale`, but "
-                f"the call passes {given + unsupported}: a mask or bias over the whole "
-                f"sequence has no block per device. Express padding with "
-                f"`eqpar.context.ring_attention(..., key_mask=...)` in the block, or keep the "
-                f"sequence whole (no ContextParallel key)."
+                f"{strategy} attention over {axis_name!r}, which takes `is_causal` and "
+                f"`scale`, but the call passes {given + unsupported}: a mask or bias over the "
+                f"whole sequence has no block per device. Express padding with "
+                f"`eqpar.context.{attend.__name__}(..., key_mask=...)` in the block, or keep "
+                f"the sequence whole (no ContextParallel key)."
             )
         calls.append(None)
-        return ring_attention(
+        return attend(
             query,
             key,
             value,
@@ -95,14 +100,14 @@ def _names_of_attention(fn: types.FunctionType) -> tuple[str, ...]:
 
 
 def rebound_call(
-    owner: str, fn: Callable, axis_name: Hashable, layout: str
+    owner: str, fn: Callable, axis_name: Hashable, layout: str, strategy: str = "ring"
 ) -> tuple[Callable, list]:
     """A copy of the author's `fn` whose globals see `jax.nn.dot_product_attention` as ring
-    attention over `axis_name`, and the list its calls are counted in."""
+    (or Ulysses) attention over `axis_name`, and the list its calls are counted in."""
     calls: list = []
     if not isinstance(fn, types.FunctionType) or not _names_of_attention(fn):
         return fn, calls
-    attention = context_attention(owner, axis_name, layout, calls)
+    attention = context_attention(owner, axis_name, layout, strategy, calls)
     names = dict(fn.__globals__)
     for name in _names_of_attention(fn):
         value = names[name]
