@@ -4,10 +4,11 @@ A block that attends by calling `jax.nn.dot_product_attention` (as most hand-wri
 attention in Equinox code does) can run on a sequence split over a context axis if that one
 call becomes ring attention (`eqpar.context.ring_attention`, which takes the same
 `[..., seq, heads, size]` layout), or Ulysses attention (`ulysses_attention`, which also
-takes keys and values with fewer heads, as `jax.nn.dot_product_attention` does). `ContextParallel(...)` keyed by such a block does exactly
-that: the block's `__call__` runs as a copy of the author's function whose globals see
-`jax.nn.dot_product_attention` (by any of the names the module imported it under: `jax`,
-`jax.nn`, the function itself) as ring attention over the axis. Nothing process-wide
+takes keys and values with fewer heads, as `jax.nn.dot_product_attention` does).
+`ContextParallel(...)` keyed by such a block does exactly that: the block's `__call__` runs
+as a copy of the author's function whose globals see `jax.nn.dot_product_attention` (by any
+of the names the module imported it under: `jax`, `jax.nn`, the function itself) as that
+attention over the axis. Nothing process-wide
 changes: the copy has its own globals, and other code calling `jax.nn.dot_product_attention`
 meanwhile gets JAX's own. JAX has no hook on a function called inside traced code, so this is
 the smallest change that reaches it.
