@@ -33,7 +33,8 @@ with `H` heads of size `D` (`b` bytes per element, `n` devices, `c = S / n`, and
 (plus `(n - 1) B c` bytes per pass for a key padding mask). The ring's backward moves the
 key/value blocks again and their float32 gradients one full turn. Ulysses's four arrays are
 the queries, keys, values and output forward, and their gradients backward (with
-grouped-query attention the keys and values count `H_kv` heads instead of `H`).
+grouped-query attention the keys and values count the heads that cross, `lcm(H_kv, n)` at
+most, instead of `H`; with values of another size, `Dv` for the values and the output).
 
 **Causal attention and load balance.** With `causal=True` a device whose tokens come late in
 the sequence attends to more keys than one whose tokens come early. With
@@ -164,6 +165,11 @@ def unbalance_sequence(
     return jnp.take(x, inverse, axis=axis)
 
 
+def _names(axis: AxisName) -> tuple:
+    """The mesh axis names in `axis` (one name or a tuple of them)."""
+    return tuple(axis) if isinstance(axis, tuple | list) else (axis,)
+
+
 def _positions(device: Array | int, block: int, n: int, layout: str) -> Array:
     """Global positions of the `block` tokens that `device` holds."""
     local = jnp.arange(block)
@@ -250,7 +256,9 @@ def _check_inputs(
             f"{owner}: query, key and value must share their batch dimensions; got shapes "
             f"{query.shape}, {key.shape}, {value.shape}."
         )
-    if grouped and key.shape[-1] == query.shape[-1] and query.shape[-2] % key.shape[-2] == 0:
+    kv_heads = key.shape[-2]
+    divides = kv_heads > 0 and query.shape[-2] % kv_heads == 0
+    if grouped and key.shape[-1] == query.shape[-1] and divides:
         pass  # grouped-query attention: each key/value head serves a group of query heads
     elif grouped:
         raise ValueError(
@@ -726,20 +734,24 @@ def ulysses_attention(
     block of every device's queries, keys and values), it attends over the whole sequence
     for those heads, and a second all-to-all returns each device its block of the sequence
     with every head. Per device and attention call it receives `(n - 1) / n` of its queries,
-    keys, values and output, `(n - 1) / n x B c (2 H D + 2 H_kv D) b` bytes forward and the
-    same backward (the all-to-alls' transposes), against the ring's `(n - 1) 2 B c H D b`
-    forward: less by about `n / 2` when heads are many. It holds `[S, S]` scores for its
-    `H / n` heads, like `all_gather_attention` for its whole heads.
+    keys, values and output, `(n - 1) / n x B c (H D + 2 H' D + H Dv) b` bytes forward and
+    the same backward (the all-to-alls' transposes), with `H'` the key/value heads that cross
+    (`lcm(kv_heads, n)` when they are repeated, below); against the ring's forward
+    `(n - 1) 2 B c H D b` that is `2 / n` of it for `H' = H` and `Dv = D`. It holds `[S, S]`
+    scores for its `H / n` heads, like `all_gather_attention` for its whole heads.
 
     - **Heads.** The query heads must divide over the axis. Keys and values may have fewer
       heads, a divisor of the query's (grouped-query attention): they travel as they are
       when their count divides the axis too; otherwise each is repeated the fewest times
       that make it divide (to `lcm(kv_heads, n)` heads), which moves that many more bytes.
-    - **Hybrid.** With `ring_axis_name`, the sequence is split over both axes
-      (`P((ring_axis_name, axis_name))` on it, contiguous layout): the all-to-all runs over
-      `axis_name` only, and the ring over `ring_axis_name` attends between the resulting
-      longer blocks. Heads need to divide only `axis_name`'s size, so a head count that
-      does not divide all the devices still runs.
+    - **Hybrid.** With `ring_axis_name`, the sequence is split over both axes, in this
+      order: `P((ring_axis_name, axis_name))` on it (contiguous layout). The all-to-all runs
+      over `axis_name` only, and the ring over `ring_axis_name` attends between the
+      resulting longer blocks. Heads need to divide only `axis_name`'s size, so a head count
+      that does not divide all the devices still runs. The other order,
+      `P((axis_name, ring_axis_name))`, cannot be told apart inside `shard_map` and gives
+      wrong results. With grouped-query keys and values the ring carries them repeated to
+      the local query heads (`H / n` heads, not `H' / n`).
     - Causal and padding masks and the layouts are as in `ring_attention`; rotary positions
       are the caller's, from `sequence_positions` (global positions, as for the ring).
 
@@ -768,6 +780,13 @@ def ulysses_attention(
     """
     owner = "ulysses_attention"
     batch = query.shape[:-3]
+    if ring_axis_name is not None and set(_names(ring_axis_name)) & set(_names(axis_name)):
+        raise ValueError(
+            f"{owner}: ring_axis_name={ring_axis_name!r} shares a mesh axis with "
+            f"axis_name={axis_name!r}; the hybrid needs two different axes, the sequence split "
+            f"over both as P((ring_axis_name, axis_name)). Without a second axis, leave "
+            f"ring_axis_name out."
+        )
     if ring_axis_name is not None and layout != "contiguous":
         raise ValueError(
             f"{owner}: with ring_axis_name the sequence is split over two axes in contiguous "

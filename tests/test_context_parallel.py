@@ -160,12 +160,12 @@ def check_against_serial(sharded, inputs, causal, *, n=None):
     assert_tree_close(parallel(q, k, v, key_mask, cotangent), serial(q, k, v, key_mask, cotangent))
 
 
-@pytest.mark.parametrize("kv_heads", [2, 1])
-def test_ulysses_grouped_query_attention_matches_serial(kv_heads):
-    """Keys and values with fewer heads than the queries (4): 2 or 1 heads do not divide
-    the 4 devices, so each is repeated to lcm(kv_heads, 4) = 4 heads before the all-to-all.
-    Causal, balanced, padded; outputs and gradients."""
-    n = 4
+@pytest.mark.parametrize(("kv_heads", "n"), [(2, 4), (1, 4), (2, 2)])
+def test_ulysses_grouped_query_attention_matches_serial(kv_heads, n):
+    """Keys and values with fewer heads than the queries (4): on 4 devices 2 or 1 heads do
+    not divide the axis, so each is repeated to lcm(kv_heads, 4) = 4 heads before the
+    all-to-all; on 2 devices 2 heads cross as they are. Causal, balanced, padded; outputs
+    and gradients."""
     q, k, v, key_mask, cotangent = inputs(value_size=2 * D)
     k, v = k[:, :, :kv_heads], v[:, :, :kv_heads]
     sharded = jax.shard_map(
@@ -197,12 +197,27 @@ def test_ulysses_hybrid_runs_heads_that_do_not_divide_the_devices():
     check_against_serial(sharded, (q, k, v, key_mask, cotangent), True)
 
 
+def test_ulysses_through_the_plan_refuses_heads_that_do_not_divide_naming_the_layer():
+    attention = eqx.nn.MultiheadAttention(2, 16, key=jax.random.key(0))
+    layer = ContextParallelAttention(attention, strategy="ulysses")
+    f = eqpar.shard_map(
+        lambda m, x: m(x, x, x),
+        mesh=eqpar.DeviceMesh((4,), ("context",), devices=jax.devices()[:4]),
+        in_specs=(P(), P("context")),
+        out_specs=P("context"),
+    )
+    with pytest.raises(ValueError, match=r"ContextParallelAttention.*2 heads.*strategy='ring'"):
+        jax.eval_shape(f, layer, jnp.zeros((8, 16)))
+
+
 def test_ulysses_refuses_heads_it_cannot_split_naming_the_fix():
     q = jnp.zeros((1, 8, 4, 2))
     cases = [
         (q[:, :, :2], dict(axis_name="context"), "2 query heads do not divide over the 4"),
         (q, dict(axis_name="context", kv=q[:, :, :3]), "divides query's 4"),
-        (q, dict(axis_name="context", ring_axis_name="context", layout="balanced"), "contiguous"),
+        (q, dict(axis_name="context", ring_axis_name="ring", layout="balanced"), "contiguous"),
+        (q, dict(axis_name="context", ring_axis_name="context"), "shares a mesh axis"),
+        (q, dict(axis_name="context", kv=q[:, :, :0]), "divides query's 4"),
     ]
     for query, options, message in cases:
         kv = options.pop("kv", query)

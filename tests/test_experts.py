@@ -137,6 +137,16 @@ def test_the_cpu_loop_over_experts_and_the_ragged_dot_give_the_same_values(optio
     assert_tree_close(by_loop, by_ragged_dot, what="loop against ragged_dot")
     assert not np.any(np.asarray(by_loop[0])[np.asarray(expert_of_row) == 4])
 
+    # Rows already grouped (the serial layer's route), and bfloat16 rows against float32
+    # experts: both mix in float32, as the serial layer does.
+    order = jnp.argsort(expert_of_row, stable=True)
+    rows, expert_of_row = rows[order].astype(jnp.bfloat16), expert_of_row[order]
+    grouped = functools.partial(experts_module._experts_by_ragged_dot, grouped=True)
+    by_loop = jax.jit(lambda: through(experts_module._experts_by_loop))()
+    by_ragged_dot = jax.jit(lambda: through(grouped))()
+    assert by_loop[0].dtype == by_ragged_dot[0].dtype == jnp.float32
+    assert_tree_close(by_loop, by_ragged_dot, what="grouped bfloat16 rows")
+
 
 def test_the_step_holds_no_copy_of_the_rows_per_expert_on_cpu():
     """JAX's CPU rule for `lax.ragged_dot` masks the rows into one copy per expert, so a

@@ -129,7 +129,8 @@ def refuse_unreached(owner: str, axis_name: Hashable) -> None:
         f"{owner}: ContextParallel(axis_name={axis_name!r}) on this block splits its "
         f"sequence, but its __call__ attended without calling jax.nn.dot_product_attention "
         f"(an einsum and a softmax, or a helper function): eqpar can only make that one call "
-        f"ring attention over the whole sequence. Call jax.nn.dot_product_attention (or "
-        f"eqpar.context.ring_attention) in the block's __call__; otherwise keep the sequence "
+        f"ring (or Ulysses) attention over the whole sequence. Call "
+        f"jax.nn.dot_product_attention (or eqpar.context.ring_attention) in the block's "
+        f"__call__; otherwise keep the sequence "
         f"whole on this block (no ContextParallel or SplitSequence over {axis_name!r})."
     )

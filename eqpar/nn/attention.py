@@ -460,9 +460,18 @@ class ContextParallelAttention(eqx.nn.MultiheadAttention):
         del key
         if deterministic is not None:
             inference = deterministic
-        axis_size(self.axis_name, owner)
+        n = axis_size(self.axis_name, owner)
         check_bool_mask(owner, "mask", mask)
         heads = self._heads(owner)
+        if self.strategy == "ulysses" and heads % n:
+            held = "" if self.head_axis_name is None else f" (after {self.head_axis_name!r})"
+            raise ValueError(
+                f"{owner}: strategy='ulysses' splits the heads over axis {self.axis_name!r}, "
+                f"but this device's {heads} heads{held} do not divide over its {n} devices. "
+                f"Use strategy='ring' (any head count), or a context axis whose size divides "
+                f"the heads (eqpar.context.ulysses_attention's ring_axis_name adds a ring over "
+                f"a second axis)."
+            )
         if inference is None:
             inference = self.dropout.inference
         p = self.dropout.p

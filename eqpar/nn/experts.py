@@ -600,8 +600,8 @@ def _is_identity(fn: object) -> bool:
 
 _UNDER_VMAP = (
     "MixtureOfExperts: called under `jax.vmap` (e.g. a model run one example at a time). "
-    "The layer groups the tokens of a whole batch itself (lax.ragged_dot, which has no "
-    "batching rule): call it on the batch, [..., features], outside the vmap. It routes "
+    "The layer groups the tokens of a whole batch itself (by expert, and over the devices "
+    "of an expert axis): call it on the batch, [..., features], outside the vmap. It routes "
     "every token on its own, so the result is the same."
 )
 
@@ -658,9 +658,10 @@ def _apply_experts(
     transpose), so a layer's temp grew with its number of local experts; there each matmul
     is instead a loop over the local experts that holds one `[rows, out]` product at a time
     and selects each expert's rows from it, in the rows' own order (no sort, no gathered
-    copy). Both do the same multiply-adds as that rule, and give the same values: each
-    output row is its own expert's product, selected, not summed. The choice is made when
-    the program is lowered (`lax.platform_dependent`).
+    copy). The loop does the same multiply-adds as that rule (every row meets every local
+    expert's weights; XLA's ragged dot does one expert's work per row), and both give the
+    same values: each output row is its own expert's product, selected, not summed. The
+    choice is made when the program is lowered (`lax.platform_dependent`).
     """
     return lax.platform_dependent(
         params,
