@@ -658,37 +658,61 @@ def _apply_experts(
     transpose), so a layer's temp grew with its number of local experts; there each matmul
     is instead a loop over the local experts that holds one `[rows, out]` product at a time
     and selects each expert's rows from it, in the rows' own order (no sort, no gathered
-    copy). The loop does the same multiply-adds as that rule (every row meets every local
-    expert's weights; XLA's ragged dot does one expert's work per row), and both give the
-    same values: each output row is its own expert's product, selected, not summed. The
-    choice is made when the program is lowered (`lax.platform_dependent`).
+    copy), where that holds less (`_experts_on_cpu`). The loop does the same multiply-adds
+    as that rule (every row meets every local expert's weights; XLA's ragged dot does one
+    expert's work per row), and both give the same values: each output row is its own
+    expert's product, selected, not summed. The choice is made by the default backend
+    (`jax.default_backend()`) when the program is traced.
     """
-    return lax.platform_dependent(
-        params,
-        rows,
-        expert_of_row,
-        cpu=functools.partial(_experts_by_loop, static=static),
-        default=functools.partial(_experts_by_ragged_dot, static=static, grouped=grouped),
-    )
+    # Chosen by the default backend while tracing, not by `lax.platform_dependent`: that is
+    # a conditional, and under autodiff a conditional's forward keeps the residuals of
+    # every branch (zeros for those not taken), which cost the example's step 11% more
+    # temp with the CPU branch unused.
+    if jax.default_backend() == "cpu":
+        return _experts_on_cpu(params, rows, expert_of_row, static, grouped)
+    return _experts_by_ragged_dot(params, rows, expert_of_row, static, grouped)
+
+
+def _experts_on_cpu(
+    params: _ExpertParams, rows: Array, expert_of_row: Array, static: _Static, grouped: bool
+) -> Array:
+    """The scan over experts where it holds less than JAX's CPU rule for `ragged_dot`: the
+    scan holds a `[rows, hidden]` product besides each result, the rule a
+    `[experts, rows, features]` masked copy of each input. Measured (`benchmarks/moe.py`,
+    `tests/test_memory_guard.py`): with one local expert the scan always wins; with G
+    local experts it wins when `hidden <= G x features` (hidden 128 = 2 x 64: 1016 against
+    1467 KiB) and loses beyond (hidden 256 = 4 x 64 with 2 experts: 12% more temp in the
+    example's step), where the rule runs instead."""
+    features, hidden = params.up.shape[-2], params.up.shape[-1]
+    local = static.local_experts
+    if local == 1 or hidden <= local * features:
+        return _experts_by_loop(params, rows, expert_of_row, static)
+    return _experts_by_ragged_dot(params, rows, expert_of_row, static, grouped)
+
+
+def _times_own_expert_by_loop(x: Array, weights: Array, expert_of_row: Array) -> Array:
+    def expert(out: Array, weights_and_id: tuple[Array, Array]) -> tuple[Array, None]:
+        own_weights, e = weights_and_id
+        return jnp.where((expert_of_row == e)[:, None], x @ own_weights, out), None
+
+    # Expert 0 outside the loop: its product gives the carry the type (dtype, and the mesh
+    # axes it varies over) that every later expert's has. The loop scans over the weights
+    # rather than indexing them with its counter: the transpose then stacks each expert's
+    # gradient instead of writing it at a saved index, and such an index read back from a
+    # pipeline schedule's buffers is typed as varying over the pipe axis, which JAX's
+    # dynamic_update_slice refuses against expert-split weights.
+    first = jnp.where((expert_of_row == 0)[:, None], x @ weights[0], 0)
+    ids = jnp.arange(1, weights.shape[0], dtype=expert_of_row.dtype)
+    return lax.scan(expert, first, (weights[1:], ids))[0]
 
 
 def _experts_by_loop(
     params: _ExpertParams, rows: Array, expert_of_row: Array, static: _Static
 ) -> Array:
-    def times_own_expert(x: Array, weights: Array) -> Array:
-        def expert(out: Array, weights_and_id: tuple[Array, Array]) -> tuple[Array, None]:
-            own_weights, e = weights_and_id
-            return jnp.where((expert_of_row == e)[:, None], x @ own_weights, out), None
+    """Every matmul as the scan over experts (rows in any order)."""
 
-        # Expert 0 outside the loop: its product gives the carry the type (dtype, and the
-        # mesh axes it varies over) that every later expert's has. The loop scans over the
-        # weights rather than indexing them with its counter: the transpose then stacks
-        # each expert's gradient instead of writing it at a saved index, and such an index
-        # read back from a pipeline schedule's buffers is typed as varying over the pipe
-        # axis, which JAX's dynamic_update_slice refuses against expert-split weights.
-        first = jnp.where((expert_of_row == 0)[:, None], x @ weights[0], 0)
-        ids = jnp.arange(1, weights.shape[0], dtype=expert_of_row.dtype)
-        return lax.scan(expert, first, (weights[1:], ids))[0]
+    def times_own_expert(x: Array, weights: Array) -> Array:
+        return _times_own_expert_by_loop(x, weights, expert_of_row)
 
     return _expert_mlp(params, rows, expert_of_row, times_own_expert, static)
 
