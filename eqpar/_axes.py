@@ -31,3 +31,8 @@ def bound_axis_size(axis_name: AxisName) -> int | None:
         return int(lax.axis_size(axis_name))
     except NameError:
         return None
+
+
+def axis_names(axis_name: AxisName) -> tuple:
+    """The mesh axis names in `axis_name` (one name, or a tuple or list of them)."""
+    return tuple(axis_name) if isinstance(axis_name, tuple | list) else (axis_name,)

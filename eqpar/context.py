@@ -62,7 +62,7 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, ArrayLike, Bool, Float, Int, Shaped
 
-from ._axes import axis_size
+from ._axes import axis_names, axis_size
 from ._checks import check_bool_mask, check_nonempty_sequence
 from ._typing import AxisName
 from ._vma import cast_varying, varying_axes
@@ -163,11 +163,6 @@ def unbalance_sequence(
     _check_balanced_length("unbalance_sequence", x.shape[axis], num_devices)
     inverse = jnp.argsort(_balanced_order(x.shape[axis], num_devices))
     return jnp.take(x, inverse, axis=axis)
-
-
-def _names(axis: AxisName) -> tuple:
-    """The mesh axis names in `axis` (one name or a tuple of them)."""
-    return tuple(axis) if isinstance(axis, tuple | list) else (axis,)
 
 
 def _positions(device: Array | int, block: int, n: int, layout: str) -> Array:
@@ -780,7 +775,7 @@ def ulysses_attention(
     """
     owner = "ulysses_attention"
     batch = query.shape[:-3]
-    if ring_axis_name is not None and set(_names(ring_axis_name)) & set(_names(axis_name)):
+    if ring_axis_name is not None and set(axis_names(ring_axis_name)) & set(axis_names(axis_name)):
         raise ValueError(
             f"{owner}: ring_axis_name={ring_axis_name!r} shares a mesh axis with "
             f"axis_name={axis_name!r}; the hybrid needs two different axes, the sequence split "

@@ -28,7 +28,7 @@ in the way of running it unchanged, and the twins here remove them:
 classes back in its results, so the author's model needs no change.
 """
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable
 from typing import Any
 
 import equinox as eqx
@@ -38,6 +38,7 @@ from jax import lax
 from jax.custom_batching import custom_vmap
 from jaxtyping import Array, PRNGKeyArray, PyTree
 
+from .._axes import axis_names
 from .._tracing import pipeline_axes
 from .._vma import varying_axes
 from ._twins import copy_fields, rebuilt
@@ -61,10 +62,6 @@ def check_batch_stats(batch_stats: object, owner: str) -> str | tuple:
         f"device), 'per_shard' (over each device's examples) or a tuple of mesh axis names to "
         f"average over, e.g. ('data',); got {batch_stats!r}."
     )
-
-
-def _names(axis_name: Hashable | Sequence[Hashable]) -> tuple:
-    return tuple(axis_name) if isinstance(axis_name, tuple | list) else (axis_name,)
 
 
 def _vmap_mean(value: Array, names: tuple) -> Array:
@@ -245,7 +242,7 @@ class ParallelBatchNorm(eqx.nn.BatchNorm):
         """Per channel: the mean over the batch (vmap axes, `mesh_axes`) of each example's
         mean over its other dimensions, and the variance around it."""
         mesh = set(jax.sharding.get_abstract_mesh().axis_names)
-        names = _names(self.axis_name)
+        names = axis_names(self.axis_name)
         # An `axis_name` may name mesh axes itself (a model written for `shard_map`).
         vmap_names = tuple(n for n in names if n not in mesh)
         mesh_axes = (*mesh_axes, *(n for n in names if n in mesh and n not in mesh_axes))
