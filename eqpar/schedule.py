@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import numpy as np
 
+from . import _schedule_tables
 from ._checks import check_int
 
 if TYPE_CHECKING:
@@ -28,11 +29,19 @@ if TYPE_CHECKING:
 else:  # matplotlib is optional: imported only when a chart is drawn
     _Figure = Any
 
+Placement = Literal["ring", "v"]
 ActionKind = Literal["forward", "backward", "backward_input", "backward_weight", "idle"]
 _ACTION_KINDS: tuple[str, ...] = typing.get_args(ActionKind)
 _BACKWARD_KINDS = ("backward", "backward_input", "backward_weight")
 
 _NO_MICROBATCH = -1
+
+
+def _device_of(stage: int, num_devices: int, placement: str) -> int:
+    """The device of `stage` under `placement` (see `PipelineSchedule.device_of`)."""
+    if placement == "v":
+        return stage if stage < num_devices else 2 * num_devices - 1 - stage
+    return stage % num_devices
 
 
 def _circular_slot(
@@ -170,8 +179,11 @@ def _acted_on(schedule: "PipelineSchedule") -> dict[tuple[str, int, int], int]:
                 continue
             assert action.microbatch is not None and action.stage is not None
             problem = None
-            if action.stage % num_devices != d:
-                problem = "not on its stage's device (stage % num_devices)."
+            if schedule.device_of(action.stage) != d:
+                problem = (
+                    f"not on its stage's device ({schedule.device_of(action.stage)} with the "
+                    f"{schedule.placement!r} placement)."
+                )
             elif action.microbatch >= num_microbatches:
                 problem = (
                     f"for a microbatch the schedule does not have: it declares "
@@ -267,6 +279,33 @@ class PipelineSchedule:
     # `value_and_grad(schedule=name)`, the example's `--schedule`); "custom" for a table of
     # one's own.
     name: ClassVar[str] = "custom"
+    # Which device runs which stage (`device_of`): "ring" or "v".
+    placement: Placement = "ring"
+
+    def device_of(self, stage: int) -> int:
+        """The device of the pipeline axis that runs `stage` (in model order).
+
+        With the `"ring"` placement (GPipe, 1F1B, ZB-H1, circular) stage `s` runs on device
+        `s % num_devices`, so a model of `V S` stages goes round the devices `V` times. With
+        the `"v"` placement (`ZeroBubbleVSchedule`, `DualPipeVSchedule`) a model of `2 S`
+        stages goes down the devices and back up: stage `s < S` on device `s`, stage
+        `s >= S` on device `2 S - 1 - s`, so device 0 holds the first and the last stage.
+
+        **Arguments:**
+
+        - `stage`: a stage index from 0.
+
+        **Returns:** a device index in `[0, num_devices)`.
+
+        ```python
+        from eqpar.schedule import OneFOneBSchedule, ZeroBubbleVSchedule
+        assert OneFOneBSchedule(4, 8).device_of(2) == 2
+        assert [ZeroBubbleVSchedule(4, 8).device_of(s) for s in range(8)] == [
+            0, 1, 2, 3, 3, 2, 1, 0
+        ]
+        ```
+        """
+        return _device_of(stage, self.num_devices, self.placement)
 
     @property
     def num_devices(self) -> int:
@@ -331,7 +370,7 @@ class PipelineSchedule:
         """Raise unless the table is complete and in order, as every executor requires.
 
         Every row has one `Action` per device; every action runs on its stage's device
-        (`stage % num_devices`) for a microbatch in `[0, num_microbatches)`; every
+        (`device_of(stage)`) for a microbatch in `[0, num_microbatches)`; every
         microbatch has exactly one forward on every stage, after the previous stage's; and
         where the table trains, exactly one `"backward"`, or one `"backward_input"`
         followed by one `"backward_weight"`, each backward after its own forward and after
@@ -365,7 +404,8 @@ class PipelineSchedule:
         """The pipeline stages (in model order) that `device` runs, smallest first.
 
         One stage per device for GPipe and 1F1B (stage `d` on device `d`); `num_repeats`
-        stages `d, d + S, d + 2S, ...` on device `d` for the circular schedule.
+        stages `d, d + S, d + 2S, ...` on device `d` for the circular schedule; stages `d`
+        and `2S - 1 - d` for the V-shaped ones (see `device_of`).
 
         **Arguments:**
 
@@ -668,7 +708,122 @@ class ZeroBubbleH1Schedule(PipelineSchedule):
         owner = type(self).__name__
         self.num_stages = check_int(num_stages, name="num_stages", owner=owner)
         self.num_microbatches = check_int(num_microbatches, name="num_microbatches", owner=owner)
-        self._table = _zero_bubble_h1(self.num_stages, self.num_microbatches)
+        self._table = _as_actions(
+            _schedule_tables.zero_bubble_h1(self.num_stages, self.num_microbatches)
+        )
+
+
+class ZeroBubbleVSchedule(PipelineSchedule):
+    """The ZB-V zero-bubble training schedule: two stages per device in a V, each backward
+    split in two.
+
+    The model has `2 S` stages: stage `s < S` on device `s` (going down) and stage `s >= S`
+    on device `2 S - 1 - s` (coming back up), so device 0 runs the first stage and the last,
+    where the loss is (`device_of`). Each backward is split into `"backward_input"` (B)
+    and `"backward_weight"` (W), as in `ZeroBubbleH1Schedule`. Each device runs, at every
+    step, the first action it can in this order: a W when `2 S` are pending; else a B whose
+    cotangent has arrived (the down stage's first); else an F whose input has arrived (the
+    up stage's first) while it holds fewer than `2 S` stage inputs; else the oldest pending
+    W; else nothing.
+
+    With one step per action and `M >= 2 S` the table takes `6 M + S - 1` steps at
+    `S = 1, 2, 3, 4, 8` (tested for `M` up to `4 S`; at most 2 more at `S = 5, 6, 7`, and
+    more with fewer microbatches): a bubble of `(S - 1) / (6 M + S - 1)`, against ZB-H1's `(S - 1) / (3 M + S - 1)` for the same model
+    in `S` stages twice as long. A device holds at most `2 S` stage inputs and residuals
+    (`max_stored_inputs()`), each of a stage half as long as 1F1B's: the activation memory
+    of 1F1B, whose first device holds `S`.
+
+    Parameters are stored as for the circular schedule with two stages per device (stages
+    `d` and `S + d` on device `d`, model order); the executor hands each device its up stage
+    (one `ppermute` of that stage's parameters, and one of its gradients back, stated in
+    `eqpar.pipeline.execute_schedule`), so checkpoints are those of every other schedule.
+
+    **Arguments:**
+
+    - `num_stages`: `S`, the size of the pipeline axis (the model has `2 S` stages).
+    - `num_microbatches`: `M`.
+
+    ```python
+    from eqpar.schedule import ZeroBubbleVSchedule
+    schedule = ZeroBubbleVSchedule(num_stages=4, num_microbatches=8)
+    assert schedule.num_steps == 6 * 8 + 4 - 1
+    assert schedule.bubble_fraction == (4 - 1) / (6 * 8 + 4 - 1)
+    assert schedule.max_stored_inputs() == 2 * 4
+    assert schedule.stages_on(0) == (0, 7)
+    print(schedule)
+    ```
+    """
+
+    name: ClassVar[str] = "zb-v"  # the name every API of eqpar uses for it
+    placement: Placement = "v"
+
+    _name = "ZB-V"
+
+    def __init__(self, num_stages: int, num_microbatches: int):
+        owner = type(self).__name__
+        self.num_stages = check_int(num_stages, name="num_stages", owner=owner)
+        self.num_microbatches = check_int(num_microbatches, name="num_microbatches", owner=owner)
+        self._table = _as_actions(
+            _schedule_tables.zero_bubble_v(self.num_stages, self.num_microbatches)
+        )
+
+
+class DualPipeVSchedule(PipelineSchedule):
+    """DualPipeV: the V-shaped schedule of DeepSeek's DualPipe cut in half, in its published
+    order.
+
+    Placement as `ZeroBubbleVSchedule` (stage `s < S` on device `s`, stage `s >= S` on
+    device `2 S - 1 - s`, the loss on device 0). Each device runs a fixed list of actions:
+    `2 (S - 1 - d)` forwards of its down stage; `d + 1` pairs of forwards of both stages;
+    `S - 1 - d` rounds of (up stage's input gradient, its weight gradient, up forward);
+    `M - 2 S + d + 1` rounds of the main phase (down forward with up backward, up forward
+    with down backward); `S - 1 - d` rounds of (up backward, up forward, down backward);
+    `d + 1` pairs of backwards of both stages, split into input and weight gradients from
+    the middle on; `S - 1 - d` pairs of (weight gradient, down input gradient); and the
+    `d + 1` weight gradients left. Each action runs at the first step its inputs are
+    there.
+
+    DualPipeV overlaps the forward of one stage with the backward of the other in the main
+    phase, so that one's compute hides the other's communication. A table cell holds one
+    action, so here such a pair is its two actions on consecutive steps, and a whole
+    backward (`"backward"`) takes one step like any other action: its bubble is not
+    comparable to ZB-V's in wall time, and the overlap of compute with communication is
+    left to the compiler. A device holds at most `2 S + 1` stage inputs (tested at
+    `S = 2, 4, 8`), one more than ZB-V.
+
+    **Arguments:**
+
+    - `num_stages`: `S`, the size of the pipeline axis (the model has `2 S` stages).
+    - `num_microbatches`: `M`, at least `2 S`.
+
+    ```python
+    from eqpar.schedule import DualPipeVSchedule
+    schedule = DualPipeVSchedule(num_stages=4, num_microbatches=8)
+    schedule.check()
+    assert schedule.max_stored_inputs() == 2 * 4 + 1
+    assert schedule.stages_on(3) == (3, 4)
+    ```
+    """
+
+    name: ClassVar[str] = "dualpipe-v"  # the name every API of eqpar uses for it
+    placement: Placement = "v"
+
+    _name = "DualPipeV"
+
+    def __init__(self, num_stages: int, num_microbatches: int):
+        owner = type(self).__name__
+        self.num_stages = check_int(num_stages, name="num_stages", owner=owner)
+        self.num_microbatches = check_int(num_microbatches, name="num_microbatches", owner=owner)
+        if self.num_microbatches < 2 * self.num_stages:
+            raise ValueError(
+                f"{owner}: DualPipeV needs at least 2 * num_stages = {2 * self.num_stages} "
+                f"microbatches (its main phase pairs one stage's forward with the other's "
+                f"backward); got num_microbatches={self.num_microbatches}. Use more "
+                f"microbatches, or ZeroBubbleVSchedule, which takes any number."
+            )
+        self._table = _as_actions(
+            _schedule_tables.dualpipe_v(self.num_stages, self.num_microbatches)
+        )
 
 
 class CustomSchedule(PipelineSchedule):
@@ -682,7 +837,10 @@ class CustomSchedule(PipelineSchedule):
     stage's; and, where the table trains, exactly one `"backward"` or one `"backward_input"`
     followed by one `"backward_weight"`, each backward after the next stage's. Stage `s` runs
     on device `s % num_devices`; a table that uses stages `0 .. V S - 1` is circular with `V`
-    stages per device. The error names the step, device, microbatch and stage at fault.
+    stages per device. With `placement="v"` the table is V-shaped: `2 S` stages, stage `s`
+    on device `s` going down and on device `2 S - 1 - s` coming back up (see
+    `PipelineSchedule.device_of`). The error names the step, device, microbatch and stage at
+    fault.
 
     **Arguments:**
 
@@ -690,6 +848,7 @@ class CustomSchedule(PipelineSchedule):
       device of the pipeline axis).
     - `num_microbatches`: how many microbatches the table runs; the batch is cut into as many.
     - `name`: the label of its text rendering and pictures.
+    - `placement`: `"ring"` (default) or `"v"`: which device runs which stage.
 
     ```python
     from eqpar.schedule import Action, CustomSchedule, OneFOneBSchedule
@@ -721,9 +880,16 @@ class CustomSchedule(PipelineSchedule):
         *,
         num_microbatches: int,
         name: str = "custom",
+        placement: Placement = "ring",
     ):
         owner = type(self).__name__
         self.num_microbatches = check_int(num_microbatches, name="num_microbatches", owner=owner)
+        if placement not in typing.get_args(Placement):
+            raise ValueError(
+                f"{owner}: `placement` must be 'ring' (stage s on device s % S) or 'v' (down "
+                f"the devices and back up); got {placement!r}."
+            )
+        self.placement = placement
         table = tuple(tuple(row) for row in actions)
         if not table or not table[0]:
             raise ValueError(
@@ -736,53 +902,23 @@ class CustomSchedule(PipelineSchedule):
         self.check()
 
 
-def _zero_bubble_h1(s: int, m_count: int) -> tuple[tuple[Action, ...], ...]:
-    """The ZB-H1 table by the rules of `ZeroBubbleH1Schedule`, one step at a time. A value
-    made at step `t` can be used by a neighbour from step `t + 1` on."""
-    done: dict[tuple[str, int, int], int] = {}  # (kind, microbatch, device) -> step
-
-    def ready(kind: str, m: int, d: int, t: int) -> bool:
-        return done.get((kind, m, d), t) < t
-
-    table: list[tuple[Action, ...]] = []
-    next_f, next_b, next_w = [0] * s, [0] * s, [0] * s
-    while min(next_w) < m_count:
-        t = len(table)
-        row = []
-        for d in range(s):
-            f, b, w = next_f[d], next_b[d], next_w[d]
-            can_b = b < f and ready("F", b, d, t) and (d == s - 1 or ready("B", b, d + 1, t))
-            can_f = f < m_count and f - b < s - d and (d == 0 or ready("F", f, d - 1, t))
-            can_w = w < b and ready("B", w, d, t)
-            if can_w and b - w >= s:
-                kind = "backward_weight"
-            elif can_b:
-                kind = "backward_input"
-            elif can_f:
-                kind = "forward"
-            elif can_w:
-                kind = "backward_weight"
-            else:
-                row.append(_IDLE)
-                continue
-            m = {"forward": f, "backward_input": b, "backward_weight": w}[kind]
-            done[({"forward": "F", "backward_input": "B"}.get(kind, "W"), m, d)] = t
-            next_f[d] += kind == "forward"
-            next_b[d] += kind == "backward_input"
-            next_w[d] += kind == "backward_weight"
-            row.append(Action(kind, microbatch=m, stage=d))
-        table.append(tuple(row))
-    return tuple(table)
+def _as_actions(cells: _schedule_tables.Cells) -> tuple[tuple[Action, ...], ...]:
+    return tuple(
+        tuple(_IDLE if c is None else Action(c[0], microbatch=c[1], stage=c[2]) for c in row)
+        for row in cells
+    )
 
 
 __all__ = [
     "Action",
     "CircularSchedule",
     "CustomSchedule",
+    "DualPipeVSchedule",
     "GPipeSchedule",
     "OneFOneBSchedule",
     "PipelineSchedule",
     "ZeroBubbleH1Schedule",
+    "ZeroBubbleVSchedule",
 ]
 
 
@@ -790,5 +926,12 @@ __all__ = [
 # take it.
 SCHEDULES: dict[str, type[PipelineSchedule]] = {
     cls.name: cls
-    for cls in (GPipeSchedule, CircularSchedule, OneFOneBSchedule, ZeroBubbleH1Schedule)
+    for cls in (
+        GPipeSchedule,
+        CircularSchedule,
+        OneFOneBSchedule,
+        ZeroBubbleH1Schedule,
+        ZeroBubbleVSchedule,
+        DualPipeVSchedule,
+    )
 }

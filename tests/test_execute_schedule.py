@@ -15,9 +15,11 @@ from numerics import assert_tree_close
 from eqpar.pipeline import Microbatched, _program, execute_schedule
 from eqpar.schedule import (
     CircularSchedule,
+    DualPipeVSchedule,
     GPipeSchedule,
     OneFOneBSchedule,
     ZeroBubbleH1Schedule,
+    ZeroBubbleVSchedule,
 )
 
 FEATURES = 4
@@ -201,6 +203,12 @@ CASES = [
     ("circular", CircularSchedule(2, 3, 2, include_backward=True), False),
     ("circular recompute", CircularSchedule(2, 4, 2, include_backward=True), True),
     ("1f1b", OneFOneBSchedule(4, 6), False),
+    ("zb-v S=2", ZeroBubbleVSchedule(2, 4), False),
+    ("zb-v S=4", ZeroBubbleVSchedule(4, 8), False),
+    ("zb-v S=4 recompute", ZeroBubbleVSchedule(4, 3), True),
+    ("zb-v S=1", ZeroBubbleVSchedule(1, 2), False),
+    ("dualpipe-v S=4", DualPipeVSchedule(4, 8), False),
+    ("dualpipe-v S=2 recompute", DualPipeVSchedule(2, 5), True),
 ]
 
 

@@ -761,6 +761,9 @@ def _execute_schedule(
         caller, stage, loss_fn, first, target, arguments_at, model_axis_name, loss_on_every_device
     )
     program = _program.compile_schedule(schedule, store_residuals=not recompute)
+    v_shaped = schedule.placement == "v"
+    if v_shaped:  # each device's up stage, from the device that stores it
+        stages = _up_stages_swapped(stages, model_axis_name, num_stages)
     carry = run_schedule(
         program,
         stages,
@@ -774,11 +777,30 @@ def _execute_schedule(
         loss_on_every_device=loss_on_every_device,
         shards=lax.axis_size(tuple(sorted(shard_axes, key=str))) if shard_axes else 1,
     )
+    if v_shaped:  # the up stages' gradients back to the devices that store them
+        carry = carry._replace(grads=_up_stages_swapped(carry.grads, model_axis_name, num_stages))
     return _results(
-        carry, x, replicated_axes, model_axis_name, num_stages, num_microbatches,
+        carry, x, replicated_axes, model_axis_name, program.loss_device, num_microbatches,
         return_all_grads=return_all_grads, loss_on_every_device=loss_on_every_device,
         shard_axes=shard_axes, x_axes=x_axes,
     )  # fmt: skip
+
+
+def _up_stages_swapped(stacked: PyTree, axis_name: AxisName, num_stages: int) -> PyTree:
+    """`stacked` (`[2, ...]` per device: stages `d` and `S + d`, model order) with its second
+    entry exchanged between devices `d` and `S - 1 - d`: then device `d` holds stage
+    `2 S - 1 - d`, its stage on the way back up in a V-shaped schedule. Its own inverse, so it
+    also takes those stages' gradients home. Storing the stages in model order keeps the
+    model and its checkpoints those of every other schedule, for one stage's parameters
+    over the pipeline axis each way per step (the whole step moves `M` microbatches'
+    activations each way per stage boundary besides)."""
+    if num_stages == 1:
+        return stacked
+    pairs = [(d, num_stages - 1 - d) for d in range(num_stages)]
+    return jax.tree.map(
+        lambda a: a.at[1].set(lax.ppermute(a[1], axis_name, pairs)) if eqx.is_array(a) else a,
+        stacked,
+    )
 
 
 def _results(
@@ -786,7 +808,7 @@ def _results(
     x: PyTree,
     replicated_axes: tuple[PyTree, PyTree],
     model_axis_name: AxisName,
-    num_stages: int,
+    loss_device: int,
     num_microbatches: int,
     *,
     return_all_grads: bool,
@@ -796,7 +818,7 @@ def _results(
 ) -> tuple[PyTree, PyTree]:
     """The loss and gradients of a training run, reduced to what every device returns."""
     device = lax.axis_index(model_axis_name)
-    is_first, is_last = device == 0, device == num_stages - 1
+    is_first, is_last = device == 0, device == loss_device
     # Parameters replicated over the batch's axes were cast to varying before the loop: sum
     # their gradients over those axes once, as autodiff through the replication would.
     grads = sum_over_cast_axes(carry.grads, replicated_axes[0], x, model_axis_name)

@@ -56,6 +56,8 @@ class LoopState(NamedTuple):
     loss_grads: Tree | None  # gradient of loss_fn's parameters so far
     loss: Array | None  # the loss so far (on the device of the last stage)
     x_grads: Tree | None  # gradient of the batch so far, [M + 1, ...] (on the first device)
+    # What arrived at the last step in the program's other lanes (`Program.other_lanes`).
+    received_other: tuple = ()
 
 
 class Work(NamedTuple):
@@ -245,8 +247,10 @@ class StepLoop:
         # What the steps write: a half of a table that receives no activations, or runs no
         # forward, leaves those buffers as they are (then the loop only reads them, and the
         # compiler need not copy what another loop left in them).
-        self.receives_inputs = bool(
-            (program.received_input_slot[start:stop] < program.num_input_slots).any()
+        self.receives_inputs = any(
+            bool((slots[start:stop] < program.num_input_slots).any())
+            for slots in [program.received_input_slot]
+            + [lane.received_slot for lane in program.other_lanes if lane.forward]
         )
         self.runs_forwards = bool(
             np.isin(program.kind[start:stop], (_program.FORWARD, _program.FORWARD_LAST)).any()
@@ -259,6 +263,10 @@ class StepLoop:
         )  # fmt: skip
         self.table = jnp.asarray(np.stack(columns, axis=-1))  # [steps, devices, columns]
         self.sends = jnp.asarray(np.stack([program.forward_sends, program.backward_sends], axis=-1))
+        lanes = program.other_lanes
+        if lanes:  # [steps, devices, lanes] and [steps, lanes]
+            self.other_received = jnp.asarray(np.stack([x.received_slot for x in lanes], -1))
+            self.other_sends = jnp.asarray(np.stack([x.sends for x in lanes], -1))
 
     # --- the stage ----------------------------------------------------------------------
 
@@ -559,6 +567,12 @@ class StepLoop:
         cotangents = state.cotangents
         if training:
             cotangents = _write(cotangents, got_cot, state.received_cotangent)
+        for i, (lane, received) in enumerate(zip(program.other_lanes, state.received_other)):
+            slot = self.other_received[t, self.device, i]
+            if lane.forward and self.receives_inputs:
+                inputs = _write(inputs, slot, received)
+            elif not lane.forward:
+                cotangents = _write(cotangents, slot, received)
         fresh = index_tree(self.microbatches, microbatch)
         waiting = index_tree(inputs, jnp.maximum(input_slot, 0))
         h = jax.tree.map(lambda f, s: jnp.where(input_slot < 0, f, s), fresh, waiting)
@@ -611,15 +625,25 @@ class StepLoop:
                 x_grads, jnp.where(first, microbatch, self.num_microbatches), done.sent_back
             )
         forward_pattern, backward_pattern = self.sends[t]
+        received_other = tuple(
+            self._send_lane(done, lane, self.other_sends[t, i])
+            for i, lane in enumerate(program.other_lanes)
+        )
         new = LoopState(
             self.send(done.sent_forward, forward_pattern, program.forward_pairs),
             self.send(done.sent_back, backward_pattern, program.backward_pairs)
             if training
             else None,
             inputs, cotangents, kept_rest, residuals, outputs,
-            done.grads, done.loss_grads, done.loss, x_grads,
+            done.grads, done.loss_grads, done.loss, x_grads, received_other,
         )  # fmt: skip
         return new, None
+
+    def _send_lane(self, done: Done, lane: _program.Lane, pattern: Array) -> Tree:
+        """What this step sends in one of the other lanes: kept as it is where it stays on
+        its device (the receiving step writes it where it waits, or into the spare row)."""
+        value = done.sent_forward if lane.forward else done.sent_back
+        return value if lane.local else self.send(value, pattern, lane.pairs)
 
     def initial_state(self) -> LoopState:
         training, program = self.training, self.program
@@ -646,6 +670,10 @@ class StepLoop:
             x_grads=buffer(self.zero_cotangent, self.num_microbatches + 1)
             if self.return_all_grads
             else None,
+            received_other=tuple(
+                self.zero_h if lane.forward else self.zero_cotangent
+                for lane in program.other_lanes
+            ),
         )
 
 

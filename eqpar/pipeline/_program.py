@@ -12,7 +12,9 @@ takes the writes of steps with nothing to keep (an unconditional write is cheape
 select), except in the residual buffer, the largest, which the executor gives no spare row:
 a step without a forward writes a slot's rows back unchanged (its `residual_slot` then
 points past the end and is not read). The same tables give the device pairs each step's
-sends really need.
+sends really need, by lane: the main direction, the other way (a V-shaped schedule's way
+back up) and a device's own next stage, so that a device can take one value from each at
+one step.
 """
 
 from typing import NamedTuple
@@ -44,6 +46,26 @@ _KINDS = {
 }
 
 
+class Lane(NamedTuple):
+    """Sends beside those of the main direction (a V-shaped schedule's way back up, or a
+    stage that hands its output to the next stage on the same device): a device can receive
+    in several lanes at one step, one value in each.
+
+    - `forward`: activations (`True`) or cotangents.
+    - `sends`: `[num_steps]`, index into `pairs`.
+    - `pairs`: the distinct `(source, target)` sets.
+    - `received_slot`: `[num_steps, num_devices]`, where the value received goes (the
+      buffer's spare row where none comes).
+    - `local`: every pair is `(d, d)`: the value stays on its device, no collective.
+    """
+
+    forward: bool
+    sends: np.ndarray
+    pairs: tuple[tuple[tuple[int, int], ...], ...]
+    received_slot: np.ndarray
+    local: bool
+
+
 class Program(NamedTuple):
     """Integer tables `[num_steps, num_devices]` (except where noted) for the executor."""
 
@@ -63,6 +85,9 @@ class Program(NamedTuple):
     num_cotangent_slots: int
     num_residual_slots: int
     num_repeats: int
+    loss_device: int  # the device of the last stage
+    # Lanes of sends besides `forward_pairs` / `backward_pairs` (none for ring placements).
+    other_lanes: tuple[Lane, ...] = ()
 
 
 def _allocate(intervals: list[list[tuple[int, int, tuple]]]) -> tuple[dict, int]:
@@ -120,8 +145,9 @@ def compile_schedule(
     forward_at: dict[tuple[int, int], int] = {}
     backward_at: dict[tuple[int, int], int] = {}
     last_use: dict[tuple[int, int], int] = {}
+    device_of = schedule.device_of
     for (action_kind, m, stage), t in when.items():
-        key, d = (m, stage), stage % num_devices
+        key, d = (m, stage), device_of(stage)
         kind[t, d] = _KINDS[(action_kind, stage == last_stage)]
         microbatch[t, d] = m
         repeat[t, d] = stage // num_devices
@@ -140,22 +166,36 @@ def compile_schedule(
     inputs: list[list] = [[] for _ in range(num_devices)]
     cotangents: list[list] = [[] for _ in range(num_devices)]
     residuals: list[list] = [[] for _ in range(num_devices)]
-    forward_sends: list[set] = [set() for _ in range(num_steps)]
-    backward_sends: list[set] = [set() for _ in range(num_steps)]
+    # Sends by lane: 0 the main direction (to the next device for activations, the previous
+    # one for cotangents, round the ring), 1 the other way, 2 to the same device.
+    sends: dict[tuple[bool, int], list[set]] = {
+        (forward, lane): [set() for _ in range(num_steps)]
+        for forward in (True, False)
+        for lane in range(3)
+    }
+
+    def lane(source: int, target: int, forward: bool) -> int:
+        if target == (source + (1 if forward else -1)) % num_devices:
+            return 0
+        return 2 if target == source else 1
+
+    def send(t: int, source: int, target: int, forward: bool) -> None:
+        sends[(forward, lane(source, target, forward))][t].add((source, target))
+
     for (m, stage), t in forward_at.items():
-        d = stage % num_devices
+        d = device_of(stage)
         end = last_use[(m, stage)] if training else t
         if stage > 0:  # stage 0 reads its input from the batch itself
             inputs[d].append((forward_at[(m, stage - 1)] + 1, end, (m, stage)))
         if stage < last_stage:
-            forward_sends[t].add((d, (d + 1) % num_devices))
+            send(t, d, device_of(stage + 1), True)
         if training and store_residuals:
             residuals[d].append((t, end, (m, stage)))
         if training and keeps_outputs and stage == last_stage:
             # its output waits for the loss in the cotangent buffer
             cotangents[d].append((t, end, (m, stage)))
     for (m, stage), t in backward_at.items():
-        d = stage % num_devices
+        d = device_of(stage)
         if stage < last_stage:
             cotangents[d].append(
                 (backward_at[(m, stage + 1)] + 1, last_use[(m, stage)], (m, stage))
@@ -163,7 +203,7 @@ def compile_schedule(
         elif not keeps_outputs and last_use[(m, stage)] > t:  # d(output) waits for its W
             cotangents[d].append((t, last_use[(m, stage)], (m, stage)))
         if stage > 0:
-            backward_sends[t].add((d, (d - 1) % num_devices))
+            send(t, d, device_of(stage - 1), False)
     input_slots, num_input_slots = _allocate(inputs)
     cotangent_slots, num_cotangent_slots = _allocate(cotangents)
     residual_slots, num_residual_slots = _allocate(residuals)
@@ -174,8 +214,10 @@ def compile_schedule(
     input_slot = filled(-1)
     cotangent_slot = filled(num_cotangent_slots)
     residual_slot = filled(num_residual_slots)
-    received_input_slot = filled(num_input_slots)
-    received_cotangent_slot = filled(num_cotangent_slots)
+    received_slots = {
+        (forward, lane): filled(num_input_slots if forward else num_cotangent_slots)
+        for forward, lane in sends
+    }
     for t, row in enumerate(table):
         for d, action in enumerate(row):
             if action.kind == "idle":
@@ -186,15 +228,30 @@ def compile_schedule(
             residual_slot[t, d] = residual_slots.get((d, key), num_residual_slots)
     for m, stage in forward_at:
         if stage > 0:
-            d = stage % num_devices
-            received_input_slot[forward_at[(m, stage - 1)] + 1, d] = input_slots[(d, (m, stage))]
+            d, source = device_of(stage), device_of(stage - 1)
+            received = received_slots[(True, lane(source, d, True))]
+            received[forward_at[(m, stage - 1)] + 1, d] = input_slots[(d, (m, stage))]
     for m, stage in backward_at:
         if stage < last_stage:
-            d = stage % num_devices
+            d, source = device_of(stage), device_of(stage + 1)
             arrival = backward_at[(m, stage + 1)] + 1
-            received_cotangent_slot[arrival, d] = cotangent_slots[(d, (m, stage))]
-    forward_index, forward_pairs = _send_patterns(forward_sends)
-    backward_index, backward_pairs = _send_patterns(backward_sends)
+            received = received_slots[(False, lane(source, d, False))]
+            received[arrival, d] = cotangent_slots[(d, (m, stage))]
+    for step_sends in sends.values():  # one value per device and lane at each step
+        for pairs in step_sends:
+            targets = [target for _, target in pairs]
+            if len(set(targets)) != len(targets):
+                raise AssertionError(f"one lane of a step sends twice to one device: {pairs}")
+    forward_index, forward_pairs = _send_patterns(sends[(True, 0)])
+    backward_index, backward_pairs = _send_patterns(sends[(False, 0)])
+    other_lanes = []
+    for (forward, lane_index), step_sends in sends.items():
+        if lane_index == 0 or not any(step_sends):
+            continue
+        index, pairs = _send_patterns(step_sends)
+        other_lanes.append(
+            Lane(forward, index, pairs, received_slots[(forward, lane_index)], lane_index == 2)
+        )
     return Program(
         kind=kind,
         microbatch=microbatch,
@@ -202,8 +259,8 @@ def compile_schedule(
         input_slot=input_slot,
         cotangent_slot=cotangent_slot,
         residual_slot=residual_slot,
-        received_input_slot=received_input_slot,
-        received_cotangent_slot=received_cotangent_slot,
+        received_input_slot=received_slots[(True, 0)],
+        received_cotangent_slot=received_slots[(False, 0)],
         forward_sends=forward_index,
         backward_sends=backward_index,
         forward_pairs=forward_pairs,
@@ -212,4 +269,6 @@ def compile_schedule(
         num_cotangent_slots=num_cotangent_slots,
         num_residual_slots=num_residual_slots,
         num_repeats=num_repeats,
+        loss_device=device_of(last_stage),
+        other_lanes=tuple(other_lanes),
     )
