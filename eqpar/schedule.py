@@ -729,9 +729,9 @@ class ZeroBubbleVSchedule(PipelineSchedule):
     With one step per action and `M >= 2 S` the table takes `6 M + S - 1` steps at
     `S = 1, 2, 3, 4, 8` (tested for `M` up to `4 S`; at most 2 more at `S = 5, 6, 7`, and
     more with fewer microbatches): a bubble of `(S - 1) / (6 M + S - 1)`, against ZB-H1's
-    `(S - 1) / (3 M + S - 1)` for the same model in `S` stages twice as long. A device holds at most `2 S` stage inputs and residuals
-    (`max_stored_inputs()`), each of a stage half as long as 1F1B's: the activation memory
-    of 1F1B, whose first device holds `S`.
+    `(S - 1) / (3 M + S - 1)` for the same model in `S` stages twice as long. A device
+    holds at most `2 S` stage inputs and residuals (`max_stored_inputs()`), each of a stage
+    half as long as 1F1B's: the activation memory of 1F1B, whose first device holds `S`.
 
     Parameters are stored as for the circular schedule with two stages per device (stages
     `d` and `S + d` on device `d`, model order); the executor hands each device its up stage

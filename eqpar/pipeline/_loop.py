@@ -671,8 +671,7 @@ class StepLoop:
             if self.return_all_grads
             else None,
             received_other=tuple(
-                self.zero_h if lane.forward else self.zero_cotangent
-                for lane in program.other_lanes
+                self.zero_h if lane.forward else self.zero_cotangent for lane in program.other_lanes
             ),
         )
 
