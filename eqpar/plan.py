@@ -46,6 +46,7 @@ from .nn.pipelined import PipelinedBlocks
 from .nn.rotary import ParallelRotaryEmbedding
 from .nn.sequence import SequenceParallelDropout
 from .nn.stacks import remat_policy
+from .schedule import check_stages_per_device
 
 __all__ = [
     "ColumnParallel",
@@ -607,8 +608,9 @@ class Pipeline(Style):
       first (then per-example arguments of the blocks are wrapped in
       `eqpar.pipeline.Microbatched`).
     - `schedule`: `"gpipe"` or `"circular"` (the default follows `repeats`): train by
-      differentiating the loss as on one device. `"1f1b"` or `"zb-h1"`: the schedule runs
-      the loss inside the pipeline, on the last stage, so it computes the loss and the
+      differentiating the loss as on one device. `"1f1b"` or `"zb-h1"` (one stage per
+      device), `"zb-v"` or `"dualpipe-v"` (V-shaped, `repeats=2`): the schedule runs the
+      loss inside the pipeline, on the last stage, so it computes the loss and the
       gradients itself: take them with `eqpar.value_and_grad(loss_fn)(model, *batch)`
       (which cuts the loss where the blocks are called).
 
@@ -638,14 +640,16 @@ class Pipeline(Style):
                 raise ValueError(f"Pipeline: `{name}` must be a positive int, got {value!r}.")
         remat_policy(self.remat, "Pipeline")
         expected = "gpipe" if self.repeats == 1 else "circular"
-        if self.schedule not in (None, expected, "1f1b", "zb-h1") or (
-            self.schedule in ("1f1b", "zb-h1") and self.repeats != 1
-        ):
+        training = ("1f1b", "zb-h1", "zb-v", "dualpipe-v")
+        if self.schedule not in (None, expected, *training):
             raise ValueError(
                 f"Pipeline: schedule={self.schedule!r} does not fit repeats={self.repeats}: "
-                f"'gpipe', '1f1b' and 'zb-h1' run one stage per device (repeats=1), "
-                f"'circular' several (repeats > 1). Pass schedule={expected!r} or leave it out."
+                f"'gpipe', '1f1b' and 'zb-h1' run one stage per device (repeats=1), 'zb-v' "
+                f"and 'dualpipe-v' two (repeats=2), 'circular' several (repeats > 1). Pass "
+                f"schedule={expected!r} or leave it out."
             )
+        if self.schedule in training:
+            check_stages_per_device(self.schedule, self.repeats, "Pipeline", argument="repeats")
 
     def convert(self, layer: PyTree) -> PyTree:
         raise TypeError(

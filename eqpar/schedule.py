@@ -281,6 +281,8 @@ class PipelineSchedule:
     name: ClassVar[str] = "custom"
     # Which device runs which stage (`device_of`): "ring" or "v".
     placement: Placement = "ring"
+    # How many stages each device runs, for the schedules that fix it (None: any).
+    stages_per_device: ClassVar[int | None] = None
 
     def device_of(self, stage: int) -> int:
         """The device of the pipeline axis that runs `stage` (in model order).
@@ -605,6 +607,7 @@ class GPipeSchedule(PipelineSchedule):
     """
 
     name: ClassVar[str] = "gpipe"  # the name every API of eqpar uses for it
+    stages_per_device: ClassVar[int | None] = 1
 
     _name = "GPipe"
 
@@ -642,6 +645,7 @@ class OneFOneBSchedule(PipelineSchedule):
     """
 
     name: ClassVar[str] = "1f1b"  # the name every API of eqpar uses for it
+    stages_per_device: ClassVar[int | None] = 1
 
     _name = "1F1B"
 
@@ -701,6 +705,7 @@ class ZeroBubbleH1Schedule(PipelineSchedule):
     """
 
     name: ClassVar[str] = "zb-h1"  # the name every API of eqpar uses for it
+    stages_per_device: ClassVar[int | None] = 1
 
     _name = "ZB-H1"
 
@@ -755,6 +760,7 @@ class ZeroBubbleVSchedule(PipelineSchedule):
     """
 
     name: ClassVar[str] = "zb-v"  # the name every API of eqpar uses for it
+    stages_per_device: ClassVar[int | None] = 2
     placement: Placement = "v"
 
     _name = "ZB-V"
@@ -806,6 +812,7 @@ class DualPipeVSchedule(PipelineSchedule):
     """
 
     name: ClassVar[str] = "dualpipe-v"  # the name every API of eqpar uses for it
+    stages_per_device: ClassVar[int | None] = 2
     placement: Placement = "v"
 
     _name = "DualPipeV"
@@ -900,6 +907,23 @@ class CustomSchedule(PipelineSchedule):
         self._table = table
         self._name = str(name)
         self.check()
+
+
+def check_stages_per_device(name: str, num_repeats: int, owner: str, *, argument: str) -> None:
+    """Refuse a schedule named `name` for a pipeline of `num_repeats` stages per device
+    when the schedule fixes another number (1 for GPipe, 1F1B and ZB-H1, 2 for the
+    V-shaped ones)."""
+    wanted = SCHEDULES[name].stages_per_device
+    if wanted is not None and num_repeats != wanted:
+        other = (
+            "the circular schedule, 'zb-v' or 'dualpipe-v' for more"
+            if wanted == 1
+            else "'1f1b' or 'zb-h1' for one, 'circular' for any number"
+        )
+        raise ValueError(
+            f"{owner}: schedule={name!r} runs {wanted} stage{'s' if wanted > 1 else ''} per "
+            f"device, but {argument}={num_repeats}; pass {argument}={wanted} ({other})."
+        )
 
 
 def _as_actions(cells: _schedule_tables.Cells) -> tuple[tuple[Action, ...], ...]:

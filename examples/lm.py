@@ -61,7 +61,7 @@ from eqpar.nn import (
 
 DATA, PIPE, CONTEXT, MODEL = "data", "pipe", "context", "model"
 EXPERT = "expert"  # the mesh axis the experts are split over (`eqpar.ExpertParallel`)
-SCHEDULES = ("gpipe", "circular", "1f1b", "zb-h1")
+SCHEDULES = ("gpipe", "circular", "1f1b", "zb-h1", "zb-v", "dualpipe-v")
 PRECISIONS = ("float32", "bfloat16")  # names of `eqpar.Precision` presets
 
 

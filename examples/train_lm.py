@@ -183,7 +183,7 @@ def describe(run: RunConfig) -> str:
     schedule, 4 microbatches`; the schedule is named only where a pipe axis runs one."""
     parts = [f"mesh {format_mesh(run.mesh)}"]
     if run.mesh[lm.PIPE] > 1:
-        repeats = f" x {run.repeats} repeats" if run.schedule == "circular" else ""
+        repeats = f" x {pipeline_repeats(run)} repeats" if pipeline_repeats(run) > 1 else ""
         parts.append(f"{run.schedule}{repeats} schedule, {run.microbatches} microbatches")
     if run.accumulate > 1:
         parts.append(f"gradients accumulated over {run.accumulate} microbatches")
@@ -204,9 +204,16 @@ def pipeline_microbatches(run: RunConfig) -> int:
     return run.microbatches if run.mesh[lm.PIPE] > 1 else 1
 
 
+# The schedules that run the loss inside the pipeline, and their own backward pass.
+OWN_BACKWARD = ("1f1b", "zb-h1", "zb-v", "dualpipe-v")
+
+
 def pipeline_repeats(run: RunConfig) -> int:
-    """Stages per device: `run.repeats` for the circular schedule on a pipe axis, else 1."""
-    return run.repeats if run.schedule == "circular" and run.mesh[lm.PIPE] > 1 else 1
+    """Stages per device on a pipe axis: `run.repeats` for the circular schedule, 2 for the
+    V-shaped ones (`zb-v`, `dualpipe-v`), else 1."""
+    if run.mesh[lm.PIPE] == 1:
+        return 1
+    return {"circular": run.repeats, "zb-v": 2, "dualpipe-v": 2}.get(run.schedule, 1)
 
 
 def _divisors(n: int) -> str:
@@ -239,6 +246,11 @@ def check_sizes(config: lm.LMConfig, run: RunConfig) -> None:
         problems.append(
             f"num_layers={config.num_layers} must divide by {what} = {pipe * repeats}: choose "
             f"{fix} {config.num_layers}"
+        )
+    if run.schedule == "dualpipe-v" and pipe > 1 and run.microbatches < 2 * pipe:
+        problems.append(
+            f"--schedule dualpipe-v needs at least 2 x pipe = {2 * pipe} --microbatches (got "
+            f"{run.microbatches}): use --microbatches {2 * pipe}, or --schedule zb-v"
         )
     split_over_model = {
         "num_heads": config.num_heads,
@@ -314,7 +326,7 @@ def experts_problems(config: lm.LMConfig, run: RunConfig) -> list[str]:
             f"stage routes one microbatch at a time, so its auxiliary losses would not be "
             f"those of the whole batch; use pipe=1 in --mesh (e.g. data=2,expert=2,model=2)"
         )
-    elif run.schedule in ("1f1b", "zb-h1"):
+    elif run.schedule in OWN_BACKWARD:
         problems.append(
             f"--experts trains by autodiff of the loss and its auxiliary losses; --schedule "
             f"{run.schedule} runs the pipeline's own backward pass: leave --schedule out"
@@ -442,7 +454,8 @@ def loss_and_grads_scheduled(
     stored: tuple[Any, Any] | None = None,
 ) -> tuple[Array, lm.LM]:
     """Loss and gradients inside `shard_map` with a schedule that runs its own backward pass
-    (`PipelineModule.value_and_grad`: `"1f1b"`, `"zb-h1"`, `"gpipe"` or `"circular"`); with
+    (`PipelineModule.value_and_grad`: `"1f1b"`, `"zb-h1"`, `"zb-v"`, `"dualpipe-v"`,
+    `"gpipe"` or `"circular"`); with
     `context`, the sequence is split over the context axis (the batches of `context_batch`).
 
     The embedding's pullback is applied to the gradient the pipeline returns for its input.
@@ -478,10 +491,11 @@ def loss_and_grads_scheduled(
 def runs_own_backward(run: RunConfig) -> bool:
     """Whether the step takes its gradients from the pipeline schedule's own backward pass
     (`loss_and_grads_scheduled`) rather than from autodiff of the loss: 1F1B and ZB-H1
-    always, and on a pipe axis GPipe and circular too, whose table's backward adds each
+    (and the V-shaped ZB-V and DualPipeV) always, and on a pipe axis GPipe and circular
+    too, whose table's backward adds each
     layer's gradient into the sum over microbatches in place (`jax.grad` of the forward pass
     runs the same table's backward, holding the outputs and their cotangent besides)."""
-    return run.schedule in ("1f1b", "zb-h1") or run.mesh[lm.PIPE] > 1
+    return run.schedule in OWN_BACKWARD or run.mesh[lm.PIPE] > 1
 
 
 def build_loss_and_grads(model: lm.LM, mesh: eqpar.DeviceMesh, run: RunConfig) -> Any:
@@ -1330,21 +1344,14 @@ def write_pictures(
     written = [curve]
     stages = run.mesh[lm.PIPE]
     if stages > 1:
-        from eqpar.schedule import (
-            CircularSchedule,
-            GPipeSchedule,
-            OneFOneBSchedule,
-            ZeroBubbleH1Schedule,
-        )
+        from eqpar.schedule import SCHEDULES, CircularSchedule, GPipeSchedule
 
         if run.schedule == "circular":
             schedule: Any = CircularSchedule(
                 stages, run.microbatches, run.repeats, include_backward=True
             )
-        elif run.schedule == "1f1b":
-            schedule = OneFOneBSchedule(stages, run.microbatches)
-        elif run.schedule == "zb-h1":
-            schedule = ZeroBubbleH1Schedule(stages, run.microbatches)
+        elif run.schedule in OWN_BACKWARD:
+            schedule = SCHEDULES[run.schedule](stages, run.microbatches)
         else:
             schedule = GPipeSchedule(stages, run.microbatches, include_backward=True)
         written.append(schedule.plot(out / f"schedule_{run.schedule}.png"))
@@ -1426,7 +1433,7 @@ def _read_with(parse: Callable[[str], Any], metavar: str) -> Any:
 
 PositiveInt = Annotated[int, _read_with(positive_int, "N")]
 PositiveFloat = Annotated[float, _read_with(positive_float, "FLOAT")]
-Schedule = Literal["gpipe", "circular", "1f1b", "zb-h1"]
+Schedule = Literal["gpipe", "circular", "1f1b", "zb-h1", "zb-v", "dualpipe-v"]
 Precision = Literal["float32", "bfloat16"]
 assert typing.get_args(Schedule) == lm.SCHEDULES and typing.get_args(Precision) == lm.PRECISIONS
 
@@ -1451,7 +1458,7 @@ class TrainConfig:
     device's rows (one slice's activations held at a time, the same update as the whole
     batch); with a pipe axis the pipeline cuts the batch into --microbatches instead"""
     repeats: PositiveInt = 2
-    """stages per device (circular schedule)"""
+    """stages per device (circular schedule; zb-v and dualpipe-v run 2)"""
     fsdp: bool = False
     """also shard parameters over data"""
     remat: Literal["none", "full", "matmuls"] = "none"

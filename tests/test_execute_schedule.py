@@ -205,6 +205,7 @@ CASES = [
     ("1f1b", OneFOneBSchedule(4, 6), False),
     ("zb-v S=2", ZeroBubbleVSchedule(2, 4), False),
     ("zb-v S=4", ZeroBubbleVSchedule(4, 8), False),
+    ("zb-v S=8", ZeroBubbleVSchedule(8, 16), False),
     ("zb-v S=4 recompute", ZeroBubbleVSchedule(4, 3), True),
     ("zb-v S=1", ZeroBubbleVSchedule(1, 2), False),
     ("dualpipe-v S=4", DualPipeVSchedule(4, 8), False),

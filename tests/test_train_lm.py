@@ -61,6 +61,8 @@ def arrays(model):
         ("data=2,pipe=2,model=2", {"schedule": "circular", "microbatches": 2}),
         ("data=2,pipe=4", {"schedule": "1f1b", "microbatches": 2, "remat": "matmuls"}),
         ("data=2,pipe=2,model=2", {"schedule": "zb-h1", "microbatches": 2}),
+        ("data=2,pipe=2,model=2", {"schedule": "zb-v", "microbatches": 2}),
+        ("data=2,pipe=2,model=2", {"schedule": "dualpipe-v", "microbatches": 4}),
         ("data=8", {"fsdp": True, "microbatches": 4}),  # no pipe: a step is not cut up
         ("data=2,model=4", {"fsdp": True, "accumulate": 2}),  # gradients over 2 slices
         ("data=4,model=2", {"accumulate": 2}),
@@ -73,6 +75,8 @@ def arrays(model):
         "dp-pp-tp-circular",
         "dp-pp-1f1b-remat",
         "dp-pp-tp-zb-h1",
+        "dp-pp-tp-zb-v",
+        "dp-pp-tp-dualpipe-v",
         "fsdp8",
         "fsdp-tp-accumulate",
         "dp-tp-accumulate",
@@ -332,7 +336,7 @@ def test_help_shows_the_defaults(capsys):
     assert "unset: data=2,pipe=2,model=2 on 8 devices" in text
     assert "a context axis (e.g. data=2,context=4) splits every sequence" in text
     assert "--seq-len {None}|N tokens per sequence (unset: the --size's: 32 for small" in text
-    assert "--schedule {None,gpipe,circular,1f1b,zb-h1} pipeline schedule" in text
+    assert "--schedule {None,gpipe,circular,1f1b,zb-h1,zb-v,dualpipe-v} pipeline schedule" in text
     assert "--experts {None}|N a mixture of E experts" in text
     assert "--top-k {None}|N experts per token (with --experts; unset: 2)" in text
     assert "--precision {float32,bfloat16}" in text and "(default: float32)" in text

@@ -36,9 +36,8 @@ from ..schedule import (
     SCHEDULES,
     CircularSchedule,
     GPipeSchedule,
-    OneFOneBSchedule,
     PipelineSchedule,
-    ZeroBubbleH1Schedule,
+    check_stages_per_device,
 )
 from .stacks import (
     AROUND_LAYERS,
@@ -409,7 +408,8 @@ class PipelineModule(eqx.Module):
 
         - `name`: `None` for what `__call__` runs (`"gpipe"`, or `"circular"` when
           `num_repeats > 1`); `"gpipe"` / `"circular"` (the one that fits `num_repeats`),
-          `"1f1b"` or `"zb-h1"`: the schedules of `value_and_grad`. (`"forward"` and
+          `"1f1b"`, `"zb-h1"`, `"zb-v"` or `"dualpipe-v"`: the schedules of
+          `value_and_grad`. (`"forward"` and
           `"training"`, the names of earlier releases, still work with a
           `DeprecationWarning`.)
         - `include_backward`: for `"gpipe"` / `"circular"`, add the backward half that
@@ -432,7 +432,7 @@ class PipelineModule(eqx.Module):
             return GPipeSchedule(s, m, include_backward=include_backward)
         if name == "circular":
             return CircularSchedule(s, m, v, include_backward=include_backward)
-        return OneFOneBSchedule(s, m) if name == "1f1b" else ZeroBubbleH1Schedule(s, m)
+        return SCHEDULES[name](s, m)
 
     def __partition_specs__(self) -> Mapping[str, PartitionSpec]:
         before = self._stacked_dims() - 1
@@ -552,6 +552,9 @@ class PipelineModule(eqx.Module):
           the weight gradients moved into 1F1B's idle steps (`ZeroBubbleH1Schedule`);
         - `"gpipe"` (`"circular"` when `num_repeats > 1`): all forwards, then all backwards,
           holding all microbatches' residuals; autodiff of `self(x)` runs this table too.
+        - `"zb-v"` and `"dualpipe-v"` (`num_repeats=2`): V-shaped, stage `d` and stage
+          `2 S - 1 - d` on device `d`, the loss on device 0 (`ZeroBubbleVSchedule`,
+          `DualPipeVSchedule`); the stages stay stored as for the circular schedule.
 
         Stages of scanned layers (`from_layers`) are differentiated one layer at a time, each
         layer's gradient added into the sum over microbatches in place. `jax.grad` through
@@ -580,8 +583,8 @@ class PipelineModule(eqx.Module):
           pytree, e.g. `(labels, mask)`, and is split into microbatches with `x`.
         - `*args`, `**kwargs`: passed to every stage call; `Microbatched` values are split
           with `x`.
-        - `schedule`: `"1f1b"` (default), `"zb-h1"`, `"gpipe"` or `"circular"` (the names
-          of `eqpar.schedule.SCHEDULES`).
+        - `schedule`: `"1f1b"` (default), `"zb-h1"`, `"gpipe"`, `"circular"`, `"zb-v"` or
+          `"dualpipe-v"` (the names of `eqpar.schedule.SCHEDULES`).
         - `return_all_grads`: also return the gradients of `loss_fn`'s array leaves and of
           `x`.
 
@@ -675,11 +678,8 @@ def _schedule_name(name: str | None, num_repeats: int, owner: str) -> str:
             f"{owner}: the module has num_repeats=1, so its all-forward schedule is 'gpipe', "
             "not 'circular' (build it with num_repeats > 1 for the circular schedule)."
         )
-    if name in ("1f1b", "zb-h1") and num_repeats != 1 and owner.endswith("value_and_grad"):
-        raise ValueError(
-            f"{owner}: the {name!r} schedule runs one stage per device but this module has "
-            f"num_repeats={num_repeats}. Use num_repeats=1, or schedule='circular'."
-        )
+    if owner.endswith("value_and_grad"):
+        check_stages_per_device(name, num_repeats, owner, argument="num_repeats")
     return name
 
 

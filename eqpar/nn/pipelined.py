@@ -42,6 +42,7 @@ from .._tracing import under_vmap
 from .._typing import AxisName
 from .._vma import varying_axes
 from ..pipeline._microbatch import Microbatched
+from ..schedule import check_stages_per_device
 from ._accumulate import accumulated_value_and_grad, split_microbatches
 from ._block_outputs import (
     BlockOutputs,
@@ -73,7 +74,8 @@ from .pipeline import PipelineModule
 from .stacks import RematPolicy, ScannedLayers, map_arrays, stack_layers, unstack_layers
 
 _OWNER = "PipelinedBlocks"
-TRAINING_SCHEDULES = ("1f1b", "zb-h1")  # the loss runs inside the pipeline
+# The loss runs inside the pipeline (V-shaped ones on device 0, the others on the last).
+TRAINING_SCHEDULES = ("1f1b", "zb-h1", "zb-v", "dualpipe-v")
 # The recorders of `eqpar.value_and_grad` calls being traced (innermost last).
 _RECORDERS: list[Any] = []
 
@@ -221,11 +223,8 @@ class PipelinedBlocks(eqx.Module):
                 f"{num_repeats}) or one of {TRAINING_SCHEDULES} (trained through "
                 f"`eqpar.value_and_grad`); got {schedule!r}."
             )
-        if schedule in TRAINING_SCHEDULES and num_repeats != 1:
-            raise ValueError(
-                f"{_OWNER}: schedule={schedule!r} runs one stage per device; pass num_repeats=1 "
-                f"(more stages per device: the circular schedule)."
-            )
+        if schedule in TRAINING_SCHEDULES:
+            check_stages_per_device(schedule, num_repeats, _OWNER, argument="num_repeats")
         self.schedule = schedule or expected
         self.skeletons = tuple(
             jax.tree.map(lambda leaf: _HELD if eqx.is_array(leaf) else leaf, block)
@@ -1225,7 +1224,8 @@ def value_and_grad(
     the result is the loss of the whole batch and its gradients: the mean of the shards'
     losses (`reduction="mean"`, as differentiating `lax.pmean(loss_fn(...), axes)` gives) or
     their sum (`reduction="sum"`, `lax.psum`). Where the model holds blocks
-    pipelined by a plan with `Pipeline(..., schedule="1f1b")` or `"zb-h1"`, the schedule runs
+    pipelined by a plan with `Pipeline(..., schedule="1f1b")` (or `"zb-h1"`, `"zb-v"`,
+    `"dualpipe-v"`), the schedule runs
     the loss inside the pipeline: `loss_fn` is traced once, on one microbatch, and cut where
     the blocks are called; the code before them (the embedding) runs on every microbatch,
     the blocks as the schedule's stages, and the code after them (the head and the loss) as
