@@ -13,6 +13,7 @@ import equinox_vit as vit
 import jax
 import jax.numpy as jnp
 import llama_style as llama
+import numpy as np
 import pytest
 from jax import lax
 from jax.sharding import PartitionSpec as P
@@ -245,8 +246,10 @@ def test_pipeline_plan_errors_name_the_key_and_the_fix():
         )
     with pytest.raises(ValueError, match="batch_axis"):
         eqpar.parallelize(model, {"blocks": eqpar.Pipeline(stages=2, microbatches=2, batch_axis=1)})
-    with pytest.raises(ValueError, match="'1f1b' does not fit repeats=2"):
+    with pytest.raises(ValueError, match="'1f1b' runs 1 stage per device, but repeats=2"):
         eqpar.Pipeline(stages=2, microbatches=2, repeats=2, schedule="1f1b")
+    with pytest.raises(ValueError, match="'zb-v' runs 2 stages per device, but repeats=1"):
+        eqpar.Pipeline(stages=2, microbatches=2, schedule="zb-v")
     with pytest.raises(ValueError, match="'circular' several"):
         eqpar.Pipeline(stages=2, microbatches=2, schedule="circular")
     with pytest.raises(ValueError, match="positive int"):
@@ -516,3 +519,62 @@ def test_value_and_grad_of_a_sum_without_a_schedule_sums_over_the_data_shards():
     assert_tree_close(loss, serial_loss, what="loss")
     assert_arrays_close(eqx.apply_updates(model, jax.tree.map(lambda g: -0.5 * g, grads)),
                         serial_model)  # fmt: skip
+
+
+# --- V-shaped schedules (ZB-V, DualPipeV): two stages per device, the loss on device 0 ------
+
+
+@pytest.mark.parametrize(
+    ("schedule", "mesh_shape", "layers", "microbatches"),
+    [("zb-v", (2, 2), 4, 2), ("dualpipe-v", (2, 2), 4, 4), ("zb-v", (2, 4), 8, 2)],
+    ids=["zb-v-pipe2", "dualpipe-v-pipe2", "zb-v-pipe4"],
+)
+def test_llama_v_shaped_schedules_by_plan(schedule, mesh_shape, layers, microbatches):
+    """The Llama (raw arrays, rotary positions, a tied unembedding) under data x pipe with a
+    V-shaped schedule: stage d and stage 2S-1-d on device d, its own forward cut where the
+    blocks are called, one SGD step equal to one device's."""
+    model = with_blocks(llama.Llama(key=jax.random.key(0)), "layers", LLAMA_LAYER, layers)
+    tokens = llama.batch(8)
+    serial_loss, serial_model = serial_step(llama.loss, model, tokens)
+    pipeline = eqpar.Pipeline(
+        stages=mesh_shape[1], microbatches=microbatches, repeats=2, schedule=schedule
+    )
+    mesh = mesh_of(mesh_shape, MESH_DP_PP[1])
+    loss, updated = scheduled_step(llama.loss, model, {"layers": pipeline}, mesh, tokens)
+    assert_tree_close(loss, serial_loss, what="loss")
+    assert_arrays_close(updated, serial_model)
+
+
+def test_a_zb_v_checkpoint_restores_under_gpipe_and_on_one_device(tmp_path):
+    """The stages of a V-shaped schedule are stored in model order, as the circular
+    schedule's (the executor exchanges each device's up stage itself): a checkpoint of the
+    ZB-V model restores bitwise into the circular model's structure, and its plain form
+    into GPipe's and into the one-device model."""
+    from eqpar.checkpoint import Checkpointer
+
+    model = with_blocks(llama.Llama(key=jax.random.key(0)), "layers", LLAMA_LAYER, 4)
+    mesh = mesh_of(MESH_DP_PP[0], MESH_DP_PP[1])
+    zb_v = {"layers": eqpar.Pipeline(stages=2, microbatches=2, repeats=2, schedule="zb-v")}
+    _, trained = scheduled_step(llama.loss, model, zb_v, mesh, llama.batch(8))
+    saved = eqpar.parallelize(trained, zb_v, mesh=mesh)
+    abstract = eqx.filter_eval_shape(lambda: model)
+
+    def same(a, b):
+        leaves_a, leaves_b = (jax.tree.leaves(eqx.filter(t, eqx.is_array)) for t in (a, b))
+        assert len(leaves_a) == len(leaves_b)
+        for x, y in zip(leaves_a, leaves_b):
+            assert x.shape == y.shape and np.array_equal(np.asarray(x), np.asarray(y))
+
+    with Checkpointer(tmp_path) as checkpointer:
+        checkpointer.save(0, saved)
+        circular = {"layers": eqpar.Pipeline(stages=2, microbatches=2, repeats=2)}
+        target = eqpar.parallelize(abstract, circular, mesh=mesh)
+        shardings = eqpar.named_shardings(eqpar.partition_specs(target), mesh)
+        restored = checkpointer.restore(0, target=target, shardings=shardings)
+        same(restored, saved)
+        same(eqpar.unparallelize(restored), trained)
+        checkpointer.save(1, eqpar.unparallelize(saved))
+        plain = checkpointer.restore(1, target=abstract)
+        same(plain, trained)
+        gpipe = eqpar.parallelize(plain, {"layers": eqpar.Pipeline(stages=2, microbatches=2)})
+        same(eqpar.unparallelize(gpipe), trained)
