@@ -184,6 +184,8 @@ def _acted_on(schedule: "PipelineSchedule") -> dict[tuple[str, int, int], int]:
                     f"not on its stage's device ({schedule.device_of(action.stage)} with the "
                     f"{schedule.placement!r} placement)."
                 )
+                if schedule.placement == "ring" and _device_of(action.stage, num_devices, "v") == d:
+                    problem += " For a V-shaped table pass placement='v'."
             elif action.microbatch >= num_microbatches:
                 problem = (
                     f"for a microbatch the schedule does not have: it declares "

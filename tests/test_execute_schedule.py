@@ -15,6 +15,7 @@ from numerics import assert_tree_close
 from eqpar.pipeline import Microbatched, _program, execute_schedule
 from eqpar.schedule import (
     CircularSchedule,
+    CustomSchedule,
     DualPipeVSchedule,
     GPipeSchedule,
     OneFOneBSchedule,
@@ -88,6 +89,96 @@ def test_zero_bubble_chart_has_a_weight_gradient_legend():
     fig = ZeroBubbleH1Schedule(2, 3).figure()
     labels = [t.get_text() for t in fig.legends[0].get_texts()]
     assert labels == ["forward", "backward (input gradient)", "weight gradient", "idle (bubble)"]
+
+
+# --------------------------------------------------------------------------------------
+# The V-shaped tables (ZB-V, DualPipeV).
+
+
+def _check_v_placement(schedule):
+    s = schedule.num_devices
+    for row in schedule.actions:
+        for device, a in enumerate(row):
+            if a.kind != "idle":
+                assert device == (a.stage if a.stage < s else 2 * s - 1 - a.stage)
+    for d in range(s):
+        assert schedule.stages_on(d) == (d, 2 * s - 1 - d)
+
+
+@pytest.mark.parametrize(("s", "m"), list(itertools.product((1, 2, 3, 4, 8), (1, 2, 3, 4, 8, 16))))
+def test_zero_bubble_v_table(s, m):
+    """Every (microbatch, stage) once as F, B and W, in order, on its V device; at most 2S
+    stage inputs held (1F1B's activation memory, in stages half as long); with M >= 2S the
+    table is 6M + S - 1 steps long, so its bubble is (S - 1) / (6M + S - 1)."""
+    schedule = ZeroBubbleVSchedule(s, m)
+    schedule.check()
+    _check_v_placement(schedule)
+    kinds = [a.kind for row in schedule.actions for a in row if a.kind != "idle"]
+    assert len(kinds) == 3 * 2 * s * m and set(kinds) <= {
+        "forward", "backward_input", "backward_weight"
+    }  # fmt: skip
+    assert schedule.max_stored_inputs() <= 2 * s
+    if m >= 2 * s:
+        assert schedule.max_stored_inputs() == 2 * s
+        assert schedule.num_steps == 6 * m + s - 1
+        assert schedule.bubble_fraction == pytest.approx((s - 1) / (6 * m + s - 1))
+        if s > 1:  # in steps half as long as ZB-H1's, for the same model
+            assert schedule.bubble_fraction < ZeroBubbleH1Schedule(s, m).bubble_fraction
+
+
+@pytest.mark.parametrize(("s", "m"), [(1, 2), (2, 4), (2, 7), (4, 8), (4, 12), (8, 16)])
+def test_dualpipe_v_table(s, m):
+    """DualPipeV's published order, each action at the first step its inputs are there:
+    complete and in order, on the V devices, holding 2S + 1 stage inputs at most; fewer
+    than 2S microbatches are refused."""
+    schedule = DualPipeVSchedule(s, m)
+    schedule.check()
+    _check_v_placement(schedule)
+    assert schedule.max_stored_inputs() == 2 * s + 1
+    kinds = {a.kind for row in schedule.actions for a in row}
+    assert {"forward", "backward", "backward_input", "backward_weight"} <= kinds | {"backward"}
+    with pytest.raises(ValueError, match=f"at least 2 \\* num_stages = {2 * s} microbatches"):
+        DualPipeVSchedule(s, 2 * s - 1)
+
+
+def test_v_placement_in_custom_tables_and_charts():
+    """A table of one's own can be V-shaped (`placement="v"`); a V action on a ring device
+    is refused, naming the device it belongs on; the chart labels each device's two
+    stages."""
+    schedule = ZeroBubbleVSchedule(2, 4)
+    custom = CustomSchedule(schedule.actions, num_microbatches=4, placement="v")
+    assert custom.actions == schedule.actions and custom.device_of(3) == 0
+    with pytest.raises(ValueError, match=r"device \(0 with the 'ring' placement\)\. For a V"):
+        CustomSchedule(schedule.actions, num_microbatches=4)
+    with pytest.raises(ValueError, match="`placement` must be 'ring'"):  # without beartype
+        unchecked = getattr(CustomSchedule.__init__, "__wrapped__", CustomSchedule.__init__)
+        table = schedule.actions
+        unchecked(object.__new__(CustomSchedule), table, num_microbatches=4, placement="w")
+    rows = [label.get_text() for label in schedule.figure().axes[0].get_yticklabels()]
+    assert rows == ["device 0 (stages 0, 3)", "device 1 (stages 1, 2)"]
+    assert "ZB-V schedule, training step: 2 devices x 2 stages" in schedule.default_title()
+
+
+@pytest.mark.parametrize("schedule", [ZeroBubbleVSchedule(4, 8), DualPipeVSchedule(4, 8)])
+def test_v_program_sends_each_boundary_once_each_way(schedule):
+    """Down the devices in the main lane, back up in the other, and the turn at the last
+    device without a collective: every microbatch crosses each of the 2S - 1 stage
+    boundaries once each way, and the loss is on device 0."""
+    s, m = schedule.num_devices, schedule.num_microbatches
+    program = _program.compile_schedule(schedule, store_residuals=True)
+    assert program.loss_device == 0
+    down = _sends(program, program.forward_pairs, program.forward_sends)
+    up_back = _sends(program, program.backward_pairs, program.backward_sends)
+    assert down == up_back == m * (s - 1)
+    assert set().union(*program.forward_pairs) == {(d, d + 1) for d in range(s - 1)}
+    lanes = {(lane.forward, lane.local): lane for lane in program.other_lanes}
+    assert set(lanes) == {(True, False), (False, False), (True, True), (False, True)}
+    for (forward, local), lane in lanes.items():
+        pairs = {(d, d) for d in [s - 1]} if local else (
+            {(d + 1, d) for d in range(s - 1)} if forward else {(d, d + 1) for d in range(s - 1)}
+        )  # fmt: skip
+        assert set().union(*lane.pairs) == pairs
+        assert _sends(program, lane.pairs, lane.sends) == m * len(pairs)
 
 
 # --------------------------------------------------------------------------------------
