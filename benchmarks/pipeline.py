@@ -7,16 +7,20 @@ the circular schedule with 2 stages per device, and of the
 schedules whose own backward pass `PipelineModule.value_and_grad` runs (layer by layer,
 each layer's gradient added into the sum in place): GPipe and circular again (`gpipe table`,
 `circular table`), 1F1B (storing each stage's residuals, and recomputing the forward
-instead) and the zero-bubble ZB-H1 schedule:
+instead), the zero-bubble ZB-H1 schedule and the V-shaped ZB-V and DualPipeV (two stages
+per device, stage `d` and `2S - 1 - d`):
 
-- the bubble fraction of the schedule;
+- the bubble fraction of the schedule, and the layer inputs a device holds at once (its
+  `max_stored_inputs()` times the layers per stage: a V stage is half a 1F1B stage);
 - the bytes one device receives over the pipe axis per step, exactly as the schedule's sends
   move them (counted from the compiled schedule table: each step sends only what its actions
   made; autodiff of a forward run sends the cotangents back over the same pairs), against the
   ideal `2 (S - 1) / S x M x` one microbatch's activation (every microbatch crosses each
   stage boundary once forward and once backward; the circular schedule's `V S - 1`
-  boundaries include `V - 1` wraps), and as read from the compiled program, where the sends
-  of a step are a conditional over the step's pairs and count as their busiest branch;
+  boundaries include `V - 1` wraps, a V's `2 S - 1` its turn on the last device, which
+  sends nothing), and as read from the compiled program, where the sends of a step are a
+  conditional over the step's pairs and count as their busiest branch (a V also exchanges
+  each device's up stage's parameters, and their gradients back, once per step);
 - compile time (lower + compile) and the size of the compiled program text, which must stay
   flat as M grows (the microbatch loop is one `lax.scan`);
 - per-device memory from `compiled.memory_analysis()`: arguments, temporaries and
@@ -78,7 +82,11 @@ TABLE_KINDS = {
     "1f1b": "1f1b",
     "1f1b+recompute": "1f1b",
     "zb-h1": "zb-h1",
+    "zb-v": "zb-v",
+    "dualpipe-v": "dualpipe-v",
 }
+# Two stages per device: the circular schedule's and the V-shaped ones'.
+TWO_STAGES = ("circular", "circular table", "zb-v", "dualpipe-v")
 SCHEDULES = ("gpipe", "gpipe+remat", "circular", *TABLE_KINDS)
 
 
@@ -94,7 +102,7 @@ def build(schedule: str, num_microbatches: int, args: argparse.Namespace) -> Pip
         layers,
         num_stages=NUM_STAGES,
         num_microbatches=num_microbatches,
-        num_repeats=2 if schedule.startswith("circular") else 1,
+        num_repeats=2 if schedule in TWO_STAGES else 1,
         remat=schedule in ("gpipe+remat", "1f1b+recompute"),
     )
 
@@ -175,9 +183,13 @@ def measure(schedule: str, num_microbatches: int, args: argparse.Namespace, mesh
     program = _program.compile_schedule(table, store_residuals=kind != "forward")
     sends = sum(len(program.forward_pairs[i]) for i in program.forward_sends)
     sends += sum(len(program.backward_pairs[i]) for i in program.backward_sends)
+    for lane in program.other_lanes:  # a V's way back up (its turn stays on its device)
+        if not lane.local:
+            sends += sum(len(lane.pairs[i]) for i in lane.sends)
     if kind == "forward":  # autodiff sends each cotangent back over the pair it came by
         sends *= 2
-    boundaries = module.num_stages * module.num_repeats - 1
+    # Stage boundaries between devices: a V's turn at the last device is not one.
+    boundaries = module.num_stages * module.num_repeats - 1 - (table.placement == "v")
     ideal = 2 * boundaries * num_microbatches * block / module.num_stages
     step_seconds = time_call(compiled, arrays, x, t, repeats=args.repeats)
     serial, serial_arrays = serial_step(module)
@@ -186,6 +198,10 @@ def measure(schedule: str, num_microbatches: int, args: argparse.Namespace, mesh
         "schedule": schedule,
         "M": num_microbatches,
         "bubble": bubble,
+        # stage inputs held at once, in layers (a V stage is half a 1F1B stage)
+        "held_layers": table.max_stored_inputs()
+        * args.layers
+        // (module.num_stages * module.num_repeats),
         "compile_s": compile_seconds,
         "hlo_chars": len(compiled.as_text()),
         "pipe_kib": sends * block / module.num_stages / 1024,
@@ -208,14 +224,15 @@ def as_markdown(results: list[dict], args: argparse.Namespace) -> str:
         f"the same layers run serially on one device, same batch, same process "
         f"(JAX {jax.__version__}, {os.cpu_count()} host cores shared by the simulated devices).",
         "",
-        "| schedule | M | bubble | pipe KiB (table) | / ideal | pipe KiB (HLO) | compile s "
-        "| compiled chars | argument MiB | temp MiB "
+        "| schedule | M | bubble | layer inputs held | pipe KiB (table) | / ideal "
+        "| pipe KiB (HLO) | compile s | compiled chars | argument MiB | temp MiB "
         "| arg+out+temp-alias MiB | same without batch MiB | time / serial |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
         lines.append(
-            f"| {r['schedule']} | {r['M']} | {r['bubble']:.3f} | {r['pipe_kib']:.0f} "
+            f"| {r['schedule']} | {r['M']} | {r['bubble']:.3f} | {r['held_layers']} "
+            f"| {r['pipe_kib']:.0f} "
             f"| {r['pipe_kib'] / r['pipe_ideal_kib']:.2f} | {r['pipe_hlo_kib']:.0f} "
             f"| {r['compile_s']:.2f} "
             f"| {r['hlo_chars']} | {r['argument_mib']:.2f} | {r['temp_mib']:.2f} "
@@ -253,7 +270,17 @@ def as_markdown(results: list[dict], args: argparse.Namespace) -> str:
                 f"total without the batch {ratio['model_mib']:.2f}x{target}, "
                 f"total {ratio['total_mib']:.2f}x"
             )
-    for schedule in ("gpipe table", "1f1b", "1f1b+recompute", "zb-h1"):
+    for m in sizes:
+        for schedule in ("zb-v", "dualpipe-v"):
+            v, h1 = by_key.get((schedule, m)), by_key.get(("zb-h1", m))
+            if v and h1:
+                checks.append(
+                    f"{schedule} / zb-h1 at M={m}: bubble {v['bubble']:.3f} vs "
+                    f"{h1['bubble']:.3f}, layer inputs held {v['held_layers']} vs "
+                    f"{h1['held_layers']}, temp {v['temp_mib'] / h1['temp_mib']:.2f}x, step "
+                    f"{v['step_s'] / h1['step_s']:.2f}x"
+                )
+    for schedule in ("gpipe table", "1f1b", "1f1b+recompute", "zb-h1", "zb-v", "dualpipe-v"):
         pairs = [(m, by_key.get((schedule, m)), by_key.get(("gpipe", m))) for m in sizes]
         ratios = [f"M={m}: {a['step_s'] / b['step_s']:.2f}x" for m, a, b in pairs if a and b]
         if ratios:
@@ -284,6 +311,9 @@ def main(argv: list[str] | None = None) -> str:
     results = []
     for schedule in args.schedules:
         for m in args.microbatches:
+            if schedule == "dualpipe-v" and m < 2 * NUM_STAGES:
+                print(f"  skipped dualpipe-v M={m}: it needs M >= 2S = {2 * NUM_STAGES}")
+                continue
             results.append(measure(schedule, m, args, mesh))
             print(f"  measured {schedule} M={m}", flush=True)
     table = as_markdown(results, args)

@@ -7,8 +7,10 @@ device or a neighbour.
 """
 
 from collections.abc import Sequence
+from typing import Literal
 
-Cell = tuple[str, int, int] | None
+Kind = Literal["forward", "backward", "backward_input", "backward_weight"]
+Cell = tuple[Kind, int, int] | None
 Cells = list[list[Cell]]
 
 

@@ -1344,14 +1344,28 @@ def write_pictures(
     written = [curve]
     stages = run.mesh[lm.PIPE]
     if stages > 1:
-        from eqpar.schedule import SCHEDULES, CircularSchedule, GPipeSchedule
+        from eqpar.schedule import (
+            CircularSchedule,
+            DualPipeVSchedule,
+            GPipeSchedule,
+            OneFOneBSchedule,
+            ZeroBubbleH1Schedule,
+            ZeroBubbleVSchedule,
+        )
+
+        tables = {
+            "1f1b": OneFOneBSchedule,
+            "zb-h1": ZeroBubbleH1Schedule,
+            "zb-v": ZeroBubbleVSchedule,
+            "dualpipe-v": DualPipeVSchedule,
+        }
 
         if run.schedule == "circular":
             schedule: Any = CircularSchedule(
                 stages, run.microbatches, run.repeats, include_backward=True
             )
         elif run.schedule in OWN_BACKWARD:
-            schedule = SCHEDULES[run.schedule](stages, run.microbatches)
+            schedule = tables[run.schedule](stages, run.microbatches)
         else:
             schedule = GPipeSchedule(stages, run.microbatches, include_backward=True)
         written.append(schedule.plot(out / f"schedule_{run.schedule}.png"))

@@ -35,8 +35,12 @@ from ..pipeline._tools import typed_scan
 from ..schedule import (
     SCHEDULES,
     CircularSchedule,
+    DualPipeVSchedule,
     GPipeSchedule,
+    OneFOneBSchedule,
     PipelineSchedule,
+    ZeroBubbleH1Schedule,
+    ZeroBubbleVSchedule,
     check_stages_per_device,
 )
 from .stacks import (
@@ -432,7 +436,13 @@ class PipelineModule(eqx.Module):
             return GPipeSchedule(s, m, include_backward=include_backward)
         if name == "circular":
             return CircularSchedule(s, m, v, include_backward=include_backward)
-        return SCHEDULES[name](s, m)
+        tables: dict[str, Callable[[int, int], PipelineSchedule]] = {
+            "1f1b": OneFOneBSchedule,
+            "zb-h1": ZeroBubbleH1Schedule,
+            "zb-v": ZeroBubbleVSchedule,
+            "dualpipe-v": DualPipeVSchedule,
+        }
+        return tables[name](s, m)
 
     def __partition_specs__(self) -> Mapping[str, PartitionSpec]:
         before = self._stacked_dims() - 1
