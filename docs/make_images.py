@@ -38,9 +38,11 @@ from eqpar.nn import MixtureOfExperts  # noqa: E402
 from eqpar.nn.experts import expert_buffer_rows  # noqa: E402
 from eqpar.schedule import (  # noqa: E402
     CircularSchedule,
+    DualPipeVSchedule,
     GPipeSchedule,
     OneFOneBSchedule,
     ZeroBubbleH1Schedule,
+    ZeroBubbleVSchedule,
 )
 
 IMAGES = Path(__file__).resolve().parent / "images"
@@ -54,6 +56,8 @@ def schedules() -> list[Path]:
     circular = CircularSchedule(STAGES, MICROBATCHES, REPEATS, include_backward=True)
     one_f_one_b = OneFOneBSchedule(STAGES, MICROBATCHES)
     zero_bubble = ZeroBubbleH1Schedule(STAGES, MICROBATCHES)
+    zero_bubble_v = ZeroBubbleVSchedule(STAGES, MICROBATCHES)
+    dualpipe_v = DualPipeVSchedule(STAGES, MICROBATCHES)
     return [
         gpipe.plot(
             IMAGES / "pipeline_gpipe.png",
@@ -76,6 +80,18 @@ def schedules() -> list[Path]:
             title=f"{zero_bubble.default_title()}\neach backward split into B (input gradient) "
             "and W (weight gradient, green); up to "
             f"{zero_bubble.max_stored_inputs()} microbatches held per device",
+        ),
+        zero_bubble_v.plot(
+            IMAGES / "pipeline_zb_v.png",
+            title=f"{zero_bubble_v.default_title()}\nstage d and stage 2S-1-d on device d, the "
+            f"loss on device 0; up to {zero_bubble_v.max_stored_inputs()} inputs of half-size "
+            "stages held per device (1F1B's memory)",
+        ),
+        dualpipe_v.plot(
+            IMAGES / "pipeline_dualpipe_v.png",
+            title=f"{dualpipe_v.default_title()}\nthe published order, each action as soon as "
+            "its inputs are there; an overlapped F&B pair is two cells here; up to "
+            f"{dualpipe_v.max_stored_inputs()} stage inputs held per device",
         ),
     ]
 
