@@ -462,7 +462,8 @@ def execute_1f1b(
       taken with respect to its inexact array leaves.
     - `loss_fn`: `loss_fn(outputs, targets) -> scalar` for one microbatch, e.g. a mean over
       its rows; a callable pytree whose array leaves (say an output head) get gradients with
-      `return_all_grads=True`. It runs on the last stage's device, and cannot use
+      `return_all_grads=True`. It runs on the last stage's device (device 0 for a
+      V-shaped schedule), and cannot use
       collectives over `model_axis_name` there, unless some of its parameters are split over
       that axis (a vocabulary-parallel head, `eqpar.ColumnParallel(("model", axis))` with
       `eqpar.nn.vocab_parallel_cross_entropy`): it then runs on every device of the axis on
@@ -569,8 +570,9 @@ def execute_schedule(
     and stored residuals wait in buffers sized to what the table keeps alive at once, and
     each step sends only what its actions made, to the devices that need it. One
     `lax.scan` runs the whole table, so a new schedule is a new table, not a new executor.
-    `OneFOneBSchedule`, `ZeroBubbleH1Schedule`, and `GPipeSchedule` / `CircularSchedule`
-    with `include_backward=True` all run this way (it is the one training executor; the
+    `OneFOneBSchedule`, `ZeroBubbleH1Schedule`, the V-shaped `ZeroBubbleVSchedule` and
+    `DualPipeVSchedule`, and `GPipeSchedule` / `CircularSchedule` with
+    `include_backward=True` all run this way (it is the one training executor; the
     deprecated `execute_1f1b` calls it with `OneFOneBSchedule`).
 
     By default a forward keeps what its backward needs (the residuals of `jax.vjp`, without
@@ -598,11 +600,17 @@ def execute_schedule(
     - `stages`: this device's stage, a callable pytree `stages(x, *args, **kwargs)` that
       returns the shapes and dtypes it takes; for a circular schedule of `V` stages per
       device, those `V` stages stacked on a leading axis, entry `i` being model stage
-      `i * S + d` (as for `execute_circular_pipeline`). Gradients are taken with respect
-      to its inexact array leaves.
+      `i * S + d` (as for `execute_circular_pipeline`). A V-shaped schedule
+      (`ZeroBubbleVSchedule`, `DualPipeVSchedule`) takes the same two-stage stack, stages
+      `d` and `S + d` in model order: the executor gives device `d` the stage `2 S - 1 - d`
+      it runs on the way back up (one `ppermute` of that stage's parameters over the
+      pipeline axis, and one of its gradients back, per call) and returns the gradients
+      stacked as `stages` came. Gradients are taken with respect to its inexact array
+      leaves.
     - `loss_fn`: `loss_fn(outputs, targets) -> scalar` for one microbatch, e.g. a mean over
       its rows; a callable pytree whose array leaves (say an output head) get gradients with
-      `return_all_grads=True`. It runs on the last stage's device, and cannot use
+      `return_all_grads=True`. It runs on the last stage's device (device 0 for a
+      V-shaped schedule), and cannot use
       collectives over `model_axis_name` there, unless some of its parameters are split over
       that axis (a vocabulary-parallel head, `eqpar.ColumnParallel(("model", axis))` with
       `eqpar.nn.vocab_parallel_cross_entropy`): it then runs on every device of the axis on
