@@ -46,7 +46,7 @@ from .nn.pipelined import PipelinedBlocks
 from .nn.rotary import ParallelRotaryEmbedding
 from .nn.sequence import SequenceParallelDropout
 from .nn.stacks import remat_policy
-from .schedule import check_stages_per_device
+from .schedule import _check_stages_per_device
 
 __all__ = [
     "ColumnParallel",
@@ -649,7 +649,7 @@ class Pipeline(Style):
                 f"schedule={expected!r} or leave it out."
             )
         if self.schedule in training:
-            check_stages_per_device(self.schedule, self.repeats, "Pipeline", argument="repeats")
+            _check_stages_per_device(self.schedule, self.repeats, "Pipeline", argument="repeats")
 
     def convert(self, layer: PyTree) -> PyTree:
         raise TypeError(

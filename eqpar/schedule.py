@@ -179,7 +179,12 @@ def _acted_on(schedule: "PipelineSchedule") -> dict[tuple[str, int, int], int]:
                 continue
             assert action.microbatch is not None and action.stage is not None
             problem = None
-            if schedule.device_of(action.stage) != d:
+            if schedule.placement == "v" and action.stage >= 2 * num_devices:
+                problem = (
+                    f"for a stage a V-shaped table does not have: it has 2 x {num_devices} "
+                    f"stages, one down and one back up per device."
+                )
+            elif schedule.device_of(action.stage) != d:
                 problem = (
                     f"not on its stage's device ({schedule.device_of(action.stage)} with the "
                     f"{schedule.placement!r} placement)."
@@ -429,7 +434,7 @@ class PipelineSchedule:
         return tuple(sorted(stage for stage in stages if stage is not None))
 
     def _num_trips(self) -> int:
-        """How many stages each device runs (trips round the ring)."""
+        """How many stages each device runs (trips round the ring, or 2 down and up a V)."""
         stages = [a.stage for row in self._table for a in row if a.stage is not None]
         return 1 + max(stages) // self.num_stages if stages else 1
 
@@ -909,16 +914,23 @@ class CustomSchedule(PipelineSchedule):
         self._table = table
         self._name = str(name)
         self.check()
+        if placement == "v" and self._num_trips() != 2:
+            raise ValueError(
+                f"{owner}: a V-shaped table (placement='v') runs 2 x {self.num_stages} stages, "
+                f"stage d and stage {2 * self.num_stages - 1} - d on device d; this one runs "
+                f"{self.num_stages * self._num_trips()}. Use placement='ring' for one stage "
+                f"per device."
+            )
 
 
-def check_stages_per_device(name: str, num_repeats: int, owner: str, *, argument: str) -> None:
+def _check_stages_per_device(name: str, num_repeats: int, owner: str, *, argument: str) -> None:
     """Refuse a schedule named `name` for a pipeline of `num_repeats` stages per device
     when the schedule fixes another number (1 for GPipe, 1F1B and ZB-H1, 2 for the
     V-shaped ones)."""
     wanted = SCHEDULES[name].stages_per_device
     if wanted is not None and num_repeats != wanted:
         other = (
-            "the circular schedule, 'zb-v' or 'dualpipe-v' for more"
+            "'circular' for any number, 'zb-v' or 'dualpipe-v' for two"
             if wanted == 1
             else "'1f1b' or 'zb-h1' for one, 'circular' for any number"
         )

@@ -14,6 +14,7 @@ from numerics import assert_tree_close
 
 from eqpar.pipeline import Microbatched, _program, execute_schedule
 from eqpar.schedule import (
+    Action,
     CircularSchedule,
     CustomSchedule,
     DualPipeVSchedule,
@@ -150,6 +151,12 @@ def test_v_placement_in_custom_tables_and_charts():
     assert custom.actions == schedule.actions and custom.device_of(3) == 0
     with pytest.raises(ValueError, match=r"device \(0 with the 'ring' placement\)\. For a V"):
         CustomSchedule(schedule.actions, num_microbatches=4)
+    one_trip = ZeroBubbleH1Schedule(2, 4).actions  # stages 0..S-1 only: not a V
+    with pytest.raises(ValueError, match=r"placement='v'\) runs 2 x 2 stages.*this one runs 2"):
+        CustomSchedule(one_trip, num_microbatches=4, placement="v")
+    beyond = [[Action("forward", microbatch=0, stage=4), Action("idle")]]
+    with pytest.raises(ValueError, match="a stage a V-shaped table does not have"):
+        CustomSchedule(beyond, num_microbatches=1, placement="v")
     with pytest.raises(ValueError, match="`placement` must be 'ring'"):  # without beartype
         unchecked = getattr(CustomSchedule.__init__, "__wrapped__", CustomSchedule.__init__)
         table = schedule.actions
@@ -362,7 +369,14 @@ def test_execute_schedule_errors():
 
 @pytest.mark.parametrize(
     ("schedule", "num_repeats", "remat"),
-    [("zb-h1", 1, "none"), ("gpipe", 2, "none"), ("gpipe", 1, "full"), ("1f1b", 1, "matmuls")],
+    [
+        ("zb-h1", 1, "none"),
+        ("gpipe", 2, "none"),
+        ("gpipe", 1, "full"),
+        ("1f1b", 1, "matmuls"),
+        ("zb-v", 2, "none"),
+        ("dualpipe-v", 2, "full"),
+    ],
 )
 def test_pipeline_module_value_and_grad(schedule, num_repeats, remat):
     from eqpar.nn import PipelineModule
@@ -632,16 +646,18 @@ def _run_vocab(schedule, stages, head, x, t, keep, *, axis, model, recompute):
     order of the mesh's devices (pipe major)."""
     import eqpar
 
-    s = schedule.num_devices
+    s, v = schedule.num_devices, schedule._num_trips()
     parallel = eqpar.parallelize(head, {"unembed": eqpar.ColumnParallel(axis)})
     head_specs = eqpar.partition_specs(parallel)
     params, static = eqx.partition(stages, eqx.is_array)
+    # model order [V * S, ...] -> [V, S, ...] (device d holds stages d, S + d, ...)
+    params = jax.tree.map(lambda a: a.reshape(v, s, *a.shape[1:]), params)
     head_params, head_static = eqx.partition(parallel, eqx.is_array)
     names = ("pipe", "model") if model > 1 else ("pipe",)
     every_device = P(names)
 
     def step(params, head_params, x, t, keep):
-        local = jax.tree.map(lambda a: a[0], params)
+        local = jax.tree.map(lambda a: a[:, 0] if v > 1 else a[0, 0], params)
         loss, (grads, head_grads, x_grads) = execute_schedule(
             schedule,
             eqx.combine(local, static),
@@ -653,7 +669,8 @@ def _run_vocab(schedule, stages, head, x, t, keep, *, axis, model, recompute):
             return_all_grads=True,
             recompute=recompute,
         )
-        grads = jax.tree.map(lambda g: g[None], eqx.filter(grads, eqx.is_array))
+        grads = eqx.filter(grads, eqx.is_array)
+        grads = jax.tree.map(lambda g: (g if v > 1 else g[None])[:, None], grads)
         head_grads = jax.tree.map(lambda g: g[None], eqx.filter(head_grads, eqx.is_array))
         return loss, grads, head_grads, x_grads
 
@@ -662,10 +679,12 @@ def _run_vocab(schedule, stages, head, x, t, keep, *, axis, model, recompute):
     fn = jax.shard_map(
         step,
         mesh=mesh,
-        in_specs=(P("pipe"), head_specs, P(), P(), P()),
-        out_specs=(P(), P("pipe"), every_device, P()),
+        in_specs=(P(None, "pipe"), head_specs, P(), P(), P()),
+        out_specs=(P(), P(None, "pipe"), every_device, P()),
     )
-    return jax.jit(fn)(params, head_params, x, t, keep)
+    loss, grads, head_grads, x_grads = jax.jit(fn)(params, head_params, x, t, keep)
+    grads = jax.tree.map(lambda g: g.reshape(v * s, *g.shape[2:]), grads)
+    return loss, grads, head_grads, x_grads
 
 
 def _block(axis, pipe, model, s):
@@ -697,6 +716,9 @@ VOCAB_CASES = [  # schedule, axis of the head, size of `model`, a LayerNorm firs
     ),
     pytest.param(OneFOneBSchedule(2, 3), MP, 2, True, True, id="1f1b model-pipe recompute"),
     pytest.param(ZeroBubbleH1Schedule(2, 3), MP, 2, False, True, id="zb-h1 model-pipe recompute"),
+    # V-shaped: the last stage and the loss on device 0
+    pytest.param(ZeroBubbleVSchedule(2, 4), MP, 2, True, False, id="zb-v model-pipe norm"),
+    pytest.param(DualPipeVSchedule(2, 4), "pipe", 1, False, True, id="dualpipe-v pipe recompute"),
 ]
 
 
@@ -707,12 +729,12 @@ def test_loss_split_over_the_pipeline_axis_matches_serial_twin(
     """The loss runs on every device of the pipeline axis: its value, the stages' and the
     input's gradients are the serial model's; each device's block of the head's gradient is
     the matching rows of the serial gradient, and the replicated norm's is whole."""
-    s = schedule.num_devices
-    stages, head = _vocab_model(s, norm=norm)
+    s, num_model_stages = schedule.num_devices, schedule.num_devices * schedule._num_trips()
+    stages, head = _vocab_model(num_model_stages, norm=norm)
     x, t, keep = _vocab_batch(schedule.num_microbatches)
 
     def serial(stages, head, x):
-        return _serial(stages, head, x, t, keep, s)
+        return _serial(stages, head, x, t, keep, num_model_stages)
 
     loss_ref, (grads_ref, head_ref, x_ref) = jax.value_and_grad(serial, argnums=(0, 1, 2))(
         stages, head, x

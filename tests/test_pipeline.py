@@ -726,7 +726,7 @@ def test_1f1b_rejects_circular_modules_and_bad_losses():
         size=2,
         in_specs=(specs, P(), P(), P()),
     )
-    with pytest.raises(ValueError, match=r"one stage per device but this module has num_repeats=2"):
+    with pytest.raises(ValueError, match=r"'1f1b' runs 1 stage per device, but num_repeats=2"):
         fn(arrays, x, t, shift)
 
     stage = lambda h: h * 2.0
@@ -772,7 +772,7 @@ def test_schedule_kind():
     training = module.schedule(include_backward=True)
     assert training.has_backward and training.num_steps == 2 * module.schedule().num_steps
     assert module.schedule("circular", include_backward=True).actions == training.actions
-    names = r"\['1f1b', 'circular', 'gpipe', 'zb-h1'\]"
+    names = r"\['1f1b', 'circular', 'dualpipe-v', 'gpipe', 'zb-h1', 'zb-v'\]"
     with pytest.raises(ValueError, match=rf"must be one of {names}, got 'zb'"):
         module.schedule("zb")
     with pytest.raises(ValueError, match="all-forward schedule is 'gpipe', not 'circular'"):

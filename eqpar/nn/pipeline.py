@@ -41,7 +41,7 @@ from ..schedule import (
     PipelineSchedule,
     ZeroBubbleH1Schedule,
     ZeroBubbleVSchedule,
-    check_stages_per_device,
+    _check_stages_per_device,
 )
 from .stacks import (
     AROUND_LAYERS,
@@ -90,7 +90,8 @@ class PipelineModule(eqx.Module):
     return the shape and dtype it takes (keep embeddings and output heads outside, before and
     after the pipeline). Called inside `shard_map` it runs GPipe (`V == 1`) or the circular
     schedule (`V > 1`); `value_and_grad` gives a whole training step in the order of a
-    training schedule: 1F1B, zero-bubble ZB-H1, or GPipe / circular.
+    training schedule: 1F1B, zero-bubble ZB-H1, GPipe / circular, or (`V == 2`) the
+    V-shaped ZB-V and DualPipeV.
 
     **Storage.** `stages` is always in model order: `[S, ...]` (row `s` is stage `s`) with
     `V == 1`, and `[V, S, ...]` with `V > 1`, which is the model-order stack `[S * V, ...]`
@@ -689,7 +690,7 @@ def _schedule_name(name: str | None, num_repeats: int, owner: str) -> str:
             "not 'circular' (build it with num_repeats > 1 for the circular schedule)."
         )
     if owner.endswith("value_and_grad"):
-        check_stages_per_device(name, num_repeats, owner, argument="num_repeats")
+        _check_stages_per_device(name, num_repeats, owner, argument="num_repeats")
     return name
 
 

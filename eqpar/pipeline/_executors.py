@@ -694,7 +694,8 @@ def _execute_schedule(
         raise TypeError(
             f"{caller}: `schedule` must be a training schedule from `eqpar.schedule` (with "
             f"backward actions), such as `OneFOneBSchedule(S, M)`, "
-            f"`ZeroBubbleH1Schedule(S, M)` or `GPipeSchedule(S, M, include_backward=True)`; "
+            f"`ZeroBubbleH1Schedule(S, M)`, `ZeroBubbleVSchedule(S, M)` or "
+            f"`GPipeSchedule(S, M, include_backward=True)`; "
             f"got {schedule!r}. For a forward pass use `execute_pipeline`."
         )
     num_stages = axis_size(model_axis_name, caller, argument="model_axis_name")
@@ -805,10 +806,12 @@ def _up_stages_swapped(stacked: PyTree, axis_name: AxisName, num_stages: int) ->
     if num_stages == 1:
         return stacked
     pairs = [(d, num_stages - 1 - d) for d in range(num_stages)]
-    return jax.tree.map(
-        lambda a: a.at[1].set(lax.ppermute(a[1], axis_name, pairs)) if eqx.is_array(a) else a,
-        stacked,
-    )
+
+    def swap(a: Array) -> Array:
+        a = jnp.asarray(a)  # a NumPy leaf (the same on every device) too
+        return a.at[1].set(lax.ppermute(a[1], axis_name, pairs))
+
+    return jax.tree.map(lambda a: swap(a) if eqx.is_array(a) else a, stacked)
 
 
 def _results(
