@@ -189,8 +189,10 @@ def rotary_setup():
                 r"blocks/\d+/down": eqpar.RowParallel(),
             },
         ),
+        # Ulysses: the 4 heads split over the 4 devices of `context` for attention
+        ((2, 4, 1), {r"blocks/\d+/attention": eqpar.ContextParallel(strategy="ulysses")}),
     ],
-    ids=["dp2xcp4", "dp2xcp2xtp2"],
+    ids=["dp2xcp4", "dp2xcp2xtp2", "dp2xcp4-ulysses"],
 )
 def test_rotary_positions_and_dropout_on_a_context_parallel_sequence(rotary_setup, shape, plan):
     model, batch, (serial_loss, serial_model) = rotary_setup

@@ -201,12 +201,21 @@ CONTEXT_PLANS = {
             r"blocks/\d+/down": eqpar.RowParallel(),
         },
     ),
+    "dp2xcp4-ulysses": (
+        (2, 4, 1),
+        {r"blocks/\d+/attention": eqpar.ContextParallel(strategy="ulysses")},
+    ),
 }
 
 
 @pytest.mark.parametrize(
     ("case", "mesh_kind"),
-    [("dp2xcp4", "auto"), ("dp2xcp2xtp2", "auto"), ("dp2xcp2xtp2", "explicit")],
+    [
+        ("dp2xcp4", "auto"),
+        ("dp2xcp2xtp2", "auto"),
+        ("dp2xcp2xtp2", "explicit"),
+        ("dp2xcp4-ulysses", "explicit"),
+    ],
 )
 def test_context_parallel_attention_with_the_one_device_step(case, mesh_kind):
     """The rotary encoder (rotary positions in `process_heads`, dropouts on the sequence and
@@ -262,6 +271,28 @@ def test_scheduled_pipelines_without_shard_map(models, schedule, shape, names, t
         plan.update(VIT_PLAN)
     parallel = eqpar.parallelize(model, plan, mesh=mesh)
     value, updated = scheduled_step(parallel, loss, *placed_batch(batch, mesh))
+    assert_tree_close(value, serial[0], what="loss")
+    assert_arrays_close(eqpar.unparallelize(updated), serial[1])
+
+
+@pytest.mark.parametrize("schedule", ["zb-v", "dualpipe-v"])
+def test_v_shaped_schedules_without_shard_map(schedule):
+    """ZB-V and DualPipeV by plan on a Llama of 4 layers (raw arrays, rotary positions, a tied
+    unembedding), two stages per device on an explicit `jax.make_mesh` data x pipe mesh:
+    `eqpar.value_and_grad` outside `shard_map`, the step equal to one device's."""
+    import llama_style as llama
+
+    keys = jax.random.split(jax.random.key(7), 4)
+    model = llama.Llama(key=jax.random.key(0))
+    layers = [llama.LlamaLayer(i, key=k) for i, k in enumerate(keys)]
+    model = eqx.tree_at(lambda m: m.layers, model, layers)
+    tokens = llama.batch(8)
+    serial = step(model, llama.loss, tokens)
+    mesh = jax.make_mesh((2, 2), ("data", "pipe"))
+    microbatches = 4 if schedule == "dualpipe-v" else 2  # DualPipeV needs M >= 2S
+    pipeline = eqpar.Pipeline(stages=2, microbatches=microbatches, repeats=2, schedule=schedule)
+    parallel = eqpar.parallelize(model, {"layers": pipeline}, mesh=mesh)
+    value, updated = scheduled_step(parallel, llama.loss, *placed_batch((tokens,), mesh))
     assert_tree_close(value, serial[0], what="loss")
     assert_arrays_close(eqpar.unparallelize(updated), serial[1])
 
