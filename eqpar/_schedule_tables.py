@@ -14,6 +14,24 @@ Cell = tuple[Kind, int, int] | None
 Cells = list[list[Cell]]
 
 
+def check_stages_per_device(
+    name: str, wanted: int | None, num_repeats: int, owner: str, *, argument: str
+) -> None:
+    """Refuse schedule `name` for a pipeline of `num_repeats` stages per device when the
+    schedule fixes another number, `wanted` (its `stages_per_device`: 1 for GPipe, 1F1B and
+    ZB-H1, 2 for the V-shaped ones, `None` for any)."""
+    if wanted is not None and num_repeats != wanted:
+        other = (
+            "'circular' for any number, 'zb-v' or 'dualpipe-v' for two"
+            if wanted == 1
+            else "'1f1b' or 'zb-h1' for one, 'circular' for any number"
+        )
+        raise ValueError(
+            f"{owner}: schedule={name!r} runs {wanted} stage{'s' if wanted > 1 else ''} per "
+            f"device, but {argument}={num_repeats}; pass {argument}={wanted} ({other})."
+        )
+
+
 def zero_bubble_h1(s: int, m_count: int) -> Cells:
     """ZB-H1 by the rules of `ZeroBubbleH1Schedule`, one step at a time."""
     done: dict[tuple[str, int, int], int] = {}  # (kind, microbatch, device) -> step

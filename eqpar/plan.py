@@ -24,6 +24,7 @@ from ._axis_types import gather_explicit
 from ._checks import check_column_options, check_context_options, columns_in_a_row_fix
 from ._matching import compile_key, single_match, unused_key_hints
 from ._paths import children, map_children, path_to_str
+from ._schedule_tables import check_stages_per_device
 from ._specs import check_spec
 from ._typing import PyTree
 from .layout import named_shardings, partition_specs
@@ -46,7 +47,7 @@ from .nn.pipelined import PipelinedBlocks
 from .nn.rotary import ParallelRotaryEmbedding
 from .nn.sequence import SequenceParallelDropout
 from .nn.stacks import remat_policy
-from .schedule import _check_stages_per_device
+from .schedule import SCHEDULES
 
 __all__ = [
     "ColumnParallel",
@@ -649,7 +650,13 @@ class Pipeline(Style):
                 f"schedule={expected!r} or leave it out."
             )
         if self.schedule in training:
-            _check_stages_per_device(self.schedule, self.repeats, "Pipeline", argument="repeats")
+            check_stages_per_device(
+                self.schedule,
+                SCHEDULES[self.schedule].stages_per_device,
+                self.repeats,
+                "Pipeline",
+                argument="repeats",
+            )
 
     def convert(self, layer: PyTree) -> PyTree:
         raise TypeError(

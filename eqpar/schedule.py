@@ -923,23 +923,6 @@ class CustomSchedule(PipelineSchedule):
             )
 
 
-def _check_stages_per_device(name: str, num_repeats: int, owner: str, *, argument: str) -> None:
-    """Refuse a schedule named `name` for a pipeline of `num_repeats` stages per device
-    when the schedule fixes another number (1 for GPipe, 1F1B and ZB-H1, 2 for the
-    V-shaped ones)."""
-    wanted = SCHEDULES[name].stages_per_device
-    if wanted is not None and num_repeats != wanted:
-        other = (
-            "'circular' for any number, 'zb-v' or 'dualpipe-v' for two"
-            if wanted == 1
-            else "'1f1b' or 'zb-h1' for one, 'circular' for any number"
-        )
-        raise ValueError(
-            f"{owner}: schedule={name!r} runs {wanted} stage{'s' if wanted > 1 else ''} per "
-            f"device, but {argument}={num_repeats}; pass {argument}={wanted} ({other})."
-        )
-
-
 def _as_actions(cells: _schedule_tables.Cells) -> tuple[tuple[Action, ...], ...]:
     return tuple(
         tuple(_IDLE if c is None else Action(c[0], microbatch=c[1], stage=c[2]) for c in row)

@@ -864,8 +864,8 @@ def test_config_file_errors_name_the_file_the_entry_and_the_option(tmp_path, cap
     assert exit_info.value.code == 2
     assert capsys.readouterr().err == (
         f'train_lm.py: error: --config {path}: "fsdp": "yes" is not a bool (true or false) '
-        f'(for --fsdp); "schedule": "2f2b" is not one of "gpipe", "circular", "1f1b", "zb-h1" '
-        f'(for --schedule); "lr": "fast" is not a number above 0 (for --lr)\n'
+        f'(for --fsdp); "schedule": "2f2b" is not one of "gpipe", "circular", "1f1b", "zb-h1", '
+        f'"zb-v", "dualpipe-v" (for --schedule); "lr": "fast" is not a number above 0 (for --lr)\n'
     )
     # A file written before --top-k was refused without --experts still reads.
     path.write_text(json.dumps({"experts": None, "top_k": 2, "steps": 3}))

@@ -25,6 +25,7 @@ from .._axes import axis_size
 from .._checks import check_int
 from .._declare import prefixed, stacked_partition_specs
 from .._paths import path_to_str
+from .._schedule_tables import check_stages_per_device
 from .._typing import AxisName
 from ..pipeline import execute_schedule
 from ..pipeline._executors import call_stage, circular_forward, gpipe_forward
@@ -41,7 +42,6 @@ from ..schedule import (
     PipelineSchedule,
     ZeroBubbleH1Schedule,
     ZeroBubbleVSchedule,
-    _check_stages_per_device,
 )
 from .stacks import (
     AROUND_LAYERS,
@@ -690,7 +690,9 @@ def _schedule_name(name: str | None, num_repeats: int, owner: str) -> str:
             "not 'circular' (build it with num_repeats > 1 for the circular schedule)."
         )
     if owner.endswith("value_and_grad"):
-        _check_stages_per_device(name, num_repeats, owner, argument="num_repeats")
+        check_stages_per_device(
+            name, SCHEDULES[name].stages_per_device, num_repeats, owner, argument="num_repeats"
+        )
     return name
 
 

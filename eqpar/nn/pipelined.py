@@ -38,11 +38,12 @@ from jaxtyping import PyTree
 from .._axes import bound_axis_size
 from .._checks import check_int
 from .._paths import path_to_str
+from .._schedule_tables import check_stages_per_device
 from .._tracing import under_vmap
 from .._typing import AxisName
 from .._vma import varying_axes
 from ..pipeline._microbatch import Microbatched
-from ..schedule import _check_stages_per_device
+from ..schedule import SCHEDULES
 from ._accumulate import accumulated_value_and_grad, split_microbatches
 from ._block_outputs import (
     BlockOutputs,
@@ -224,7 +225,13 @@ class PipelinedBlocks(eqx.Module):
                 f"`eqpar.value_and_grad`); got {schedule!r}."
             )
         if schedule in TRAINING_SCHEDULES:
-            _check_stages_per_device(schedule, num_repeats, _OWNER, argument="num_repeats")
+            check_stages_per_device(
+                schedule,
+                SCHEDULES[schedule].stages_per_device,
+                num_repeats,
+                _OWNER,
+                argument="num_repeats",
+            )
         self.schedule = schedule or expected
         self.skeletons = tuple(
             jax.tree.map(lambda leaf: _HELD if eqx.is_array(leaf) else leaf, block)
