@@ -14,9 +14,11 @@ trained on a batch cut into M microbatches, each layer rematerialized (`remat="f
   into the total in place.
 
 Per row: temp (`compiled.memory_analysis()`, exact) and its growth per added layer between
-the two depths, and the step time as a ratio to `serial` at the same depth (median of
-alternating runs). One device: the CPU by default, or the accelerator that `JAX_PLATFORMS`
-names (e.g. `JAX_PLATFORMS=cuda`), where the times mean something.
+the two depths, the step time as a ratio to `serial` at the same depth (median of
+alternating runs), and the size of the compiled program; the table executors' time and
+program also as ratios to `scan`, the plain accumulation. One device: the CPU by default,
+or the accelerator that `JAX_PLATFORMS` names (e.g. `JAX_PLATFORMS=cuda`), where the
+times mean something.
 
 Run: `python benchmarks/accumulation.py` (about 1 min on 2 CPU cores); `--help`.
 """
@@ -121,7 +123,11 @@ def measure(args: argparse.Namespace, depth: int, mesh: Mesh) -> dict[str, dict]
         lowered = fn.lower(arrays, x, t).compile()
         compiled[executor] = lowered
         loss, _ = jax.block_until_ready(lowered(arrays, x, t))
-        rows[executor] = {"temp": lowered.memory_analysis().temp_size_in_bytes, "loss": loss}
+        rows[executor] = {
+            "temp": lowered.memory_analysis().temp_size_in_bytes,
+            "loss": loss,
+            "program": len(lowered.as_text()),
+        }
     times: dict[str, list[float]] = {e: [] for e in EXECUTORS}
     for _ in range(args.repeats):  # alternating, so that load affects every executor alike
         for executor in EXECUTORS:
@@ -157,12 +163,16 @@ def main(argv: list[str] | None = None) -> str:
         f"`examples/lm.py` (width {args.width}, {args.heads} heads, MLP {4 * args.width}, seq "
         f"{args.seq}), batch {args.batch} in {args.microbatches} microbatches, remat `full`; "
         f"one layer's weights {mib(layer_bytes)}. Time ratio: median of {args.repeats} "
-        f"alternating runs / `serial`'s at the same depth.",
+        f"alternating runs / `serial`'s at the same depth; program: characters of the compiled "
+        f"program's text at {high} layers, and their ratio to `scan`'s (the plain "
+        f"accumulation), as the step time's.",
         "",
         f"| executor | temp at {low} layers | temp at {high} layers | added per layer "
-        f"(x one layer's weights) | time / serial at {low} | time / serial at {high} |",
-        "|---|---:|---:|---:|---:|---:|",
+        f"(x one layer's weights) | time / serial at {low} | time / serial at {high} | "
+        f"time / scan at {high} | program | / scan |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
+    scan = by_depth[high]["scan"]
     for executor in EXECUTORS:
         a, b = by_depth[low][executor], by_depth[high][executor]
         per_layer = (b["temp"] - a["temp"]) / (high - low)
@@ -170,7 +180,9 @@ def main(argv: list[str] | None = None) -> str:
             f"| {executor} | {mib(a['temp'])} | {mib(b['temp'])} | {mib(per_layer)} "
             f"({per_layer / layer_bytes:.2f}x) | "
             f"{a['time'] / by_depth[low]['serial']['time']:.2f} | "
-            f"{b['time'] / by_depth[high]['serial']['time']:.2f} |"
+            f"{b['time'] / by_depth[high]['serial']['time']:.2f} | "
+            f"{b['time'] / scan['time']:.2f} | {b['program']} | "
+            f"{b['program'] / scan['program']:.2f} |"
         )
     losses = [float(by_depth[high][e]["loss"]) for e in EXECUTORS]
     spread = max(losses) - min(losses)

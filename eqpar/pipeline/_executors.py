@@ -913,9 +913,10 @@ def _check_collectives(
     if uses_primitive(
         jax.make_jaxpr(lambda h: stage(h, *call_args, **call_kwargs))(first), "ppermute"
     ):
-        # Each device runs the branch of its own action (`lax.switch` on a per-device index);
-        # a `ppermute` inside such a branch, over any mesh axis, gives wrong values (seen on
-        # CPU), where psum, all-gather and reduce-scatter give the right ones.
+        # Each device runs the loop of its own action (`StepLoop.act`, on a per-device
+        # kind); a `ppermute` inside such a loop (or a branch), over any mesh axis, gives
+        # wrong values (seen on CPU), where psum, all-gather and reduce-scatter give the
+        # right ones.
         raise ValueError(
             f"{caller}: the stage uses `lax.ppermute` (a ring collective: ring attention, "
             f"`TPAsyncDense`, `eqpar.collectives`), which cannot run inside the per-device "

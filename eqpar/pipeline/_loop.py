@@ -22,6 +22,7 @@ from ._layered import LayeredStage, layer_stack, read_block
 from ._tools import (
     axes_tree,
     cast_tree,
+    exclusive_dispatch,
     index_tree,
     step_indices,
     tree_add,
@@ -84,7 +85,7 @@ class Done(NamedTuple):
     sent_back: Tree  # the input cotangent, for the device of the previous stage
     kept_cotangent: Tree  # the last stage's output (forward) or its cotangent (backward input)
     kept_rest: Tree  # the last stage's output's other leaves (forward)
-    residuals: Tree  # what a forward stores for its backward
+    residuals: Tree  # the residual buffer, a forward's rows written in at its slot
     output: Tree | None  # a forward run's last-stage output
     grads: Tree | None
     loss_grads: Tree | None
@@ -118,7 +119,9 @@ def run_schedule(
     """Run `program` (a compiled schedule table) in one `lax.scan` on this device.
 
     Each step writes what arrived into its buffer slot, runs the action its table names
-    (`lax.switch` over `StepLoop`'s methods), keeps what the action made for later, and sends
+    (`StepLoop.act`: the method of each kind in a loop of zero or one trip, so that the
+    gradient sums and the residual buffer stay in place), keeps what the action made for
+    later, and sends
     activations forward and cotangents back, to exactly the devices that step's actions need
     (one `lax.switch` over the distinct sets of device pairs, indexed by the step, so every
     device takes the same branch). With `loss_fn=None` it runs a forward table and collects
@@ -245,21 +248,19 @@ class StepLoop:
             kinds = np.concatenate([kinds.ravel(), program.kind[forwards]])
         self.kinds = np.unique(kinds)
         # What the steps write: a half of a table that receives no activations, or runs no
-        # forward, leaves those buffers as they are (then the loop only reads them, and the
+        # forward (`act`), leaves those buffers as they are (then the loop only reads them, and the
         # compiler need not copy what another loop left in them).
         self.receives_inputs = any(
             bool((slots[start:stop] < program.num_input_slots).any())
             for slots in [program.received_input_slot]
             + [lane.received_slot for lane in program.other_lanes if lane.forward]
         )
-        self.runs_forwards = bool(
-            np.isin(program.kind[start:stop], (_program.FORWARD, _program.FORWARD_LAST)).any()
-        )
+        self.kinds_run = set(np.unique(program.kind[start:stop]).tolist())
         self.branches = [getattr(self, _ACTIONS[int(k)]) for k in self.kinds]
         columns = (
-            program.kind, np.searchsorted(self.kinds, program.kind), program.microbatch,
-            program.repeat, program.input_slot, program.cotangent_slot, program.residual_slot,
-            program.received_input_slot, program.received_cotangent_slot,
+            program.kind, program.microbatch, program.repeat, program.input_slot,
+            program.cotangent_slot, program.residual_slot, program.received_input_slot,
+            program.received_cotangent_slot,
         )  # fmt: skip
         self.table = jnp.asarray(np.stack(columns, axis=-1))  # [steps, devices, columns]
         self.sends = jnp.asarray(np.stack([program.forward_sends, program.backward_sends], axis=-1))
@@ -479,7 +480,7 @@ class StepLoop:
     def idle(self, w: Work) -> Done:
         return Done(
             self.zero_h, self.zero_cotangent, self.zero_cotangent, self.zero_rest,
-            self.no_residuals, self.zero_output, w.grads, w.loss_grads, w.loss,
+            w.residuals, self.zero_output, w.grads, w.loss_grads, w.loss,
         )  # fmt: skip
 
     def forward(self, w: Work) -> Done:
@@ -488,12 +489,17 @@ class StepLoop:
             out = self.run_stage(p, w.h, w.microbatch, w.repeat)
             return self.idle(w)._replace(sent_forward=out)
         if self.layered is not None:
-            out, residuals = self.layered_forward(p, w.h, w.microbatch, w.repeat)
-            return self.idle(w)._replace(sent_forward=out, residuals=residuals)
+            out, rows = self.layered_forward(p, w.h, w.microbatch, w.repeat)
+            return self.idle(w)._replace(sent_forward=out, residuals=self.store_rows(w, rows))
         pullback, out = self.stage_vjp(p, w.h, w.microbatch, w.repeat)
         assert self.layout is not None
-        residuals = self.layout.split(pullback, out, p, w.h)
-        return self.idle(w)._replace(sent_forward=out, residuals=residuals)
+        rows = self.layout.split(pullback, out, p, w.h)
+        return self.idle(w)._replace(sent_forward=out, residuals=self.store_rows(w, rows))
+
+    @staticmethod
+    def store_rows(w: Work, rows: Tree) -> Tree:
+        """The residual buffer with a forward's `rows` in at its slot."""
+        return _write(w.residuals, w.residual_slot, rows)
 
     def forward_last(self, w: Work) -> Done:
         if not self.training:
@@ -558,7 +564,7 @@ class StepLoop:
     def step(self, state: LoopState, t: Array) -> tuple[LoopState, None]:
         program, training = self.program, self.training
         (
-            kind, branch, microbatch, repeat, input_slot, cotangent_slot, residual_slot,
+            kind, microbatch, repeat, input_slot, cotangent_slot, residual_slot,
             got_h, got_cot,
         ) = self.table[t, self.device]  # fmt: skip
         inputs = state.inputs
@@ -588,8 +594,7 @@ class StepLoop:
         )  # fmt: skip
         is_forward = (kind == _program.FORWARD) | (kind == _program.FORWARD_LAST)
         if training:
-            branches = self.branches
-            done = typed_switch(branch, branches, work) if len(branches) > 1 else branches[0](work)
+            done = self.act(kind, work)
         else:
             runs = is_forward.astype(jnp.int32) if self.skips_bubbles else None
             out = self.forward_run(h, microbatch, repeat, runs)
@@ -604,16 +609,10 @@ class StepLoop:
                 kind == _program.FORWARD_LAST, cotangent_slot, program.num_cotangent_slots
             )
             kept_rest = _write(kept_rest, row, done.kept_rest)
-        residuals = state.residuals
-        if self.store and self.runs_forwards:
-            # A step without a forward writes its slot's rows back as they are: the buffer
-            # (a stage's residuals per slot, the largest the loop holds) has no spare row.
-            row = jnp.where(is_forward, residual_slot, 0)
-            kept = jax.tree.map(
-                lambda buffer, new: jnp.where(is_forward, new, buffer[row]),
-                residuals, done.residuals,
-            )  # fmt: skip
-            residuals = _write(residuals, row, kept)
+        # Only a forward writes into the residual buffer, in place, in its own loop (`act`):
+        # the buffer (a stage's residuals per slot, the largest the loop holds) has no
+        # spare row, and the other steps leave it as it is.
+        residuals = done.residuals
         outputs, x_grads = state.outputs, state.x_grads
         if outputs is not None:
             row = jnp.where(kind == _program.FORWARD_LAST, microbatch, self.num_microbatches)
@@ -638,6 +637,38 @@ class StepLoop:
             done.grads, done.loss_grads, done.loss, x_grads, received_other,
         )  # fmt: skip
         return new, None
+
+    def act(self, kind: Array, work: Work) -> Done:
+        """What the step's action makes: the method of `kind`, each in a loop of zero or one
+        trip (`exclusive_dispatch`), so that what only some actions write (the gradient and
+        loss sums, the residual buffer) stays in place on every step, and what an action
+        computes runs only at its steps (its inputs are tied to its loop)."""
+        names = ("h", "microbatch", "repeat", "cotangent_slot", "residual_slot")
+        inputs = {name: getattr(work, name) for name in names}
+        inputs["loss_cotangent"] = work.loss_cotangent
+
+        def run(action: Callable) -> Callable:
+            def at_its_step(done: Done, inputs: dict) -> Done:
+                held = {
+                    "grads": done.grads, "loss_grads": done.loss_grads, "loss": done.loss,
+                    "residuals": done.residuals,
+                }  # fmt: skip
+                return action(work._replace(**held, **inputs))
+
+            return at_its_step
+
+        idle, keys, branches = self.idle(work), [], []
+        for k, action in zip(self.kinds, self.branches):
+            if k == _program.IDLE:
+                continue
+            if k in self.kinds_run:
+                keys.append(int(k))
+                branches.append(run(action))
+            else:  # a forward that only records its residuals' layout for the backwards:
+                # left out of the loop, a half of a table that runs no forward only reads
+                # the residual buffer (and the compiler need not copy what another half left)
+                jax.eval_shape(run(action), idle, inputs)
+        return exclusive_dispatch(kind, keys, branches, idle, inputs)
 
     def _send_lane(self, done: Done, lane: _program.Lane, pattern: Array) -> Tree:
         """What this step sends in one of the other lanes: kept as it is where it stays on

@@ -1,7 +1,7 @@
 """Tree helpers of the pipeline executors: replication types (shard_map's `check_vma`) kept
 consistent through `lax.scan` and `lax.switch`, and small pytree operations."""
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import equinox as eqx
 import jax
@@ -102,6 +102,47 @@ def typed_switch(index: PyTree, branches: list[Callable], *operands: PyTree) -> 
         return lambda *ops: cast_tree(branch(*ops), wanted)
 
     return lax.switch(index, [widen(b) for b in branches], *operands)
+
+
+def exclusive_dispatch(
+    index: Array,
+    keys: Sequence[int],
+    branches: Sequence[Callable],
+    initial: PyTree,
+    inputs: PyTree,
+) -> PyTree:
+    """`branches[i](initial, inputs)` where `index == keys[i]`, else `initial`: as
+    `lax.switch` (the replication types widened to their union), but each branch its own
+    `lax.while_loop` of zero or one trip, run one after another, carrying `initial`.
+
+    Why not `lax.switch`: XLA updates a buffer in place through a conditional only when it
+    has two branches. With more, every branch that passes the buffer through (an idle or a
+    forward step, for a schedule's gradient sums) copies it, and the step copies the result
+    once more after the conditional: two or three copies of a stage's gradients per step
+    (`benchmarks/pipeline.py`). A while loop's carry stays in place whether it runs or not.
+
+    Each loop's body sees `inputs` (the branch's read-only operands, a tree of arrays)
+    through a select on the loop's own state, which XLA cannot fold: what a body computes
+    from values the loop does not change is invariant to it, and XLA hoists it out of the
+    loop, to run at every step whether the loop runs or not. As with a `lax.switch` whose
+    index differs by device, a branch must not call a collective over an axis whose
+    devices take different branches.
+    """
+    shapes = [jax.eval_shape(branch, initial, inputs) for branch in branches]
+    wanted = _union_axes(axes_tree(initial), *[axes_tree(s) for s in shapes])
+    value = cast_tree(initial, wanted)
+    for key, branch in zip(keys, branches):
+
+        def body(state: tuple, branch: Callable = branch) -> tuple:
+            ran, value = state
+            tied = jax.tree.map(lambda a: jnp.where(ran, jnp.zeros_like(a), a), inputs)
+            return jnp.ones((), jnp.bool_), cast_tree(branch(value, tied), wanted)
+
+        def runs(state: tuple, key: int = key) -> Array:
+            return jnp.logical_and(jnp.logical_not(state[0]), index == key)
+
+        _, value = lax.while_loop(runs, body, (jnp.zeros((), jnp.bool_), value))
+    return value
 
 
 # --------------------------------------------------------------------------------------
