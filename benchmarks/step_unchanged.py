@@ -2,9 +2,10 @@
 
 A GPT-2-small-shaped language model (the example's `lm.Block`s in a Python list, 12 layers,
 d_model 768, 12 heads, MLP 3072, vocabulary 50304, 1024 tokens per sequence, float32) is
-parallelized by one plan (heads, MLP columns and rows over `model`; the output head by
-columns, gathered) and one training step (loss and gradients, then plain SGD) is compiled two
-ways on 8 simulated devices:
+parallelized by a plan (for tensor parallelism: heads, MLP columns and rows over `model`, the
+output head by columns, gathered; for the pipeline: the blocks in 4 or 2 GPipe stages of 4
+microbatches over `pipe`) and one training step (loss and gradients, then plain SGD) is
+compiled two ways on 8 simulated devices:
 
 - `unchanged`: the step written for one device (`eqx.filter_jit` around
   `eqx.filter_value_and_grad(loss)`), on the placed model and a batch split over `data`;
@@ -12,8 +13,8 @@ ways on 8 simulated devices:
 - `shard_map`: the documented explicit route, the loss inside `eqpar.shard_map` over every
   axis with `lax.pmean` over `data`.
 
-For each mode (DP 4 x TP 2, DP 2 x TP 4, FSDP 2 x TP 4; GPT-2-small's 12 heads do not split
-over 8) the table gives, per device, the
+For each mode (DP, FSDP, DP x TP, FSDP x TP, DP x GPipe, DP x GPipe x TP; GPT-2-small's 12
+heads do not split over 8) the table gives, per device, the
 collective bytes of the compiled step (from its HLO) and its temp memory
 (`memory_analysis()`), exact figures, and their ratios to the `shard_map` route. Nothing is
 run: only `lower` and `compile`. Run: `python benchmarks/step_unchanged.py [--quick]`.
@@ -44,7 +45,7 @@ import lm
 
 import eqpar
 
-PLAN = {
+TENSOR_PARALLEL = {
     r"blocks/\d+/attention": eqpar.HeadParallel(),
     r"blocks/\d+/up": eqpar.ColumnParallel(),
     r"blocks/\d+/down": eqpar.RowParallel(),
@@ -72,14 +73,17 @@ class GPT(eqx.Module):
         self.unembed = eqx.nn.Linear(config.d_model, config.vocab_size, use_bias=False, key=keys[2])
 
     def __call__(self, ids):
-        h = jax.vmap(self.embed)(ids) + jax.vmap(self.position)(jnp.arange(ids.shape[0]))
+        """Logits for a batch of sequences (each block takes the batch, as a pipeline stage
+        takes a microbatch)."""
+        positions = jax.vmap(self.position)(jnp.arange(ids.shape[1]))
+        h = jax.vmap(jax.vmap(self.embed))(ids) + positions
         for block in self.blocks:
-            h = block.example(h)
-        return jax.vmap(lambda x: self.unembed(self.norm(x)))(h)
+            h = block(h)
+        return jax.vmap(jax.vmap(lambda x: self.unembed(self.norm(x))))(h)
 
 
 def loss(model: GPT, tokens):
-    logits = jax.vmap(model)(tokens[:, :-1])
+    logits = model(tokens[:, :-1])
     log_probs = jax.nn.log_softmax(logits, axis=-1)
     return -jnp.mean(jnp.take_along_axis(log_probs, tokens[:, 1:, None], axis=-1))
 
@@ -100,11 +104,21 @@ def compile_step(model, loss_fn, tokens):
     return run.lower(params, tokens).compile()
 
 
-MODES = {  # name: (mesh shape (data, model), FSDP over data)
-    "DP 4 x TP 2": ((4, 2), False),
-    "DP 2 x TP 4": ((2, 4), False),
-    "FSDP 2 x TP 4": ((2, 4), True),
+def pipeline(stages: int) -> dict:
+    """GPipe over `pipe`; the model's forward takes the batch (its leading axis)."""
+    return {"blocks": eqpar.Pipeline(stages=stages, microbatches=4, batch_axis=0)}
+
+
+MODES = {  # name: (mesh shape (data, pipe, model), FSDP over data, plan)
+    "DP 8": ((8, 1, 1), False, {}),
+    "FSDP 8": ((8, 1, 1), True, {}),
+    "DP 4 x TP 2": ((4, 1, 2), False, TENSOR_PARALLEL),
+    "DP 2 x TP 4": ((2, 1, 4), False, TENSOR_PARALLEL),
+    "FSDP 2 x TP 4": ((2, 1, 4), True, TENSOR_PARALLEL),
+    "DP 2 x GPipe 4": ((2, 4, 1), False, pipeline(4)),
+    "DP 2 x GPipe 2 x TP 2": ((2, 2, 2), False, {**TENSOR_PARALLEL, **pipeline(2)}),
 }
+AXES = ("data", "pipe", "model")
 
 
 def abstract(tree, shardings):
@@ -118,10 +132,10 @@ def abstract(tree, shardings):
 
 def measure(config: lm.LMConfig, batch: int) -> list[dict]:
     model = eqx.filter_eval_shape(lambda: GPT(config, key=jax.random.key(0)))
-    parallel = eqpar.parallelize(model, PLAN)
     rows = []
-    for mode, (shape, fsdp) in MODES.items():
-        mesh = eqpar.DeviceMesh(shape, ("data", "model"))
+    for mode, (shape, fsdp, plan) in MODES.items():
+        mesh = eqpar.DeviceMesh(shape, AXES)
+        parallel = eqpar.parallelize(model, plan)
         specs = eqpar.partition_specs(parallel, mesh=mesh)
         storage = (
             eqpar.FSDP(mesh, axis="data", min_size_bytes=0).partition_specs(parallel)
@@ -179,11 +193,11 @@ def table(rows: list[dict], config: lm.LMConfig, batch: int) -> str:
 
 def main(argv: list[str] | None = None) -> str:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="a 2-layer model of width 256")
+    parser.add_argument("--quick", action="store_true", help="a 4-layer model of width 256")
     args = parser.parse_args(argv)
     if args.quick:
         config = lm.LMConfig(
-            vocab_size=512, d_model=256, num_heads=8, num_layers=2, d_hidden=1024, seq_len=128
+            vocab_size=512, d_model=256, num_heads=8, num_layers=4, d_hidden=1024, seq_len=128
         )
     else:
         config = lm.LMConfig(

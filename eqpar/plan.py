@@ -880,8 +880,9 @@ def parallelize(
     the whole output, so the training step written for one device runs unchanged under
     `jax.jit`, with the batch placed over the data axis by `jax.device_put` (with a `1f1b` /
     `zb-h1` pipeline, through `eqpar.value_and_grad`, which then opens the schedule's region).
-    Sequence parallel styles and `ExpertParallel` run inside `eqpar.shard_map`; a `gpipe` /
-    `circular` pipeline outside it runs its blocks in order.
+    A `gpipe` / `circular` pipeline opens one region over the pipe axis, its blocks' axes
+    and the data axes (the batch split over them), and runs as inside `shard_map`.
+    Sequence parallel styles and `ExpertParallel` run inside `eqpar.shard_map`.
 
     **Blocks.** `Remat(policy)` on a block of the model (or a list of blocks) runs the
     block's own `__call__` under `jax.checkpoint`. `Pipeline(stages, microbatches)` on a

@@ -132,10 +132,15 @@ def test_a_model_that_takes_the_batch_is_pipelined_on_its_leading_axis():
     assert_tree_close(loss, serial_loss, what="loss")
     assert_arrays_close(updated, serial_model)
     assert type(eqpar.unparallelize(parallel).blocks) is tuple
-    # Outside shard_map the blocks run one after another: the serial twin (a `Microbatched`
-    # argument passed whole).
-    assert_tree_close(batch_loss(parallel, x, mask), batch_loss(model, x, mask), what="loss")
+    # Outside shard_map the placed blocks open their own region and run as the pipeline
+    # (the bare mask refused alike); not placed, they run one after another: the serial
+    # twin (a `Microbatched` argument passed whole).
     assert_tree_close(microbatched_loss(parallel, x, mask), serial_loss, what="loss")
+    with pytest.raises(ValueError, match=r"`kwargs/mask` has leading size 8.*Microbatched"):
+        batch_loss(parallel, x, mask)
+    unplaced = eqpar.parallelize(model, plan)
+    assert_tree_close(batch_loss(unplaced, x, mask), batch_loss(model, x, mask), what="loss")
+    assert_tree_close(microbatched_loss(unplaced, x, mask), serial_loss, what="loss")
     with pytest.raises(ValueError, match=r"`kwargs/mask` has leading size 4.*Microbatched"):
         _pipe_loss(batch_loss, parallel, mesh, x, mask)
 

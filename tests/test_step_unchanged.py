@@ -239,6 +239,57 @@ def test_context_parallel_attention_with_the_one_device_step(case, mesh_kind):
     assert_step_equals_serial(parallel, rotary_loss, batch, serial, mesh)
 
 
+@pytest.mark.parametrize(
+    ("shape", "names", "tensor_parallel", "mesh_kind"),
+    [
+        ((2, 2), ("data", "pipe"), False, "auto"),
+        ((2, 2, 2), ("data", "pipe", "model"), True, "auto"),
+        ((2, 2, 2), ("data", "pipe", "model"), True, "mixed"),
+    ],
+    ids=["dp-pp", "3d", "3d-mixed"],
+)
+def test_gpipe_by_plan_runs_as_the_shard_map_routes_pipeline(
+    models, shape, names, tensor_parallel, mesh_kind
+):
+    """A GPipe entry on the ViT's blocks (per-example dropout keys, one per block), the step
+    unchanged, on Auto and mixed meshes: the blocks open one region over the pipe, model and
+    data axes and run as the pipeline, equal to one device and compiled to the
+    `eqpar.shard_map` route's collectives (without the region the compiler brought every
+    stage's weights to every device)."""
+    model, loss, _, _ = models["vit"]
+    batch = vit.batch(8)
+    serial = step(model, loss, *batch)
+    size = 1
+    for n in shape:
+        size *= n
+    # Mixed: pipe and model Explicit, data Auto (the ViT's patch embedding reshapes the
+    # per-example image, which JAX refuses on an Explicit batch split; see the module's text).
+    types = (AxisType.Auto, AxisType.Explicit, AxisType.Explicit)
+    mesh = (
+        eqpar.DeviceMesh(shape, names, devices=jax.devices()[:size])
+        if mesh_kind == "auto"
+        else jax.make_mesh(shape, names, devices=jax.devices()[:size], axis_types=types)
+    )
+    plan = {"attention_blocks": eqpar.Pipeline(stages=2, microbatches=2)}
+    if tensor_parallel:
+        plan.update(VIT_PLAN)
+    parallel = eqpar.parallelize(model, plan, mesh=mesh)
+    assert_step_equals_serial(parallel, loss, batch, serial, mesh)
+
+    placed = placed_batch(batch, mesh)
+    unchanged = collective_summary(step.lower(parallel, loss, *placed).compile())
+    routed = eqpar.shard_map(
+        lambda m, *b: lax.pmean(loss(m, *b), "data"),
+        mesh=mesh,
+        in_specs=(eqpar.partition_specs(parallel), P("data"), P("data"), P("data")),
+        out_specs=P(),
+    )
+    manual = collective_summary(step.lower(parallel, routed, *placed).compile())
+    sends = "collective-permute"
+    assert unchanged.counts.get(sends) == manual.counts.get(sends), (unchanged, manual)
+    assert unchanged.total_bytes <= 1.01 * manual.total_bytes, (unchanged, manual)
+
+
 @eqx.filter_jit
 def scheduled_step(model, loss_fn, *batch):
     """The one-device step with `eqpar.value_and_grad` in place of Equinox's (a schedule

@@ -94,8 +94,11 @@ class PipelinedBlocks(eqx.Module):
     arguments: the calls before the last return a placeholder (its `shape` and `dtype` are
     known, its values are not: use it only as the next block's input), and the last runs the
     pipeline. Inside `shard_map` over `axis_name` that is GPipe (`num_repeats == 1`) or the
-    circular schedule, the batch cut into `num_microbatches`; elsewhere the blocks run one
-    after another on one device (the serial twin).
+    circular schedule, the batch cut into `num_microbatches`. Outside it, blocks placed on a
+    mesh with `axis_name` open a region of their own (manual over the pipe axis, the axes
+    their converted layers work over and the data axes, the batch split over these) and run
+    the same pipeline, so the step written for one device runs unchanged; blocks not placed
+    run one after another on one device (the serial twin).
 
     The model runs one example per call under `jax.vmap` (`batch_axis=None`, Equinox's
     way), and the pipeline gets the whole batch from the vmap; a model that takes the whole
@@ -288,11 +291,24 @@ class PipelinedBlocks(eqx.Module):
         ]
 
     def _one_layer(self) -> PyTree:
-        """Block 0 as the stack holds it (its arrays indexed out), for tracing its call."""
+        """Block 0 as the stack holds it (its arrays indexed out), for tracing its call. An
+        array whose type carries its split over the stages (an Explicit pipe axis) stands as
+        its block's `jax.ShapeDtypeStruct` (the same mesh, the block's dimensions' split):
+        indexing one stage's row out of it is a sharding type error, and only the type is
+        traced."""
         dims = (1 if self.pipeline.num_repeats == 1 else 2) + 1
         stages = self.pipeline.stages
         assert isinstance(stages, ScannedLayers)
-        return map_arrays(lambda a: a[(0,) * dims], stages.layers)
+
+        def first(a: jax.Array) -> Any:
+            sharding = getattr(jax.typeof(a), "sharding", None)
+            spec = getattr(sharding, "spec", ())
+            if sharding is not None and any(entry is not None for entry in spec[:dims]):
+                block = sharding.update(spec=P(*spec[dims:]))
+                return jax.ShapeDtypeStruct(a.shape[dims:], a.dtype, sharding=block)
+            return a[(0,) * dims]
+
+        return map_arrays(first, stages.layers)
 
     def _replaying(self) -> bool:
         """Whether `eqpar.value_and_grad` replays the loss with the blocks' output given (the
@@ -368,7 +384,12 @@ class PipelinedBlocks(eqx.Module):
     ) -> tuple[PyTree, list | None]:
         """The recorded calls run: `(the last block's activation, each block's auxiliary
         output leaves, or None where the blocks return none)`."""
-        if bound_axis_size(self.pipeline.axis_name) is None:
+        # Outside `shard_map` over the pipe axis, blocks placed on a mesh with it run as the
+        # pipeline in a region of their own (`_call_pipeline`); a training schedule's region
+        # is opened by `eqpar.value_and_grad`, around the loss.
+        if bound_axis_size(self.pipeline.axis_name) is None and (
+            self.schedule in TRAINING_SCHEDULES or not _placed_for_pipe(self.pipeline)
+        ):
             stack = self.pipeline.to_layers()  # one device: the blocks in order
             aux_blocks: list = []
             for index, (args, kwargs) in enumerate(calls):
@@ -929,14 +950,67 @@ def _run_pipeline(
     runnable, arguments = _runnable(pipeline, layout, per_example, flags, per_layer, shared, how)
     number = jnp.zeros((size,), jnp.int32) if per_example else _batch_counter(x)
     if not how.has_aux:
-        out, _ = runnable((x, number), *arguments)
+        out, _ = _call_pipeline(runnable, (x, number), arguments)
         return out, []
     buffers = aux_buffers(
         how, x, num_layers, per_example=per_example, recorded_rows=size,
         pipeline_axis=pipeline.axis_name,
     )  # fmt: skip
-    out, _, buffers = runnable((x, number, buffers), *arguments)
+    out, _, buffers = _call_pipeline(runnable, (x, number, buffers), arguments)
     return out, list(buffers)
+
+
+def _placed_for_pipe(pipeline: PipelineModule) -> bool:
+    """Whether the stacked blocks are placed on a mesh with the pipe axis (else they run in
+    order, as on one device: a parallelized model not placed)."""
+    try:
+        region_mesh(_OWNER, pipeline, pipeline.axis_name)
+    except ValueError:
+        return False
+    return True
+
+
+def _call_pipeline(runnable: PipelineModule, carry: tuple, arguments: tuple) -> tuple:
+    """`runnable(carry, *arguments)`: inside `shard_map` over the pipe axis as it is, and
+    outside (the one-device step on a placed model) in a region of its own, so that the
+    blocks run as the pipeline they are (each device its stage, activations sent between
+    stages) rather than as stacked arrays the compiler would bring to every device for each
+    block.
+
+    The region is manual over the pipe axis, the axes the blocks' converted layers work over
+    and the data axes (every other mesh axis but those `Sharded` keys leave to the
+    compiler), over which the batch is split as the `shard_map` route splits it: the carry's
+    leading axis and that of the block arguments with rows of their own (`Microbatched`);
+    other arguments cross whole."""
+    axis_name = runnable.axis_name
+    if bound_axis_size(axis_name) is not None:
+        return runnable(carry, *arguments)
+    mesh = region_mesh(_OWNER, runnable, axis_name)
+    manual = frozenset(mesh.axis_names) - _compiler_axes(runnable)
+    axes = tuple(n for n in mesh.axis_names if n in manual)
+    inner = frozenset(axis_names_of(axis_name)) | region_axes(runnable)
+    data = tuple(n for n in axes if n not in inner)
+    batch = P(data) if data else P()
+    carry_specs = jax.tree.map(lambda leaf: batch if jnp.ndim(leaf) else P(), carry)
+    is_microbatched = lambda node: isinstance(node, Microbatched)
+    argument_specs = jax.tree.map(
+        lambda node: batch if is_microbatched(node) else P(), arguments, is_leaf=is_microbatched
+    )
+
+    def run(runnable: PipelineModule, carry: tuple, arguments: tuple) -> tuple:
+        return runnable(carry, *arguments)
+
+    return call_in_own_region(
+        _OWNER,
+        axes,
+        runnable,
+        run,
+        (carry, arguments),
+        arg_specs=(carry_specs, argument_specs),
+        out_specs=carry_specs,
+        specs=manual_specs(runnable, frozenset(axes)),
+        arg_names=("the first block's input", "the blocks' other arguments"),
+    )
 
 
 def _runnable(
