@@ -14,6 +14,8 @@ sharding rules, which a reshape of the vmapped batch breaks (the ViT's patch emb
 in JAX alone, without eqpar); the all-Explicit case runs on a model whose code JAX accepts.
 """
 
+import math
+
 import equinox as eqx
 import equinox_bert as bert
 import equinox_vit as vit
@@ -83,6 +85,11 @@ def models():
         name: (model, loss, batch, step(model, loss, *batch))
         for name, (model, loss, batch) in cases.items()
     }
+
+
+def first_devices(shape: tuple[int, ...]) -> list:
+    """As many of the simulated devices as a mesh of `shape` takes."""
+    return jax.devices()[: math.prod(shape)]
 
 
 def assert_step_equals_serial(parallel, loss, batch, serial, mesh):
@@ -259,16 +266,13 @@ def test_gpipe_by_plan_runs_as_the_shard_map_routes_pipeline(
     model, loss, _, _ = models["vit"]
     batch = vit.batch(8)
     serial = step(model, loss, *batch)
-    size = 1
-    for n in shape:
-        size *= n
     # Mixed: pipe and model Explicit, data Auto (the ViT's patch embedding reshapes the
     # per-example image, which JAX refuses on an Explicit batch split; see the module's text).
     types = (AxisType.Auto, AxisType.Explicit, AxisType.Explicit)
     mesh = (
-        eqpar.DeviceMesh(shape, names, devices=jax.devices()[:size])
+        eqpar.DeviceMesh(shape, names, devices=first_devices(shape))
         if mesh_kind == "auto"
-        else jax.make_mesh(shape, names, devices=jax.devices()[:size], axis_types=types)
+        else jax.make_mesh(shape, names, devices=first_devices(shape), axis_types=types)
     )
     plan = {"attention_blocks": eqpar.Pipeline(stages=2, microbatches=2)}
     if tensor_parallel:
@@ -313,10 +317,7 @@ def test_scheduled_pipelines_without_shard_map(models, schedule, shape, names, t
     model, loss, _, _ = models["vit"]
     batch = vit.batch(8)
     serial = step(model, loss, *batch)
-    size = 1
-    for n in shape:
-        size *= n
-    mesh = eqpar.DeviceMesh(shape, names, devices=jax.devices()[:size])
+    mesh = eqpar.DeviceMesh(shape, names, devices=first_devices(shape))
     plan = {"attention_blocks": eqpar.Pipeline(stages=2, microbatches=2, schedule=schedule)}
     if tensor_parallel:
         plan.update(VIT_PLAN)
