@@ -698,6 +698,9 @@ class ExpertParallel(Style):
     `capacity_factor`, each expert takes at most `ceil(c * T * top_k / E)` of a device's `T`
     tokens and `RouterLosses.dropped` counts the rest. With `model_axis_name`, each expert's
     hidden features are split over that axis too (tensor parallelism inside each expert).
+    Called outside `shard_map` on a model placed by `parallelize(..., mesh=)` (the one-device
+    step), the layer opens one region over the mesh, with its tokens split over the other
+    axes and `axis_name` as the recipe splits the batch.
 
     **Arguments:**
 

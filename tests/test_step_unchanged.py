@@ -410,3 +410,59 @@ def test_a_scheduled_pipeline_of_raw_arrays_laid_out_for_the_compiler():
     value, updated = scheduled_step(parallel, loss, *placed_batch((x, y), mesh))
     assert_tree_close(value, serial[0], what="loss")
     assert_arrays_close(eqpar.unparallelize(updated), serial[1])
+
+
+class RoutedBlock(eqx.Module):
+    """A residual block of experts on a batch of tokens `[batch, features]`, its router's
+    load-balancing and z-losses added to the model's loss."""
+
+    norm: eqx.nn.LayerNorm
+    moe: eqpar.nn.MixtureOfExperts
+
+    def __init__(self, key):
+        self.norm = eqx.nn.LayerNorm(8)
+        self.moe = eqpar.nn.MixtureOfExperts(8, 16, 8, top_k=2, use_bias=True, key=key)
+
+    def __call__(self, x):
+        y, losses = self.moe(jax.vmap(self.norm)(x))
+        return x + y, 0.01 * losses.load_balancing + 0.001 * losses.z_loss
+
+
+def routed_loss(model, x):
+    y, router = model(x)
+    return jnp.mean(y**2) + router
+
+
+@pytest.mark.parametrize(
+    ("model_name", "shape", "names", "mesh_kind"),
+    [
+        ("hand-written", (2, 4), ("data", "expert"), "explicit"),
+        ("routed", (2, 4), ("data", "expert"), "auto"),
+        ("routed", (2, 2, 2), ("data", "expert", "model"), "auto"),
+        ("routed", (2, 2, 2), ("data", "expert", "model"), "explicit"),
+    ],
+    ids=["hand-written-explicit", "dp2xep4", "dp2xep2xtp2", "dp2xep2xtp2-explicit"],
+)
+def test_experts_with_the_one_device_step(model_name, shape, names, mesh_kind):
+    """Expert parallelism with the one-device step: the converted layer called outside
+    `shard_map` opens one region over the mesh, the tokens split over the data and expert
+    axes (a sort along an axis the compiler splits would gather it whole), each expert's
+    hidden units over `model` where the plan says so; the router losses are the whole
+    batch's. The hand-written experts (a list of MLPs the layer's author stacked by hand)
+    return their output alone."""
+    from test_experts import HandWrittenModel
+
+    if model_name == "hand-written":
+        model, loss = HandWrittenModel(jax.random.key(2)), lambda m, x: jnp.mean(m(x) ** 2)
+    else:
+        model, loss = RoutedBlock(jax.random.key(2)), routed_loss
+    x = jax.random.normal(jax.random.key(1), (64, 8))
+    serial = step(model, loss, x)
+    mesh = (
+        eqpar.DeviceMesh(shape, names, devices=first_devices(shape))
+        if mesh_kind == "auto"
+        else jax.make_mesh(shape, names, devices=first_devices(shape))
+    )
+    style = eqpar.ExpertParallel(model_axis_name="model" if "model" in names else None)
+    parallel = eqpar.parallelize(model, {"moe": style}, mesh=mesh)
+    assert_step_equals_serial(parallel, loss, (x,), serial, mesh)

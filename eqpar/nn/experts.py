@@ -34,8 +34,10 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int, PRNGKeyArray, Shaped
 
 from .._axes import axis_size
+from .._axis_types import explicit_axes
 from .._tracing import pipeline_axes, under_vmap
 from .._vma import cast_varying, varies_over, varying_axes
+from ._own_region import call_in_own_region, needs_own_region, region_axes, region_mesh
 from ._twins import instance_with
 
 __all__ = ["MixtureOfExperts", "RouterLosses", "expert_buffer_rows"]
@@ -128,7 +130,9 @@ class MixtureOfExperts(eqx.Module):
     `E / n` and routes its own tokens to all of them; see the module docstring for the
     buffers: `buffer_factor`), and `model_axis_name` splits each expert's hidden features
     (column-parallel `up`/`gate`, row-parallel `down`). Use `eqpar.ExpertParallel` in a plan
-    rather than setting them by hand. Tokens split over the model axis as well (sequence
+    rather than setting them by hand. Called outside `shard_map` on placed parameters, the
+    layer opens one region over their mesh (tokens split over every axis but the model
+    axis). Tokens split over the model axis as well (sequence
     parallelism between blocks) are gathered over it on entry and split again on exit. The
     auxiliary losses are taken over every device's tokens (the axes `shard_map` types them
     as varying over, with its default `check_vma=True`), so they equal the serial layer's
@@ -418,6 +422,8 @@ class MixtureOfExperts(eqx.Module):
             )
         if under_vmap(x):
             raise TypeError(_UNDER_VMAP)
+        if self.expert_axis_name is not None and needs_own_region(self.expert_axis_name):
+            return self._in_own_region(x)
         tokens = x.reshape(-1, features)
         model = self.model_axis_name
         manual = tuple(jax.sharding.get_abstract_mesh().manual_axes)
@@ -481,6 +487,43 @@ class MixtureOfExperts(eqx.Module):
             return mixed  # the author's layer returned its output alone
         losses = _router_losses(logits, probs, assigned, kept, num_experts, self._token_axes(x))
         return mixed, losses
+
+    def _in_own_region(
+        self, x: Array
+    ) -> tuple[Float[Array, "*tokens features"], RouterLosses] | Float[Array, "*tokens features"]:
+        """The layer called outside `shard_map` on a placed model (the one-device step): one
+        region manual over the expert and model axes and every other axis of the mesh, over
+        which the tokens are split as the `shard_map` route splits the batch (the data axes
+        and the expert axis, in mesh order). The data axes cannot stay with the compiler:
+        routing sorts the tokens, and a sort along a dimension the compiler splits gathers
+        it whole on every device."""
+        owner = type(self).__name__
+        inner = region_axes(self)
+        mesh = region_mesh(owner, self, self.expert_axis_name)
+        axes = tuple(mesh.axis_names)
+        token_axes = tuple(
+            name for name in mesh.axis_names if name not in inner or name == self.expert_axis_name
+        )
+        tokens = x.reshape(-1, x.shape[-1])
+        split = P(token_axes)
+        out_specs = split if self.origin is not None else (split, P())
+        out = call_in_own_region(
+            owner,
+            axes,
+            self,
+            lambda layer, rows: layer(rows),
+            (tokens,),
+            arg_specs=(split,),
+            out_specs=out_specs,
+            arg_names=("x",),
+        )
+        mixed, losses = (out, None) if self.origin is not None else out
+        if explicit_axes(mesh):
+            # Over Explicit axes the output's type says the region's split; give it the
+            # tokens' own (the residual add after the layer takes both).
+            mixed = jax.sharding.reshard(mixed, jax.typeof(tokens).sharding)
+        mixed = mixed.reshape(x.shape)
+        return mixed if losses is None else (mixed, losses)
 
     def _capacity(self, num_tokens: int) -> int:
         """Assignments each expert takes of a device's `num_tokens` (`capacity_factor`)."""
