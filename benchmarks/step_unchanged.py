@@ -1,26 +1,32 @@
 """The one-device step, unchanged, against the `eqpar.shard_map` route, ahead of time.
 
 A GPT-2-small-shaped language model (the example's `lm.Block`s in a Python list, 12 layers,
-d_model 768, 12 heads, MLP 3072, vocabulary 50304, 1024 tokens per sequence, float32) is
-parallelized by a plan (for tensor parallelism: heads, MLP columns and rows over `model`, the
-output head by columns, gathered; for the pipeline: the blocks in 4 or 2 GPipe stages of 4
-microbatches over `pipe`) and one training step (loss and gradients, then plain SGD) is
-compiled two ways on 8 simulated devices:
+d_model 768, 12 heads, MLP 3072, vocabulary 50304, 1024 tokens per sequence, float32; for
+experts each block's MLP is 8 such MLPs, top-2) is parallelized by a plan and one training
+step (loss and gradients, then plain SGD) is compiled two ways on 8 simulated devices:
 
 - `unchanged`: the step written for one device (`eqx.filter_jit` around
-  `eqx.filter_value_and_grad(loss)`), on the placed model and a batch split over `data`;
-  each converted layer opens its own region (`jax.shard_map` over `model`);
+  `eqx.filter_value_and_grad(loss)`, or `eqpar.value_and_grad(loss)` for the schedules that
+  run the loss inside the pipeline), on the placed model and a batch split over its rows;
+  each converted part opens its own region;
 - `shard_map`: the documented explicit route, the loss inside `eqpar.shard_map` over every
-  axis with `lax.pmean` over `data`.
+  axis with `lax.pmean` over the batch (and sequence) axes; for 1F1B and ZB-H1
+  `eqpar.value_and_grad(loss)` inside it.
 
-For each mode (DP, FSDP, DP x TP, FSDP x TP, DP x GPipe, DP x GPipe x TP; GPT-2-small's 12
-heads do not split over 8) the table gives, per device, the
-collective bytes of the compiled step (from its HLO) and its temp memory
-(`memory_analysis()`), exact figures, and their ratios to the `shard_map` route. Nothing is
-run: only `lower` and `compile`. Run: `python benchmarks/step_unchanged.py [--quick]`.
+The modes: DP, FSDP, DP x TP (heads, MLP columns and rows over `model`, the output head by
+columns, gathered), FSDP x TP, DP x CP (causal ring attention over `context`; the
+`shard_map` route splits the sequence itself and passes each token's global position),
+DP x EP (the experts over `expert`, the batch rows over `data` and `expert`), DP x GPipe,
+1F1B and ZB-H1 (4 stages of 4 microbatches over `pipe`) and DP x GPipe x TP; GPT-2-small's
+12 heads do not split over 8. The table gives, per device, the collective bytes of the
+compiled step (from its HLO) and its temp memory (`memory_analysis()`), exact figures, and
+their ratios to the `shard_map` route. Nothing is run: only `lower` and `compile`.
+Run: `python benchmarks/step_unchanged.py [--quick]`.
 """
 
 import argparse
+import dataclasses
+import functools
 import os
 import sys
 
@@ -52,11 +58,13 @@ TENSOR_PARALLEL = {
     "unembed": eqpar.ColumnParallel(gather_output=True),
 }
 LR = 0.1
+ROUTER_WEIGHT = 0.01  # the load-balancing loss's weight in the loss
 
 
 class GPT(eqx.Module):
-    """Embeddings, a list of the example's dense blocks, a norm and an output head: a model
-    whose forward is written for one device."""
+    """Embeddings, a list of the example's blocks (dense, or with `config.num_experts` a
+    mixture of experts, which carries router statistics beside the activations), a norm and
+    an output head: a model whose forward is written for one device."""
 
     embed: eqx.nn.Embedding
     position: eqx.nn.Embedding
@@ -72,53 +80,114 @@ class GPT(eqx.Module):
         self.norm = eqx.nn.LayerNorm(config.d_model)
         self.unembed = eqx.nn.Linear(config.d_model, config.vocab_size, use_bias=False, key=keys[2])
 
-    def __call__(self, ids):
-        """Logits for a batch of sequences (each block takes the batch, as a pipeline stage
-        takes a microbatch)."""
-        positions = jax.vmap(self.position)(jnp.arange(ids.shape[1]))
-        h = jax.vmap(jax.vmap(self.embed))(ids) + positions
+    def __call__(self, ids, positions):
+        """Logits for a batch of sequences at the given positions (both `[batch, seq]`; each
+        block takes the batch, as a pipeline stage takes a microbatch), and the router's
+        load-balancing loss (0 without experts)."""
+        h = jax.vmap(jax.vmap(self.embed))(ids) + jax.vmap(jax.vmap(self.position))(positions)
+        experts = self.blocks[0].moe is not None
+        if experts:
+            h = (h, jnp.zeros((h.shape[0], 3), jnp.float32))
         for block in self.blocks:
             h = block(h)
-        return jax.vmap(jax.vmap(lambda x: self.unembed(self.norm(x))))(h)
+        router = 0.0
+        if experts:
+            h, stats = h
+            router = stats[0, 0]
+        return jax.vmap(jax.vmap(lambda x: self.unembed(self.norm(x))))(h), router
 
 
-def loss(model: GPT, tokens):
-    logits = model(tokens[:, :-1])
+def loss(model: GPT, inputs, targets, positions):
+    logits, router = model(inputs, positions)
     log_probs = jax.nn.log_softmax(logits, axis=-1)
-    return -jnp.mean(jnp.take_along_axis(log_probs, tokens[:, 1:, None], axis=-1))
+    nll = -jnp.mean(jnp.take_along_axis(log_probs, targets[..., None], axis=-1))
+    return nll + ROUTER_WEIGHT * router
+
+
+def mean_loss(model: GPT, *batch, axes: tuple):
+    """The loss inside `shard_map`: each device's, averaged over the axes that split the
+    batch and the sequence."""
+    return lax.pmean(loss(model, *batch), axes)
+
+
+def sgd(model, grads):
+    return eqx.apply_updates(model, jax.tree.map(lambda g: -LR * g, grads))
 
 
 @eqx.filter_jit
-def step(model, loss_fn, tokens):
+def step(model, loss_fn, *batch):
     """One SGD step, written for one device."""
-    value, grads = eqx.filter_value_and_grad(loss_fn)(model, tokens)
-    return value, eqx.apply_updates(model, jax.tree.map(lambda g: -LR * g, grads))
+    value, grads = eqx.filter_value_and_grad(loss_fn)(model, *batch)
+    return value, sgd(model, grads)
 
 
-def compile_step(model, loss_fn, tokens):
-    """`step` compiled for abstract arrays (`jax.ShapeDtypeStruct`s with shardings), which
+@eqx.filter_jit
+def scheduled_step(model, loss_fn, *batch):
+    """The one-device step of a model whose pipeline runs the loss itself (1F1B, ZB-H1):
+    `eqpar.value_and_grad` in place of Equinox's."""
+    value, grads = eqpar.value_and_grad(loss_fn)(model, *batch)
+    return value, sgd(model, grads)
+
+
+@eqx.filter_jit
+def gradient_step(model, gradient_fn, *batch):
+    """The step around a function that returns the loss and gradients itself (the
+    `shard_map` route of a scheduled pipeline)."""
+    value, grads = gradient_fn(model, *batch)
+    return value, sgd(model, grads)
+
+
+def compile_step(step_fn, model, loss_fn, batch):
+    """`step_fn` compiled for abstract arrays (`jax.ShapeDtypeStruct`s with shardings), which
     `eqx.filter_jit` would take for static values."""
     is_abstract = lambda x: isinstance(x, jax.ShapeDtypeStruct)
     params, static = eqx.partition(model, is_abstract, is_leaf=is_abstract)
-    run = jax.jit(lambda p, t: step(eqx.combine(p, static), loss_fn, t))
-    return run.lower(params, tokens).compile()
+    run = jax.jit(lambda p, b: step_fn(eqx.combine(p, static), loss_fn, *b))
+    return run.lower(params, batch).compile()
 
 
-def pipeline(stages: int) -> dict:
-    """GPipe over `pipe`; the model's forward takes the batch (its leading axis)."""
-    return {"blocks": eqpar.Pipeline(stages=stages, microbatches=4, batch_axis=0)}
+@dataclasses.dataclass(frozen=True)
+class Mode:
+    """A mesh (axis sizes in mesh order), a plan, and what the step needs: FSDP storage
+    over `data`, experts in the blocks, the loss through `eqpar.value_and_grad`."""
+
+    axes: dict
+    plan: dict
+    fsdp: bool = False
+    experts: bool = False
+    scheduled: bool = False
+
+    @property
+    def batch_axes(self) -> tuple:
+        """The axes the batch rows are split over (the expert axis is one)."""
+        return tuple(n for n in self.axes if n in ("data", "expert"))
 
 
-MODES = {  # name: (mesh shape (data, pipe, model), FSDP over data, plan)
-    "DP 8": ((8, 1, 1), False, {}),
-    "FSDP 8": ((8, 1, 1), True, {}),
-    "DP 4 x TP 2": ((4, 1, 2), False, TENSOR_PARALLEL),
-    "DP 2 x TP 4": ((2, 1, 4), False, TENSOR_PARALLEL),
-    "FSDP 2 x TP 4": ((2, 1, 4), True, TENSOR_PARALLEL),
-    "DP 2 x GPipe 4": ((2, 4, 1), False, pipeline(4)),
-    "DP 2 x GPipe 2 x TP 2": ((2, 2, 2), False, {**TENSOR_PARALLEL, **pipeline(2)}),
+def pipeline(stages: int, schedule: str = "gpipe") -> dict:
+    """`stages` stages of 4 microbatches over `pipe`; the model's forward takes the batch
+    (its leading axis)."""
+    return {
+        "blocks": eqpar.Pipeline(stages=stages, microbatches=4, batch_axis=0, schedule=schedule)
+    }
+
+
+CONTEXT = {r"blocks/\d+/attention": eqpar.ContextParallel(causal=True)}
+EXPERTS = {r"blocks/\d+/moe": eqpar.ExpertParallel()}
+MODES = {
+    "DP 8": Mode({"data": 8}, {}),
+    "FSDP 8": Mode({"data": 8}, {}, fsdp=True),
+    "DP 4 x TP 2": Mode({"data": 4, "model": 2}, TENSOR_PARALLEL),
+    "DP 2 x TP 4": Mode({"data": 2, "model": 4}, TENSOR_PARALLEL),
+    "FSDP 2 x TP 4": Mode({"data": 2, "model": 4}, TENSOR_PARALLEL, fsdp=True),
+    "DP 2 x CP 4": Mode({"data": 2, "context": 4}, CONTEXT),
+    "DP 2 x EP 4": Mode({"data": 2, "expert": 4}, EXPERTS, experts=True),
+    "DP 2 x GPipe 4": Mode({"data": 2, "pipe": 4}, pipeline(4)),
+    "DP 2 x 1F1B 4": Mode({"data": 2, "pipe": 4}, pipeline(4, "1f1b"), scheduled=True),
+    "DP 2 x ZB-H1 4": Mode({"data": 2, "pipe": 4}, pipeline(4, "zb-h1"), scheduled=True),
+    "DP 2 x GPipe 2 x TP 2": Mode(
+        {"data": 2, "pipe": 2, "model": 2}, {**TENSOR_PARALLEL, **pipeline(2)}
+    ),
 }
-AXES = ("data", "pipe", "model")
 
 
 def abstract(tree, shardings):
@@ -131,33 +200,59 @@ def abstract(tree, shardings):
 
 
 def measure(config: lm.LMConfig, batch: int) -> list[dict]:
-    model = eqx.filter_eval_shape(lambda: GPT(config, key=jax.random.key(0)))
+    models = {}
     rows = []
-    for mode, (shape, fsdp, plan) in MODES.items():
-        mesh = eqpar.DeviceMesh(shape, AXES)
-        parallel = eqpar.parallelize(model, plan)
+    for name, mode in MODES.items():
+        sized = dataclasses.replace(config, num_experts=8 if mode.experts else 0)
+        if mode.experts not in models:
+            models[mode.experts] = eqx.filter_eval_shape(GPT, sized, key=jax.random.key(0))
+        model = models[mode.experts]
+        mesh = eqpar.DeviceMesh(tuple(mode.axes.values()), tuple(mode.axes))
+        parallel = eqpar.parallelize(model, mode.plan)
         specs = eqpar.partition_specs(parallel, mesh=mesh)
         storage = (
             eqpar.FSDP(mesh, axis="data", min_size_bytes=0).partition_specs(parallel)
-            if fsdp
+            if mode.fsdp
             else specs
         )
         placed = abstract(parallel, eqpar.named_shardings(storage, mesh))
-        tokens = jax.ShapeDtypeStruct(
-            (batch, config.seq_len + 1), jnp.int32, sharding=NamedSharding(mesh.jax_mesh, P("data"))
+        rows_spec = P(mode.batch_axes)
+        # (tokens, next tokens, positions: each [batch, seq], rows over the batch axes)
+        unchanged_batch = tuple(
+            jax.ShapeDtypeStruct(
+                (batch, config.seq_len), jnp.int32, sharding=NamedSharding(mesh.jax_mesh, rows_spec)
+            )
+            for _ in range(3)
         )
-        routed = eqpar.shard_map(
-            lambda m, t: lax.pmean(loss(m, t), "data"),
-            mesh=mesh,
-            in_specs=(specs, P("data")),
-            out_specs=P(),
-        )
-        for route, loss_fn in (("unchanged", loss), ("shard_map", routed)):
-            compiled = compile_step(placed, loss_fn, tokens)
+        # The shard_map route splits the sequence over `context` itself (each device's
+        # tokens with their global positions).
+        context = "context" if "context" in mode.axes else None
+        token_spec = P(mode.batch_axes, context)
+        in_specs = (specs, token_spec, token_spec, token_spec)
+        mean_over = (*mode.batch_axes, *((context,) if context else ()))
+        if mode.scheduled:
+            grad_specs = eqpar.partition_specs(parallel, mesh=mesh)
+            routed = eqpar.shard_map(
+                eqpar.value_and_grad(loss),
+                mesh=mesh,
+                in_specs=in_specs,
+                out_specs=(P(), grad_specs),
+            )
+            routes = (("unchanged", scheduled_step, loss), ("shard_map", gradient_step, routed))
+        else:
+            routed = eqpar.shard_map(
+                functools.partial(mean_loss, axes=mean_over),
+                mesh=mesh,
+                in_specs=in_specs,
+                out_specs=P(),
+            )
+            routes = (("unchanged", step, loss), ("shard_map", step, routed))
+        for route, step_fn, loss_fn in routes:
+            compiled = compile_step(step_fn, placed, loss_fn, unchanged_batch)
             summary = collective_summary(compiled)
             rows.append(
                 {
-                    "mode": mode,
+                    "mode": name,
                     "route": route,
                     "bytes": summary.total_bytes,
                     "counts": dict(summary.counts),
