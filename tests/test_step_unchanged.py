@@ -15,6 +15,10 @@ in JAX alone, without eqpar); the all-Explicit case runs on a model whose code J
 """
 
 import math
+import os
+import pathlib
+import subprocess
+import sys
 
 import equinox as eqx
 import equinox_bert as bert
@@ -128,6 +132,67 @@ def test_fsdp_tensor_parallel_and_remat_with_the_one_device_step(models):
     parallel = eqx.filter_shard(parallel, eqpar.named_shardings(storage, mesh))
     assert parallel.attention_blocks[0].linear1.weight.sharding.spec == P("model", "data")
     assert_step_equals_serial(parallel, loss, batch, serial, mesh)
+
+
+# XLA's CPU compiler widens a bfloat16 all-reduce to float32 (its all-reduce-promotion pass)
+# and aborts the process on one inside a `jax.shard_map` that leaves some mesh axes to the
+# compiler (`axis_names=` a subset: every converted layer's own region), in JAX 0.10 alone:
+# `jax.shard_map(lambda x: lax.psum(x, "model"), ..., axis_names={"model"})` on a bfloat16
+# array is enough. Without that pass the CPU sums in bfloat16, as GPUs and TPUs do.
+CPU_BFLOAT16_WORKAROUND = "--xla_disable_hlo_passes=all-reduce-promotion"
+
+
+def bfloat16_gradients_match(name: str, mesh_kind: str) -> None:
+    """bfloat16 compute on DP x TP: the author's loss casts the model and batch with
+    `eqpar.Precision.bfloat16()`, and the one-device gradient step runs unchanged; the loss
+    is within two units of bfloat16's epsilon of one device's bfloat16 step and each float32
+    gradient within 3e-2 of its norm (other sums in another order), or of 1% of the whole
+    gradient's norm where that is larger: a key bias's gradient is zero in exact arithmetic
+    (softmax ignores a constant shift of a query's logits), so what is left is rounding."""
+    model, loss, batch = {
+        "vit": (vit.VisionTransformer(key=jax.random.key(0)), vit.loss, vit.batch(4)),
+        "gpt2": (gpt.GPT(key=jax.random.key(0)), gpt.loss, gpt.batch(4)),
+    }[name]
+    plan = {"vit": VIT_PLAN, "gpt2": GPT_PLAN}[name]
+    policy = eqpar.Precision.bfloat16()
+
+    def bf16_loss(model, *batch):
+        return policy.cast_to_output(loss(*policy.cast_to_compute((model, *batch))))
+
+    gradient_step = eqx.filter_jit(eqx.filter_value_and_grad(bf16_loss))
+    serial_value, serial_grads = gradient_step(model, *batch)
+    mesh = make_mesh(mesh_kind)
+    parallel = eqpar.parallelize(model, plan, mesh=mesh)
+    value, grads = gradient_step(parallel, *placed_batch(batch, mesh))
+    assert value.dtype == jnp.float32
+    assert_tree_close(value, serial_value, rtol=2 * 2.0**-7)
+    got = jax.tree.leaves(eqx.filter(eqpar.unparallelize(grads), eqx.is_array))
+    want = jax.tree.leaves(eqx.filter(serial_grads, eqx.is_array))
+    whole = float(jnp.sqrt(sum(jnp.sum(w**2) for w in want)))
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == w.dtype == jnp.float32
+        error = float(jnp.linalg.norm(g - w)) / max(float(jnp.linalg.norm(w)), 1e-2 * whole)
+        assert error < 3e-2, (name, g.shape, error)
+
+
+@pytest.mark.parametrize(("name", "mesh_kind"), [("vit", "auto"), ("gpt2", "mixed")])
+def test_bfloat16_compute_with_the_one_device_step(name, mesh_kind):
+    """`bfloat16_gradients_match` in a process of its own, with XLA's CPU workaround in
+    `XLA_FLAGS` (without it, the compiler aborts the process that compiles the step)."""
+    flags = f"{os.environ.get('XLA_FLAGS', '')} {CPU_BFLOAT16_WORKAROUND}".strip()
+    code = (
+        "import conftest, test_step_unchanged as t; "
+        f"t.bfloat16_gradients_match({name!r}, {mesh_kind!r}); print('ok')"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=pathlib.Path(__file__).resolve().parent,
+        env={**os.environ, "XLA_FLAGS": flags},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
 
 
 class MLPClassifier(eqx.Module):
