@@ -136,9 +136,9 @@ def test_fsdp_tensor_parallel_and_remat_with_the_one_device_step(models):
 
 # XLA's CPU compiler widens a bfloat16 all-reduce to float32 (its all-reduce-promotion pass)
 # and aborts the process on one inside a `jax.shard_map` that leaves some mesh axes to the
-# compiler (`axis_names=` a subset: every converted layer's own region), in JAX 0.10 alone:
-# `jax.shard_map(lambda x: lax.psum(x, "model"), ..., axis_names={"model"})` on a bfloat16
-# array is enough. Without that pass the CPU sums in bfloat16, as GPUs and TPUs do.
+# compiler (`axis_names=` a subset: every converted layer's own region), in JAX alone (0.10.2
+# and 0.12): `jax.shard_map(lambda x: lax.psum(x, "model"), ..., axis_names={"model"})` on a
+# bfloat16 array is enough. Without that pass the CPU sums in bfloat16, as GPUs and TPUs do.
 CPU_BFLOAT16_WORKAROUND = "--xla_disable_hlo_passes=all-reduce-promotion"
 
 
