@@ -699,8 +699,10 @@ class ExpertParallel(Style):
     tokens and `RouterLosses.dropped` counts the rest. With `model_axis_name`, each expert's
     hidden features are split over that axis too (tensor parallelism inside each expert).
     Called outside `shard_map` on a model placed by `parallelize(..., mesh=)` (the one-device
-    step), the layer opens one region over the mesh, with its tokens split over the other
-    axes and `axis_name` as the recipe splits the batch.
+    step), the layer opens one region over the mesh, with its tokens split over every axis
+    but `model_axis_name` (place the batch over the data axes and `axis_name`); a capacity
+    then counts one device's tokens of that split. Not with a pipe axis outside
+    `shard_map`.
 
     **Arguments:**
 
@@ -885,7 +887,9 @@ def parallelize(
     `zb-h1` pipeline, through `eqpar.value_and_grad`, which then opens the schedule's region).
     A `gpipe` / `circular` pipeline opens one region over the pipe axis, its blocks' axes
     and the data axes (the batch split over them), and runs as inside `shard_map`.
-    Sequence parallel styles and `ExpertParallel` run inside `eqpar.shard_map`.
+    An `ExpertParallel` layer opens one region over the whole mesh, its tokens split over
+    every axis but its model axis. Sequence parallel styles run inside `eqpar.shard_map`
+    only.
 
     **Blocks.** `Remat(policy)` on a block of the model (or a list of blocks) runs the
     block's own `__call__` under `jax.checkpoint`. `Pipeline(stages, microbatches)` on a

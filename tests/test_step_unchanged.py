@@ -178,7 +178,9 @@ def bfloat16_gradients_match(name: str, mesh_kind: str) -> None:
 @pytest.mark.parametrize(("name", "mesh_kind"), [("vit", "auto"), ("gpt2", "mixed")])
 def test_bfloat16_compute_with_the_one_device_step(name, mesh_kind):
     """`bfloat16_gradients_match` in a process of its own, with XLA's CPU workaround in
-    `XLA_FLAGS` (without it, the compiler aborts the process that compiles the step)."""
+    `XLA_FLAGS` (without it, the compiler aborts the process that compiles the step). That
+    process is not under pytest, so eqpar's runtime type checks (jaxtyping's pytest hook)
+    do not run in it; the float32 tests above run the same code under them."""
     flags = f"{os.environ.get('XLA_FLAGS', '')} {CPU_BFLOAT16_WORKAROUND}".strip()
     code = (
         "import conftest, test_step_unchanged as t; "
@@ -531,3 +533,45 @@ def test_experts_with_the_one_device_step(model_name, shape, names, mesh_kind):
     style = eqpar.ExpertParallel(model_axis_name="model" if "model" in names else None)
     parallel = eqpar.parallelize(model, {"moe": style}, mesh=mesh)
     assert_step_equals_serial(parallel, loss, (x,), serial, mesh)
+
+
+def test_experts_move_what_the_shard_map_route_moves():
+    """The region's token split is the route's batch split: the same all-to-all bytes (a
+    split over the expert axis alone would exchange twice as many tokens per device)."""
+    model = RoutedBlock(jax.random.key(2))
+    x = jax.random.normal(jax.random.key(1), (64, 8))
+    mesh = eqpar.DeviceMesh((2, 4), ("data", "expert"))
+    parallel = eqpar.parallelize(model, {"moe": eqpar.ExpertParallel()}, mesh=mesh)
+    batch = jax.device_put(x, NamedSharding(mesh.jax_mesh, P(("data", "expert"))))
+    unchanged = step.lower(parallel, routed_loss, batch).compile()
+    routed = eqpar.shard_map(
+        lambda m, x: lax.pmean(routed_loss(m, x), ("data", "expert")),
+        mesh=mesh,
+        in_specs=(eqpar.partition_specs(parallel), P(("data", "expert"))),
+        out_specs=P(),
+    )
+    manual = step.lower(parallel, routed, batch).compile()
+    got, want = collective_summary(unchanged), collective_summary(manual)
+    assert want.bytes["all-to-all"] > 0
+    assert got.bytes["all-to-all"] == want.bytes["all-to-all"]
+    assert got.total_bytes <= want.total_bytes
+
+
+def test_a_gpipe_pipeline_of_expert_blocks_with_the_one_device_step():
+    """GPipe over `pipe` whose blocks hold experts split over `expert`: the pipeline's region
+    splits the batch over the expert axis as over a data axis (each expert device brings its
+    own tokens), and the step equals one device's."""
+    from test_experts import MoEBlock, MoEStack
+
+    keys = jax.random.split(jax.random.key(5), 4)
+    model = MoEStack(tuple(MoEBlock(k) for k in keys))
+    x = jax.random.normal(jax.random.key(1), (32, 8))
+    loss = lambda m, x: jnp.mean(m(x) ** 2)
+    serial = step(model, loss, x)
+    mesh = eqpar.DeviceMesh((2, 4), ("pipe", "expert"))
+    pipeline = eqpar.Pipeline(stages=2, microbatches=2, batch_axis=0)
+    plan = {"blocks": pipeline, r"blocks/\d+/moe": eqpar.ExpertParallel()}
+    parallel = eqpar.parallelize(model, plan, mesh=mesh)
+    value, updated = step(parallel, loss, x)
+    assert_tree_close(value, serial[0], what="loss")
+    assert_arrays_close(eqpar.unparallelize(updated), serial[1])

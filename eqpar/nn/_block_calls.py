@@ -28,17 +28,17 @@ from ._block_outputs import (
 )
 from ._own_region import (
     axis_names_of,
+    batch_axes,
     call_in_own_region,
     manual_specs,
     modules_in,
-    region_axes,
     region_mesh,
 )
 from ._plan_blocks import block_options
 from .pipeline import PipelineModule
 from .stacks import ScannedLayers
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # a cycle at run time: pipelined.py imports this module
     from .pipelined import PipelinedBlocks
 
 _OWNER = "PipelinedBlocks"
@@ -566,7 +566,8 @@ def call_pipeline(runnable: PipelineModule, carry: tuple, arguments: tuple) -> t
 
     The region is manual over the pipe axis, the axes the blocks' converted layers work over
     and the data axes (every other mesh axis but those `Sharded` keys leave to the
-    compiler), over which the batch is split as the `shard_map` route splits it: the carry's
+    compiler), over which, and over the experts' axes, the batch is split as the `shard_map`
+    route splits it: the carry's
     leading axis and that of the block arguments with rows of their own (`Microbatched`);
     other arguments cross whole."""
     axis_name = runnable.axis_name
@@ -575,8 +576,7 @@ def call_pipeline(runnable: PipelineModule, carry: tuple, arguments: tuple) -> t
     mesh = region_mesh(_OWNER, runnable, axis_name)
     manual = frozenset(mesh.axis_names) - compiler_axes(runnable)
     axes = tuple(n for n in mesh.axis_names if n in manual)
-    inner = frozenset(axis_names_of(axis_name)) | region_axes(runnable)
-    data = tuple(n for n in axes if n not in inner)
+    data = batch_axes(mesh, manual, runnable, frozenset(axis_names_of(axis_name)))
     batch = P(data) if data else P()
     carry_specs = jax.tree.map(lambda leaf: batch if jnp.ndim(leaf) else P(), carry)
     is_microbatched = lambda node: isinstance(node, Microbatched)

@@ -14,6 +14,10 @@ between layers the compiler lays the activations out, which can move less (a hea
 left split over the vocabulary) and under FSDP gathers a weight where each use needs it.
 A layer inside a manual region over other axes (`eqpar.shard_map(..., axis_names=...)`
 without its axis) is refused: XLA does not partition a region nested that way.
+Where a layer's work cannot leave the other axes to the compiler, the region spans the mesh:
+a mixture of experts sorts its tokens (a sort along a compiler-split dimension gathers it
+whole), and a pipeline runs its stages' schedule; both split the batch over the data axes
+inside (`batch_axes`).
 
 eqpar owns this because no JAX API opens a manual region only where one is not open yet,
 nor finds the mesh from the arrays a layer holds.
@@ -288,6 +292,25 @@ def region_axes(tree: PyTree) -> frozenset:
             if value is not None and isinstance(module, eqx.Module):
                 found.update(axis_names_of(value))
     return frozenset(found)
+
+
+def batch_axes(mesh: Any, manual: frozenset, tree: PyTree, pipe: frozenset) -> tuple:
+    """The axes a region around `tree` splits the batch over, in mesh order: the `manual`
+    axes that neither the pipeline (`pipe`) nor a converted layer works over (the data
+    axes), and the expert axes of any mixture of experts in `tree`, whose tokens are split
+    over its expert axis as over a data axis."""
+    layers = region_axes(tree)
+    experts = {
+        name
+        for module in modules_in(tree)
+        if isinstance(module, eqx.Module) and getattr(module, "expert_axis_name", None) is not None
+        for name in axis_names_of(module.expert_axis_name)  # pyright: ignore[reportAttributeAccessIssue]
+    }
+    return tuple(
+        name
+        for name in mesh.axis_names
+        if name in manual and name not in pipe and (name not in layers or name in experts)
+    )
 
 
 def modules_in(node: Any) -> Iterator[eqx.Module]:

@@ -492,11 +492,12 @@ class MixtureOfExperts(eqx.Module):
         self, x: Array
     ) -> tuple[Float[Array, "*tokens features"], RouterLosses] | Float[Array, "*tokens features"]:
         """The layer called outside `shard_map` on a placed model (the one-device step): one
-        region manual over the expert and model axes and every other axis of the mesh, over
-        which the tokens are split as the `shard_map` route splits the batch (the data axes
-        and the expert axis, in mesh order). The data axes cannot stay with the compiler:
-        routing sorts the tokens, and a sort along a dimension the compiler splits gathers
-        it whole on every device."""
+        region manual over every axis of the mesh, the tokens split over all of them but the
+        layer's model axis (in mesh order: the data axes and the expert axis, and any other
+        axis the mesh has, such as another layer's tensor axis). No axis can stay with the
+        compiler: routing sorts the tokens, and a sort along a dimension the compiler splits
+        gathers it whole on every device. A capacity (`capacity_factor`) then counts the
+        tokens of one device of that split."""
         owner = type(self).__name__
         inner = region_axes(self)
         mesh = region_mesh(owner, self, self.expert_axis_name)
@@ -504,6 +505,16 @@ class MixtureOfExperts(eqx.Module):
         token_axes = tuple(
             name for name in mesh.axis_names if name not in inner or name == self.expert_axis_name
         )
+        sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+        devices = math.prod(sizes[name] for name in token_axes)
+        count = math.prod(x.shape[:-1])
+        if count % devices:
+            raise ValueError(
+                f"{owner}: `x` has shape {tuple(x.shape)}, {count} tokens, which the layer "
+                f"splits over the mesh axes {token_axes} ({devices} devices) when called "
+                f"outside `shard_map`; {devices} does not divide {count}. Give it a number of "
+                f"tokens (the product of the leading dimensions) that {devices} divides."
+            )
         tokens = x.reshape(-1, x.shape[-1])
         split = P(token_axes)
         out_specs = split if self.origin is not None else (split, P())

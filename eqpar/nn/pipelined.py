@@ -78,9 +78,9 @@ from ._block_outputs import (
 )
 from ._own_region import (
     axis_names_of,
+    batch_axes,
     call_in_own_region,
     manual_specs,
-    region_axes,
     region_mesh,
 )
 from ._reduction import reduction_of
@@ -777,13 +777,14 @@ def _in_own_pipeline_region(
     hand. It is manual over every mesh axis but those `Sharded` keys leave to the compiler
     (a collective the compiler would place inside the schedule's per-device branches could
     wait on a device in another branch); the batch's first dimension is split over the axes
-    that neither the pipeline nor a converted layer works over (the data axes)."""
+    that neither the pipeline nor a converted layer works over (the data axes) and over the
+    experts' axes."""
     owner = "value_and_grad"
     pipe = frozenset(axis_names_of(blocks.pipeline.axis_name))
     mesh = region_mesh(owner, model, blocks.pipeline.axis_name)
     compiler = compiler_axes(model)
     manual = frozenset(mesh.axis_names) - compiler
-    data = tuple(name for name in mesh.axis_names if name in manual - pipe - region_axes(model))
+    data = batch_axes(mesh, manual, model, pipe)
     specs = manual_specs(model, manual)
     batch_spec = P(data) if data else P()
     index = next(i for i, node in enumerate(jax.tree.leaves(model, is_leaf=_is_pipelined))
