@@ -1,11 +1,12 @@
 """How `PipelinedBlocks` records the author's calls of its blocks and runs them: the stand-ins
 that the blocks' calls return, the per-layer arguments' layout, the stacked layer call that
 picks each block's own arguments, and the pipeline's run, in a region of its own outside
-`shard_map` (see `eqpar.nn.pipelined`)."""
+`shard_map` (see `eqpar.nn.pipelined`). The `PipelinedBlocks` that a stand-in refers to is
+typed `Any` here: importing its class would make an import cycle with `pipelined.py`."""
 
 import inspect
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
@@ -37,9 +38,6 @@ from ._own_region import (
 from ._plan_blocks import block_options
 from .pipeline import PipelineModule
 from .stacks import ScannedLayers
-
-if TYPE_CHECKING:  # a cycle at run time: pipelined.py imports this module
-    from .pipelined import PipelinedBlocks
 
 _OWNER = "PipelinedBlocks"
 
@@ -101,7 +99,7 @@ class BlockCall:
     call runs them all); its attributes are the block's settings (static fields; its arrays
     are held stacked over the stages)."""
 
-    def __init__(self, owner: "PipelinedBlocks", index: int):
+    def __init__(self, owner: Any, index: int):
         self._owner = owner
         self._index = index
 
@@ -260,9 +258,7 @@ class _Pending(_StandIn):
     runs inside every stage). Its shape and dtype are known (every block keeps those of its
     input); its values are not."""
 
-    def __init__(
-        self, owner: "PipelinedBlocks", chain: Chain, index: int, given: Any, added: bool = False
-    ):
+    def __init__(self, owner: Any, chain: Chain, index: int, given: Any, added: bool = False):
         self.owner, self.chain, self.index, self.given, self.added = (
             owner, chain, index, given, added,
         )  # fmt: skip
