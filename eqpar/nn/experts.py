@@ -37,7 +37,7 @@ from .._axes import axis_size
 from .._axis_types import explicit_axes
 from .._tracing import pipeline_axes, under_vmap
 from .._vma import cast_varying, varies_over, varying_axes
-from ._own_region import call_in_own_region, needs_own_region, region_axes, region_mesh
+from ._own_region import batch_axes, call_in_own_region, needs_own_region, region_mesh
 from ._twins import instance_with
 
 __all__ = ["MixtureOfExperts", "RouterLosses", "expert_buffer_rows"]
@@ -499,12 +499,9 @@ class MixtureOfExperts(eqx.Module):
         gathers it whole on every device. A capacity (`capacity_factor`) then counts the
         tokens of one device of that split."""
         owner = type(self).__name__
-        inner = region_axes(self)
         mesh = region_mesh(owner, self, self.expert_axis_name)
         axes = tuple(mesh.axis_names)
-        token_axes = tuple(
-            name for name in mesh.axis_names if name not in inner or name == self.expert_axis_name
-        )
+        token_axes = batch_axes(mesh, frozenset(axes), self, frozenset())
         sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
         devices = math.prod(sizes[name] for name in token_axes)
         count = math.prod(x.shape[:-1])
