@@ -16,7 +16,10 @@ step (loss and gradients, then plain SGD) is compiled two ways on 8 simulated de
 The modes: DP, FSDP, DP x TP (heads, MLP columns and rows over `model`, the output head by
 columns, gathered), FSDP x TP, DP x CP (causal ring attention over `context`; the
 `shard_map` route splits the sequence itself and passes each token's global position),
-DP x EP (the experts over `expert`, the batch rows over `data` and `expert`), DP x GPipe,
+DP x CP with the sequence split by the plan (`SplitSequence` on the blocks, called one
+sequence at a time with the causal mask given), DP x TP+SP (heads, MLP columns and rows
+with `sequence_parallel=True`, the sequence split by the plan), DP x EP (the experts over
+`expert`, the batch rows over `data` and `expert`), DP x GPipe,
 1F1B and ZB-H1 (4 stages of 4 microbatches over `pipe`) and DP x GPipe x TP; GPT-2-small's
 12 heads do not split over 8. The table gives, per device, the collective bytes of the
 compiled step (from its HLO) and its temp memory (`memory_analysis()`), exact figures, and
@@ -97,6 +100,40 @@ class GPT(eqx.Module):
         return jax.vmap(jax.vmap(lambda x: self.unembed(self.norm(x))))(h), router
 
 
+class ExampleBlock(eqx.Module):
+    """The example's dense block on one sequence, with its causal mask given whole: under a
+    sequence split each device holds a block of the sequence, from which the whole
+    sequence's mask cannot be built (context-parallel attention is causal by its option)."""
+
+    block: lm.Block
+
+    def __call__(self, x, causal):
+        b = self.block
+        assert b.up is not None and b.down is not None
+        up, down = b.up, b.down
+        y = jax.vmap(b.norm1)(x)
+        mask = None if isinstance(b.attention, eqpar.nn.ContextParallelAttention) else causal
+        x = x + b.attention(y, y, y, mask)
+        y = jax.vmap(b.norm2)(x)
+        return x + jax.vmap(lambda t: down(jax.nn.gelu(up(t))))(y)
+
+
+class SequenceGPT(GPT):
+    """`GPT` with its blocks called one sequence at a time under `jax.vmap`, as
+    `SplitSequence` takes them (the sequence first in each example)."""
+
+    def __init__(self, config: lm.LMConfig, *, key):
+        super().__init__(config, key=key)
+        self.blocks = [ExampleBlock(block) for block in self.blocks]
+
+    def __call__(self, ids, positions):
+        h = jax.vmap(jax.vmap(self.embed))(ids) + jax.vmap(jax.vmap(self.position))(positions)
+        causal = jnp.tril(jnp.ones((ids.shape[1],) * 2, bool))
+        for block in self.blocks:
+            h = jax.vmap(block, in_axes=(0, None))(h, causal)
+        return jax.vmap(jax.vmap(lambda x: self.unembed(self.norm(x))))(h), 0.0
+
+
 def loss(model: GPT, inputs, targets, positions):
     logits, router = model(inputs, positions)
     log_probs = jax.nn.log_softmax(logits, axis=-1)
@@ -149,13 +186,15 @@ def compile_step(step_fn, model, loss_fn, batch):
 @dataclasses.dataclass(frozen=True)
 class Mode:
     """A mesh (axis sizes in mesh order), a plan, and what the step needs: FSDP storage
-    over `data`, experts in the blocks, the loss through `eqpar.value_and_grad`."""
+    over `data`, experts in the blocks, the loss through `eqpar.value_and_grad`, blocks
+    called per sequence whose sequence the plan splits (`SplitSequence`)."""
 
     axes: dict
     plan: dict
     fsdp: bool = False
     experts: bool = False
     scheduled: bool = False
+    split_sequence: bool = False
 
     @property
     def batch_axes(self) -> tuple:
@@ -172,6 +211,17 @@ def pipeline(stages: int, schedule: str = "gpipe") -> dict:
 
 
 CONTEXT = {r"blocks/\d+/attention": eqpar.ContextParallel(causal=True)}
+SPLIT_CONTEXT = {
+    "blocks": eqpar.SplitSequence("context"),
+    r"blocks/\d+/block/attention": eqpar.ContextParallel(causal=True),
+}
+SEQUENCE_PARALLEL = {
+    "blocks": eqpar.SplitSequence("model"),
+    r"blocks/\d+/block/attention": eqpar.HeadParallel(sequence_parallel=True),
+    r"blocks/\d+/block/up": eqpar.ColumnParallel(sequence_parallel=True),
+    r"blocks/\d+/block/down": eqpar.RowParallel(sequence_parallel=True),
+    "unembed": eqpar.ColumnParallel(gather_output=True),
+}
 EXPERTS = {r"blocks/\d+/moe": eqpar.ExpertParallel()}
 MODES = {
     "DP 8": Mode({"data": 8}, {}),
@@ -180,6 +230,8 @@ MODES = {
     "DP 2 x TP 4": Mode({"data": 2, "model": 4}, TENSOR_PARALLEL),
     "FSDP 2 x TP 4": Mode({"data": 2, "model": 4}, TENSOR_PARALLEL, fsdp=True),
     "DP 2 x CP 4": Mode({"data": 2, "context": 4}, CONTEXT),
+    "DP 2 x CP 4, split": Mode({"data": 2, "context": 4}, SPLIT_CONTEXT, split_sequence=True),
+    "DP 2 x TP+SP 4": Mode({"data": 2, "model": 4}, SEQUENCE_PARALLEL, split_sequence=True),
     "DP 2 x EP 4": Mode({"data": 2, "expert": 4}, EXPERTS, experts=True),
     "DP 2 x GPipe 4": Mode({"data": 2, "pipe": 4}, pipeline(4)),
     "DP 2 x 1F1B 4": Mode({"data": 2, "pipe": 4}, pipeline(4, "1f1b"), scheduled=True),
@@ -204,9 +256,11 @@ def measure(config: lm.LMConfig, batch: int) -> list[dict]:
     rows = []
     for name, mode in MODES.items():
         sized = dataclasses.replace(config, num_experts=8 if mode.experts else 0)
-        if mode.experts not in models:
-            models[mode.experts] = eqx.filter_eval_shape(GPT, sized, key=jax.random.key(0))
-        model = models[mode.experts]
+        kind = (mode.experts, mode.split_sequence)
+        if kind not in models:
+            make = SequenceGPT if mode.split_sequence else GPT
+            models[kind] = eqx.filter_eval_shape(make, sized, key=jax.random.key(0))
+        model = models[kind]
         mesh = eqpar.DeviceMesh(tuple(mode.axes.values()), tuple(mode.axes))
         parallel = eqpar.parallelize(model, mode.plan)
         specs = eqpar.partition_specs(parallel, mesh=mesh)
@@ -225,8 +279,8 @@ def measure(config: lm.LMConfig, batch: int) -> list[dict]:
             for _ in range(3)
         )
         # The shard_map route splits the sequence over `context` itself (each device's
-        # tokens with their global positions).
-        context = "context" if "context" in mode.axes else None
+        # tokens with their global positions), unless the plan splits it.
+        context = "context" if "context" in mode.axes and not mode.split_sequence else None
         token_spec = P(mode.batch_axes, context)
         in_specs = (specs, token_spec, token_spec, token_spec)
         mean_over = (*mode.batch_axes, *((context,) if context else ()))

@@ -33,6 +33,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 from numerics import assert_arrays_close, assert_tree_close
 from test_plan import PLAN as BERT_PLAN
+from test_plan import SEQUENCE_PLAN, loss_without_dropout
 
 import eqpar
 
@@ -279,6 +280,14 @@ CONTEXT_PLANS = {
         (2, 4, 1),
         {r"blocks/\d+/attention": eqpar.ContextParallel(strategy="ulysses")},
     ),
+    # The sequence split once, where the blocks begin: each block opens one region.
+    "dp2xcp4-split": (
+        (2, 4, 1),
+        {
+            "blocks": eqpar.SplitSequence("context"),
+            r"blocks/\d+/attention": eqpar.ContextParallel(),
+        },
+    ),
 }
 
 
@@ -289,6 +298,7 @@ CONTEXT_PLANS = {
         ("dp2xcp2xtp2", "auto"),
         ("dp2xcp2xtp2", "explicit"),
         ("dp2xcp4-ulysses", "explicit"),
+        ("dp2xcp4-split", "explicit"),
     ],
 )
 def test_context_parallel_attention_with_the_one_device_step(case, mesh_kind):
@@ -311,6 +321,20 @@ def test_context_parallel_attention_with_the_one_device_step(case, mesh_kind):
     mesh = eqpar.DeviceMesh(shape, names) if mesh_kind == "auto" else jax.make_mesh(shape, names)
     parallel = eqpar.parallelize(model, plan, mesh=mesh)
     assert_step_equals_serial(parallel, rotary_loss, batch, serial, mesh)
+    if case.endswith("-split"):
+        # Each block's region splits the batch over `data` too: the gradients are reduced
+        # over `data` and `context` in one all-reduce, as the route's pmean does (with a
+        # region per attention, the compiler reduces them once per axis).
+        placed = placed_batch(batch, mesh)
+        routed = eqpar.shard_map(
+            lambda m, *b: lax.pmean(rotary_loss(m, *b), "data"),
+            mesh=mesh,
+            in_specs=(eqpar.partition_specs(parallel), P("data"), P("data"), P("data")),
+            out_specs=P(),
+        )
+        unchanged = step.lower(parallel, rotary_loss, *placed).compile()
+        manual = step.lower(parallel, routed, *placed).compile()
+        assert collective_summary(unchanged).bytes == collective_summary(manual).bytes
 
 
 @pytest.mark.parametrize(
@@ -575,3 +599,64 @@ def test_a_gpipe_pipeline_of_expert_blocks_with_the_one_device_step():
     value, updated = step(parallel, loss, x)
     assert_tree_close(value, serial[0], what="loss")
     assert_arrays_close(eqpar.unparallelize(updated), serial[1])
+
+
+SEQUENCE_PARALLEL_PLAN = {**SEQUENCE_PLAN, "layers": eqpar.SplitSequence("model")}
+
+
+@pytest.mark.parametrize("mesh_kind", ["auto", "mixed", "explicit"])
+def test_sequence_parallelism_with_the_one_device_step(models, mesh_kind):
+    """TP + SP on BERT (heads, MLP columns and rows with `sequence_parallel=True`; the
+    sequence split where the list of layers begins by the plan, not by lines in the author's
+    `__call__`; the padding mask per example): equal to one device."""
+    model, _, batch, _ = models["bert"]
+    batch = batch[:2]  # the tokens and labels: SP's per-token dropouts are refused either way
+    serial = step(model, loss_without_dropout, *batch)
+    mesh = make_mesh(mesh_kind)
+    parallel = eqpar.parallelize(model, SEQUENCE_PARALLEL_PLAN, mesh=mesh)
+    assert_step_equals_serial(parallel, loss_without_dropout, batch, serial, mesh)
+
+
+@pytest.mark.parametrize("mesh_kind", ["auto", "explicit"])
+def test_sequence_parallel_blocks_move_what_the_shard_map_route_moves(mesh_kind):
+    """Blocks returning `(x, cache)` under TP + SP: the one-device step's loss, caches and
+    update are one device's, and it compiles to the route's collectives: each block's
+    region splits the batch over `data` too (left to the compiler, XLA gathers the batch
+    whole around every block: 2.3x the route's bytes here)."""
+    from test_split_sequence_blocks import SEQUENCE_PARALLEL, CachingBlock, CachingModel
+
+    def loss_and_caches(model, x):
+        # One mean: the one-device step's loss is then one all-reduce, as the route's pmean.
+        out, caches = jax.vmap(model)(x)
+        return jnp.mean(out**2 + 0.1 * sum(c**2 for c in caches)), caches
+
+    model = CachingModel([CachingBlock(k) for k in jax.random.split(jax.random.key(0), 3)])
+    x = jax.random.normal(jax.random.key(1), (4, 8, 8))
+
+    @eqx.filter_jit
+    def caching_step(model, loss_fn, x):
+        (value, caches), grads = eqx.filter_value_and_grad(loss_fn, has_aux=True)(model, x)
+        return value, caches, eqx.apply_updates(model, jax.tree.map(lambda g: -LR * g, grads))
+
+    serial_value, serial_caches, serial_model = caching_step(model, loss_and_caches, x)
+    mesh = make_mesh(mesh_kind)
+    parallel = eqpar.parallelize(model, SEQUENCE_PARALLEL, mesh=mesh)
+    (placed,) = placed_batch((x,), mesh)
+    value, caches, updated = caching_step(parallel, loss_and_caches, placed)
+    assert_tree_close(value, serial_value, what="loss")
+    assert_tree_close(caches, serial_caches, what="caches")
+    assert_arrays_close(eqpar.unparallelize(updated), serial_model)
+
+    def local(m, x):
+        value, caches = loss_and_caches(m, x)
+        return lax.pmean(value, "data"), caches
+
+    routed = eqpar.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(eqpar.partition_specs(parallel), P("data")),
+        out_specs=(P(), P("data")),
+    )
+    unchanged = caching_step.lower(parallel, loss_and_caches, placed).compile()
+    manual = caching_step.lower(parallel, routed, placed).compile()
+    assert collective_summary(unchanged).bytes == collective_summary(manual).bytes

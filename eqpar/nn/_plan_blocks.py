@@ -18,21 +18,33 @@ on exit, which the compiler's partitioner honours (the numbers are the serial pr
 """
 
 import dataclasses
+import math
 from collections.abc import Hashable
 from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
+from jax.custom_batching import custom_vmap
 from jax.sharding import AxisType, PartitionSpec
+from jax.sharding import PartitionSpec as P
 from jaxtyping import PyTree
 
 from .._axes import bound_axis_size
 from .._checks import per_token_sequence_fix
 from .._declare import declared_partition_specs
-from .._splits import open_splits
+from .._splits import Split, open_split, open_splits
+from .._tracing import under_vmap
 from .._vma import varies_over
 from ._attention_calls import rebound_call, refuse_unreached
 from ._heads import check_head_reshapes, head_splits, int_fields, localized
+from ._own_region import (
+    axis_names_of,
+    call_in_own_region,
+    manual_specs,
+    needs_own_region,
+    region_axes,
+    region_mesh,
+)
 from ._twins import gather_replicated, instance_with
 from .sequence import gather_sequence, scatter_sequence
 from .stacks import REMAT_POLICIES
@@ -140,6 +152,8 @@ def _block_call(base: type, options: BlockOptions) -> Any:
     def __call__(self: PyTree, *args: Any, **kwargs: Any) -> PyTree:
         _check_compiler_axes(base, options)
         owner = base.__name__
+        if _needs_sequence_region(self, options):
+            return _in_own_sequence_region(self, base, options, args, kwargs)
         if options.split_on_entry is not None:
             if not args:
                 raise TypeError(
@@ -189,6 +203,161 @@ def _block_call(base: type, options: BlockOptions) -> Any:
 
     __call__.__doc__ = base_call.__doc__
     return __call__
+
+
+def _sequence_axis(options: BlockOptions) -> Hashable | None:
+    """The axis a `SplitSequence` list (or block) splits the sequence over, if any."""
+    for axis in (options.split_on_entry, options.gather_on_exit, options.gather_aux):
+        if axis is not None:
+            return axis
+    return None
+
+
+def _needs_sequence_region(block: PyTree, options: BlockOptions) -> bool:
+    """Whether a block of a `SplitSequence` list runs in a region of its own: called outside
+    `shard_map` over the sequence axis while converted layers inside it work over that axis
+    (`sequence_parallel=True` styles, context-parallel attention), which need the manual
+    route's per-device tokens. Blocks of raw arrays stay on the compiled route."""
+    axis = _sequence_axis(options)
+    return (
+        axis is not None
+        and needs_own_region(axis)
+        and set(axis_names_of(axis)) <= region_axes(block)
+    )
+
+
+def _in_own_sequence_region(
+    block: PyTree, base: type, options: BlockOptions, args: tuple, kwargs: dict
+) -> PyTree:
+    """The block called outside `shard_map`, in a region of its own manual over the sequence
+    axis, the axes of its converted layers and, under the author's per-example `jax.vmap`,
+    the data axes (every other axis of the mesh), with the batch split over them: XLA does
+    not split a batch over axes left to it inside a region whose tokens move between
+    devices, and would gather it whole around every block. Inside, the block runs as on the
+    manual route, on this device's tokens: the first block scatters the whole sequence, the
+    last one gathers it, and between blocks the sequence crosses the regions' boundaries
+    split over the axis (no communication; on an Explicit axis its type says so).
+    Per-token auxiliary outputs (a cache) come back whole, as the block gathers them.
+
+    The batch is seen through a `jax.custom_batching.custom_vmap` function, whose batching
+    rule gets every example's values (as `PipelinedBlocks` gets them); without a `vmap`
+    around the block (one example), the region leaves the data axes to the compiler."""
+    owner = base.__name__
+    axis = _sequence_axis(options)
+    if not args:
+        raise TypeError(
+            f"{owner}: the plan splits the sequence of this block's first positional "
+            f"argument, but it was called without one; pass the sequence `[seq, ...]` "
+            f"positionally."
+        )
+    mesh = region_mesh(owner, block, axis)
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+    types = dict(zip(mesh.axis_names, mesh.axis_types))
+    count = lambda names: math.prod(sizes[name] for name in names)
+    n = count(axis_names_of(axis))
+    x = args[0]
+    if jax.numpy.ndim(x) == 0 or jax.numpy.shape(x)[0] % n:
+        raise ValueError(
+            f"{owner}: SplitSequence({axis!r}) splits the first positional argument's first "
+            f"axis (the sequence) over {axis!r} ({n} devices); got shape "
+            f"{tuple(jax.numpy.shape(x))}. Pad the sequence to a multiple of {n} and mask the "
+            f"padding."
+        )
+    layers = region_axes(block) | set(axis_names_of(axis))
+    compiler = {
+        name
+        for _, spec in options.specs
+        for entry in spec
+        if entry is not None
+        for name in axis_names_of(entry)
+    }
+    data = tuple(n for n in mesh.axis_names if n not in layers and n not in compiler)
+    output_kind: list = []
+
+    def call(block: PyTree, x: Any, rest: tuple, kwargs: dict) -> tuple:
+        if options.split_on_entry is None:
+            # What the first block's scatter recorded: the split a dropout draws its block by.
+            open_split(Split(axis, "sequence", 0, jax.numpy.shape(x)[0]))
+        out = block(x, *rest, **kwargs)
+        if _is_tuple(out):
+            output_kind.append(type(out))
+            return out[0], tuple(out[1:])
+        output_kind.append(None)
+        return out, ()
+
+    sequence_in = None if options.split_on_entry is not None else axis
+    sequence_out = None if options.gather_on_exit is not None else axis
+
+    def region(dynamic: tuple, batch: tuple, batched: tuple | None) -> tuple:
+        """The block in a region manual over its axes and `batch` (the data axes, `()` for
+        one example); `batched` says which leaves of `(x, rest, kwargs)` carry the batch
+        first (`None`: one example)."""
+        block, x, rest, kwargs = eqx.combine(dynamic, static)
+        axes = tuple(n for n in mesh.axis_names if n in layers or n in batch)
+        rows = batch if batch else None
+        in_axes = None if batched is None else jax.tree.map(lambda b: 0 if b else None, batched)
+
+        def run(block: PyTree, *inputs: Any) -> tuple:
+            if in_axes is None:
+                return call(block, *inputs)
+            # This device's examples, one at a time, as the author's vmap runs them.
+            arrays, others = eqx.partition(inputs, eqx.is_array)
+            one = lambda arrays: call(block, *eqx.combine(arrays, others))
+            return jax.vmap(one, in_axes=(in_axes,))(arrays)
+
+        if batched is None:
+            arg_specs, out_specs = (P(sequence_in), P(), P()), (P(sequence_out), P())
+        else:
+            arg_specs = jax.tree.map(lambda b: P(rows) if b else P(), batched)
+            arg_specs = (P(rows, sequence_in), *arg_specs[1:])
+            out_specs = (P(rows, sequence_out), P(rows))
+        return call_in_own_region(
+            owner,
+            axes,
+            block,
+            run,
+            (x, rest, kwargs),
+            arg_specs=arg_specs,
+            out_specs=out_specs,
+            specs=manual_specs(block, frozenset(axes)),
+            arg_names=("the sequence", "arguments", "keyword arguments"),
+        )
+
+    dynamic, static = eqx.partition((block, x, args[1:], kwargs), eqx.is_array)
+    if not under_vmap(dynamic[1:]):
+        first, aux = region(dynamic, (), None)
+    else:
+
+        @custom_vmap
+        def per_example(dynamic: tuple) -> tuple:
+            return region(dynamic, (), None)
+
+        @per_example.def_vmap
+        def whole_batch(size: int, in_batched: list, dynamic: tuple) -> tuple:
+            block_batched, x_batched, rest_batched, kwargs_batched = in_batched[0]
+            if any(jax.tree.leaves(block_batched)):
+                raise ValueError(
+                    f"{owner}: the block's parameters are batched by a `jax.vmap` around the "
+                    f"model (a vmap over models); SplitSequence runs one model. vmap over "
+                    f"the examples only."
+                )
+            block, x, rest, kwargs = dynamic
+            if not x_batched:  # the same sequence for every example
+                x = jax.numpy.broadcast_to(x, (size, *jax.numpy.shape(x)))
+            # The data axes: the Auto ones, and the Explicit ones the batch's type splits
+            # it over (the output's type keeps the input's); all, where the batch divides
+            # over their devices, else none (the compiler's).
+            spec = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None)
+            typed = set(axis_names_of(spec[0])) if spec and spec[0] is not None else set()
+            batch = tuple(n for n in data if types[n] != AxisType.Explicit or n in typed)
+            batch = batch if size % count(batch) == 0 else ()
+            batched = (True, rest_batched, kwargs_batched)
+            out = region((block, x, rest, kwargs), batch, batched)
+            return out, jax.tree.map(lambda _: True, out)
+
+        first, aux = per_example(dynamic)
+    kind = output_kind[-1]
+    return first if kind is None else kind((first, *aux))
 
 
 def _is_tuple(out: object) -> bool:
