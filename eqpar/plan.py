@@ -480,8 +480,12 @@ class SplitSequence(Style):
     which need whole positions) and after it (the head) sees the whole sequence. Blocks that
     return `(x, aux...)` have `x` split and gathered, and their per-token auxiliary outputs
     (a cache, `[seq, ...]`) gathered on exit, so the loop collects the serial ones. Outside
-    `shard_map` over `axis_name` (raw arrays laid out by `Sharded`, run under `jax.jit` with
-    `jax.set_mesh(mesh)`) the split is a sharding constraint the compiler honours.
+    `shard_map` over `axis_name` (the user's one-device step), a block whose converted
+    layers work over `axis_name` opens a region of its own over it, its layers' axes and
+    the data axes (the batch split over them, the sequence over `axis_name`), so it runs as
+    inside `shard_map` and moves what it moves there; blocks of raw arrays laid out by
+    `Sharded` (run under `jax.jit` with `jax.set_mesh(mesh)`) get a sharding constraint the
+    compiler honours.
 
     ```python
     import equinox as eqx, jax, jax.numpy as jnp, eqpar

@@ -17,7 +17,8 @@ without its axis) is refused: XLA does not partition a region nested that way.
 Where a layer's work cannot leave the other axes to the compiler, the region spans the mesh:
 a mixture of experts sorts its tokens (a sort along a compiler-split dimension gathers it
 whole), and a pipeline runs its stages' schedule; both split the batch over the data axes
-inside (`batch_axes`).
+inside (`batch_axes`). So does a block whose sequence `SplitSequence` splits (its tokens
+move between devices, and XLA would gather a compiler-split batch around it).
 
 eqpar owns this because no JAX API opens a manual region only where one is not open yet,
 nor finds the mesh from the arrays a layer holds.

@@ -11,8 +11,10 @@ and `serial_block` gives the author's class back.
 The sequence split has two routes. Inside `shard_map` over its axis (the manual route) each
 block runs on this device's tokens: the first block's input is scattered, the last block's
 output gathered, and a block that returns `(x, aux...)` has its per-token auxiliary outputs
-(a cache) gathered on exit too, so the author's loop collects the serial ones. Where the
-axis is left to the compiler (the compiled route of raw arrays laid out by `Sharded`, under
+(a cache) gathered on exit too, so the author's loop collects the serial ones. Called
+outside `shard_map`, a block whose converted layers work over the axis opens a region of
+its own and runs the manual route inside (`_in_own_sequence_region`). Where the axis is
+left to the compiler (the compiled route of raw arrays laid out by `Sharded`, under
 `jax.jit`), the split is a layout: a sharding constraint on the sequence axis on entry and
 on exit, which the compiler's partitioner honours (the numbers are the serial program's).
 """
