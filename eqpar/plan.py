@@ -484,8 +484,8 @@ class SplitSequence(Style):
     layers work over `axis_name` opens a region of its own over it, its layers' axes and
     the data axes (the batch split over them, the sequence over `axis_name`), so it runs as
     inside `shard_map` and moves what it moves there; blocks of raw arrays laid out by
-    `Sharded` (run under `jax.jit` with `jax.set_mesh(mesh)`) get a sharding constraint the
-    compiler honours.
+    `Sharded` (run under `jax.jit`, on the mesh the model is placed on or the one
+    `jax.set_mesh` sets) get a sharding constraint the compiler honours.
 
     ```python
     import equinox as eqx, jax, jax.numpy as jnp, eqpar

@@ -159,9 +159,10 @@ def test_a_sequence_parallel_linear_called_per_token_into_hand_written_heads_is_
 
 def test_raw_arrays_with_a_sequence_split_on_the_compiled_route():
     """`Sharded` keys and `SplitSequence` on the Llama (its own attention, reshapes and
-    rotary code): under `jax.jit` with the mesh in context the split is a layout, and the
-    step is the serial one. Without the mesh in context, one message names it; an Explicit
-    axis (where the block's own matmuls would have to type their shardings) is refused."""
+    rotary code): under `jax.jit`, on the mesh in context or the one the model is placed on,
+    the split is a layout, and the step is the serial one. With neither, one message names
+    both; an Explicit axis (where the block's own matmuls would have to type their
+    shardings) is refused."""
     model = llama.Llama(key=jax.random.key(0))
     tokens = llama.batch(4)
     serial_loss, serial_model = serial_step(llama.loss, model, tokens)
@@ -172,13 +173,17 @@ def test_raw_arrays_with_a_sequence_split_on_the_compiled_route():
         parallel, eqpar.named_shardings(eqpar.partition_specs(parallel), mesh)
     )
     batch = jax.device_put(tokens, jax.sharding.NamedSharding(mesh.jax_mesh, P("data")))
-    with pytest.raises(ValueError, match=r"needs the mesh: run the step under `jax.jit` inside"):
-        jax.eval_shape(llama.loss, placed, batch)
+    unplaced = eqpar.parallelize(model, plan)
+    with pytest.raises(ValueError, match=r"needs the mesh: place the model on it"):
+        jax.eval_shape(llama.loss, unplaced, tokens)
     with jax.set_mesh(mesh.jax_mesh):
         loss, updated = serial_step(llama.loss, placed, batch)
     assert_tree_close(loss, serial_loss, what="loss")
     assert_arrays_close(eqpar.unparallelize(updated), serial_model)
+    # Placed, the model says its mesh: the step needs no mesh in context.
+    loss, updated = serial_step(llama.loss, placed, batch)
+    assert_tree_close(loss, serial_loss, what="loss")
+    assert_arrays_close(eqpar.unparallelize(updated), serial_model)
     explicit = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
-    unplaced = eqpar.parallelize(model, plan)  # `parallel` lives on the Auto mesh
     with jax.set_mesh(explicit), pytest.raises(ValueError, match=r"'model' is an Explicit"):
         jax.eval_shape(llama.loss, unplaced, tokens)

@@ -70,10 +70,9 @@ def _region_mesh(owner: str, layer: PyTree, names: tuple[Hashable, ...]) -> Any:
     context = jax.sharding.get_abstract_mesh()
     if not context.empty and all(name in context.axis_names for name in names):
         return context
-    for leaf in jax.tree.leaves(eqx.filter(layer, eqx.is_array)):
-        mesh = getattr(getattr(jax.typeof(leaf), "sharding", None), "mesh", None)
-        if mesh is not None and not mesh.empty and all(n in mesh.axis_names for n in names):
-            return mesh
+    mesh = placed_mesh(layer, names)
+    if mesh is not None:
+        return mesh
     missing = names[0] if len(names) == 1 else names
     where = "no array parameters"
     for path, leaf in jax.tree_util.tree_leaves_with_path(eqx.filter(layer, eqx.is_array)):
@@ -97,6 +96,16 @@ def _region_mesh(owner: str, layer: PyTree, names: tuple[Hashable, ...]) -> Any:
         f"`eqpar.shard_map` over {missing!r}. (`eqpar.unparallelize(model)` gives the serial "
         f"model, for one device.)"
     )
+
+
+def placed_mesh(tree: PyTree, names: tuple[Hashable, ...]) -> Any:
+    """The mesh with `names` that `tree`'s arrays are placed on (their type says it, traced
+    or not), or `None`."""
+    for leaf in jax.tree.leaves(eqx.filter(tree, eqx.is_array)):
+        mesh = getattr(getattr(jax.typeof(leaf), "sharding", None), "mesh", None)
+        if mesh is not None and not mesh.empty and all(n in mesh.axis_names for n in names):
+            return mesh
+    return None
 
 
 def axis_is_explicit(owner: str, layer: PyTree, axis_name: Hashable) -> bool:

@@ -44,6 +44,7 @@ from ._own_region import (
     call_in_own_region,
     manual_specs,
     needs_own_region,
+    placed_mesh,
     region_axes,
     region_mesh,
 )
@@ -163,7 +164,7 @@ def _block_call(base: type, options: BlockOptions) -> Any:
                     f"positional argument, but it was called without one; pass the sequence "
                     f"`[seq, ...]` positionally."
                 )
-            args = (_split(args[0], options.split_on_entry, owner), *args[1:])
+            args = (_split(args[0], options.split_on_entry, owner, self), *args[1:])
         if options.local_fields:
             self = localized(self, base, options.local_fields)
         if options.head_check:
@@ -195,12 +196,12 @@ def _block_call(base: type, options: BlockOptions) -> Any:
         if _is_tuple(out) and (options.gather_on_exit or options.gather_aux):
             first, aux = out[0], tuple(out[1:])
             if options.gather_on_exit is not None:
-                first = _gather(first, options.gather_on_exit, owner)
+                first = _gather(first, options.gather_on_exit, owner, self)
             if options.gather_aux is not None and manual and args:
                 aux = _gather_aux(aux, args[0], options.gather_aux, owner)
             return type(out)((first, *aux))
         if options.gather_on_exit is not None:
-            out = _gather(out, options.gather_on_exit, owner)
+            out = _gather(out, options.gather_on_exit, owner, self)
         return out
 
     __call__.__doc__ = base_call.__doc__
@@ -366,34 +367,39 @@ def _is_tuple(out: object) -> bool:
     return isinstance(out, tuple | list) and not hasattr(out, "_fields") and bool(out)
 
 
-def _split(x: Any, axis: Hashable, owner: str) -> Any:
+def _split(x: Any, axis: Hashable, owner: str, block: PyTree) -> Any:
     """This device's block of the sequence `x` (inside `shard_map` over `axis`), or `x` laid
     out split over `axis` for the compiler (where `axis` is left to it)."""
     if bound_axis_size(axis) is not None:
         return scatter_sequence(x, axis)
-    return _lay_out(x, axis, owner, split=True)
+    return _lay_out(x, axis, owner, block, split=True)
 
 
-def _gather(x: Any, axis: Hashable, owner: str) -> Any:
+def _gather(x: Any, axis: Hashable, owner: str, block: PyTree) -> Any:
     if bound_axis_size(axis) is not None:
         return gather_sequence(x, axis)
-    return _lay_out(x, axis, owner, split=False)
+    return _lay_out(x, axis, owner, block, split=False)
 
 
-def _lay_out(x: Any, axis: Hashable, owner: str, *, split: bool) -> Any:
+def _lay_out(x: Any, axis: Hashable, owner: str, block: PyTree, *, split: bool) -> Any:
     """The compiled route: the sequence axis (`x`'s first) constrained to be split over `axis`
-    (or whole), by the mesh in context (an Auto axis); the other axes as the compiler has
-    them."""
+    (or whole), on the mesh in context or else the one the block's arrays are placed on (an
+    Auto axis); the other axes as the compiler has them."""
     names = axis if isinstance(axis, tuple) else (axis,)
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or any(name not in mesh.axis_names for name in names):
+        placed = placed_mesh(block, names)
+        if placed is not None:
+            with jax.sharding.use_abstract_mesh(getattr(placed, "abstract_mesh", placed)):
+                return _lay_out(x, axis, owner, block, split=split)
         raise ValueError(
             f"{owner}: SplitSequence({axis!r}) runs outside `shard_map` over {axis!r}, so it "
             f"lays the sequence out over {axis!r} for the compiler (the compiled route, as "
-            f"for raw arrays laid out by `Sharded`), which needs the mesh: run the step under "
+            f"for raw arrays laid out by `Sharded`), which needs the mesh: place the model "
+            f"on it (`eqpar.parallelize(model, plan, mesh=mesh)`), or run the step under "
             f"`jax.jit` inside `with jax.set_mesh(mesh):` (the mesh's `.jax_mesh` for an "
             f"`eqpar.DeviceMesh`). Blocks of eqpar's converted layers (ColumnParallel, "
-            f"HeadParallel, ...) run instead inside `eqpar.shard_map` over {axis!r}."
+            f"HeadParallel, ...) open a region of their own on the mesh they are placed on."
         )
     if jax.numpy.ndim(x) == 0:
         raise ValueError(f"{owner}: SplitSequence needs a sequence axis first; got a scalar.")
