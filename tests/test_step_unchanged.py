@@ -660,3 +660,19 @@ def test_sequence_parallel_blocks_move_what_the_shard_map_route_moves(mesh_kind)
     unchanged = caching_step.lower(parallel, loss_and_caches, placed).compile()
     manual = caching_step.lower(parallel, routed, placed).compile()
     assert collective_summary(unchanged).bytes == collective_summary(manual).bytes
+
+
+def test_sequence_parallel_blocks_on_a_batch_the_data_axis_does_not_divide():
+    """3 examples on `data` = 2: each block's region leaves the batch to the compiler (no
+    data axis divides it) and the step is still one device's."""
+    from test_split_sequence_blocks import SEQUENCE_PARALLEL, CachingBlock, CachingModel
+
+    model = CachingModel([CachingBlock(k) for k in jax.random.split(jax.random.key(0), 2)])
+    x = jax.random.normal(jax.random.key(1), (3, 8, 8))
+    loss = lambda m, x: jnp.mean(jax.vmap(m)(x)[0] ** 2)
+    serial = step(model, loss, x)
+    mesh = make_mesh("auto")
+    parallel = eqpar.parallelize(model, SEQUENCE_PARALLEL, mesh=mesh)
+    value, updated = step(parallel, loss, x)
+    assert_tree_close(value, serial[0], what="loss")
+    assert_arrays_close(eqpar.unparallelize(updated), serial[1])

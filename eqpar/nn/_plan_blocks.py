@@ -259,7 +259,14 @@ def _in_own_sequence_region(
     count = lambda names: math.prod(sizes[name] for name in names)
     n = count(axis_names_of(axis))
     x = args[0]
-    if jax.numpy.ndim(x) == 0 or jax.numpy.shape(x)[0] % n:
+    if not eqx.is_array(x) or jax.numpy.ndim(x) == 0:
+        raise TypeError(
+            f"{owner}: SplitSequence({axis!r}) splits the first positional argument's first "
+            f"axis, the sequence `[seq, ...]`, over {axis!r}; got "
+            f"{type(x).__name__ if not eqx.is_array(x) else 'a scalar'}. Pass the sequence "
+            f"as one array, first."
+        )
+    if jax.numpy.shape(x)[0] % n:
         raise ValueError(
             f"{owner}: SplitSequence({axis!r}) splits the first positional argument's first "
             f"axis (the sequence) over {axis!r} ({n} devices); got shape "
@@ -349,11 +356,12 @@ def _in_own_sequence_region(
                 x = jax.numpy.broadcast_to(x, (size, *jax.numpy.shape(x)))
             # The data axes: the Auto ones, and the Explicit ones the batch's type splits
             # it over (the output's type keeps the input's); all, where the batch divides
-            # over their devices, else none (the compiler's).
+            # over their devices, else those its type splits it over (which divide it).
             spec = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None)
             typed = set(axis_names_of(spec[0])) if spec and spec[0] is not None else set()
             batch = tuple(n for n in data if types[n] != AxisType.Explicit or n in typed)
-            batch = batch if size % count(batch) == 0 else ()
+            if size % count(batch):
+                batch = tuple(n for n in batch if n in typed)
             batched = (True, rest_batched, kwargs_batched)
             out = region((block, x, rest, kwargs), batch, batched)
             return out, jax.tree.map(lambda _: True, out)
