@@ -68,7 +68,7 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, SupportsIndex
 
@@ -79,6 +79,7 @@ from jax.sharding import Mesh, NamedSharding, Sharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 from jax.tree_util import GetAttrKey
 
+from ._checksums import CHECKSUM_RULE, digest
 from ._paths import key_to_str, path_to_str
 from ._specs import show_spec
 from ._typing import PyTree
@@ -92,7 +93,7 @@ __all__ = [
 _FORMAT_KEY = "eqpar"  # our entry in the step's `custom_metadata`
 # 2: shapes and dtypes come from orbax's metadata; the step is recorded. 3: checksum rule 3
 # (see "Checksums"; version 2 steps still verify by rule 2) and each leaf's stacking depth.
-_FORMAT_VERSION = 3
+_FORMAT_VERSION = CHECKSUM_RULE  # a format version writes the checksums of its rule
 _ITEM_ROOT = "state"  # the saved nested dict is `{"state": {...}}`, so a root leaf has a name
 _STEP_METADATA_FILE = "_CHECKPOINT_METADATA"  # orbax's per-step file, named in messages only
 _TMP_SUFFIX = ".orbax-checkpoint-tmp"  # orbax's name for a step directory being written
@@ -192,91 +193,6 @@ def _orbax() -> PyTree:
             "`pip install -e '.[checkpoint]'`)."
         ) from error
     return ocp
-
-
-# ---------------------------------------------------------------------------------------------
-# Checksums, computed where the data lives (one reduction per array under `jax.jit`, no gather)
-# and independent of the sharding, so a checkpoint saved under one layout verifies under any
-# other (and, read in its saved shape, under another stacking: see `restore(reshape=True)`).
-#
-# Rule 3 (format version 3): each element's bits, as uint32 words, are mixed with its C-order
-# linear index by a bijective 32-bit mixer (murmur3's finalizer), and the mixed values are
-# summed modulo 2**32. A sum is exact in any order, so the sharding does not matter; the mixer
-# makes every element contribute a pseudo-random value, so constant arrays no longer cancel
-# out, and a change of one element of up to 4 bytes (one word) always changes the checksum
-# (the mixer is a bijection of each word, the others fixed). Rule 2 (checkpoints of format
-# version 2, kept so that they still verify): the sum of each element's words, xor-ed
-# together, times an odd weight of its index; it cancels out for many constant arrays (0 for
-# any constant float32 array whose length is a multiple of 512).
-
-_MULTIPLIER, _OFFSET = 0x9E3779B1, 0x7F4A7C15
-_CHECKSUM_RULE = _FORMAT_VERSION  # the rule of the checkpoints this version writes
-
-
-def _digestible(dtype: Any) -> bool:
-    """Whole-byte dtypes get a checksum; sub-byte ones (int4, float4, ...) are stored packed."""
-    dtype = np.dtype(dtype)
-    bits = jax.dtypes.itemsize_bits(dtype)
-    return bits == 8 * dtype.itemsize and (bits <= 64 or dtype.kind == "c")
-
-
-def _words(x: PyTree, xp: PyTree, bitcast: Callable) -> list:
-    """The bits of `x` as uint32 words of `x`'s shape: one array for elements of up to 4 bytes,
-    two (low and high half) for 8-byte ones, the real part's then the imaginary part's for
-    complex numbers."""
-    if x.dtype.kind == "c":
-        return _words(xp.real(x), xp, bitcast) + _words(xp.imag(x), xp, bitcast)
-    if x.dtype == np.bool_:
-        return [x.astype(xp.uint32)]
-    bits = bitcast(x, np.dtype(f"uint{8 * x.dtype.itemsize}"))
-    if x.dtype.itemsize == 8:
-        return [(bits & 0xFFFFFFFF).astype(xp.uint32), (bits >> 32).astype(xp.uint32)]
-    return [bits.astype(xp.uint32)]
-
-
-def _mix(h: jax.Array) -> jax.Array:
-    """murmur3's 32-bit finalizer: a bijection of uint32 that spreads every input bit."""
-    h = (h ^ (h >> 16)) * jnp.uint32(0x85EBCA6B)
-    h = (h ^ (h >> 13)) * jnp.uint32(0xC2B2AE35)
-    return h ^ (h >> 16)
-
-
-@functools.partial(jax.jit, static_argnames="rule")
-def _combine(words: tuple[jax.Array, ...], rule: int) -> jax.Array:
-    """The checksum of an array given as its uint32 words. The C-order linear index comes
-    from broadcast iotas, not a reshape, so the sharding is kept as is (nothing is gathered)."""
-    shape = words[0].shape
-    index, stride = jnp.zeros((), jnp.uint32), 1
-    for axis in reversed(range(len(shape))):
-        iota = jax.lax.broadcasted_iota(jnp.uint32, shape, axis)
-        index, stride = index + iota * jnp.uint32(stride % 2**32), stride * shape[axis]
-    if rule == 2:
-        weights = (index * jnp.uint32(_MULTIPLIER) + jnp.uint32(_OFFSET)) | jnp.uint32(1)
-        return jnp.sum(functools.reduce(operator.xor, words) * weights, dtype=jnp.uint32)
-    mixed = _mix(index * jnp.uint32(_MULTIPLIER) + jnp.uint32(_OFFSET))
-    for word in words:
-        mixed = _mix(mixed ^ word)
-    return jnp.sum(mixed, dtype=jnp.uint32)
-
-
-@functools.partial(jax.jit, static_argnames="rule")
-def _device_digest(x: jax.Array, rule: int) -> jax.Array:
-    return _combine(tuple(_words(x, jnp, jax.lax.bitcast_convert_type)), rule)
-
-
-def _digest(value: PyTree, rule: int = _CHECKSUM_RULE) -> int | None:
-    """The checksum of `value` (a jax or NumPy array) by checksum `rule` (the format version
-    of the checkpoint; 2 or 3); `None` where the dtype has none. Host values are turned into
-    their uint32 words by NumPy first, so 64-bit values need no x64."""
-    if not _digestible(value.dtype):
-        return None
-    if isinstance(value, jax.Array):
-        digest = _device_digest(value, rule=2 if rule <= 2 else 3)
-    else:
-        view = lambda x, dtype: np.ascontiguousarray(x).view(dtype)
-        words = _words(np.asarray(value), np, view)
-        digest = _combine(tuple(jnp.asarray(w) for w in words), rule=2 if rule <= 2 else 3)
-    return int(np.asarray(digest.addressable_data(0)))  # replicated scalar
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1113,7 +1029,7 @@ class Checkpointer:
                 error.add_note(f"eqpar.checkpoint: so this call did not save step {step}.")
                 raise
             self._purge()
-            checksums = [_digest(v) if self._checksums else None for v in values]
+            checksums = [digest(v) if self._checksums else None for v in values]
             records = [_record(leaf, checksum) for leaf, checksum in zip(leaves, checksums)]
             args = self._ocp.args.StandardSave(self._nested(leaves, values))
             metadata = {_FORMAT_KEY: {"version": _FORMAT_VERSION, "step": step, "leaves": records}}
@@ -1331,11 +1247,11 @@ class Checkpointer:
         for leaf, abstract, value, again in zip(plan, abstracts, stored, reshaped):
             record = saved[leaf.path]
             expected = record.get("checksum")
-            digest = None if expected is None else _digest(value, record["version"])
-            if expected is not None and digest not in (None, expected):
+            read = None if expected is None else digest(value, record["version"])
+            if expected is not None and read not in (None, expected):
                 raise damaged(
                     f"leaf {_display(leaf.path)} does not match its checksum (saved {expected}, "
-                    f"read {digest}), so its array files were altered after the save"
+                    f"read {read}), so its array files were altered after the save"
                 )
             value = _reshaped(abstract, value) if again else value
             leaves.append(_finish(leaf, value, record))

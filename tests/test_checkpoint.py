@@ -1,8 +1,7 @@
 """Sharded checkpoints (`eqpar.checkpoint`): round trips, restoring onto other meshes, keep-K
-and save-every-N, damaged and interrupted checkpoints, structure mismatches, a save from 2
-real processes restored in one, and the guarantees under faults (quarantine, damaged
-metadata, step identity, one writer, atomic removal of old steps, a save on only some
-processes).
+and save-every-N, damaged and interrupted checkpoints, structure mismatches, checksums and
+argument errors (across layouts and processes: `test_checkpoint_layouts.py`; under faults:
+`test_checkpoint_faults.py`).
 
 The functions starting with `_child` run in processes started by `multiprocess_util`; they
 configure JAX in their bodies, before it starts a backend. (Importing this module imports
@@ -15,12 +14,10 @@ import json
 import logging
 import os
 import pickle
-import shutil
 import signal
 import sys
 import threading
 from pathlib import Path
-from typing import Any
 
 import equinox as eqx
 import jax
@@ -32,13 +29,12 @@ from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 from multiprocess_util import run_processes
 
-import eqpar
+from eqpar._checksums import digest
 from eqpar.checkpoint import (
     Checkpointer,
     CheckpointMismatchError,
     CorruptCheckpointError,
     _as_step,
-    _digest,
 )
 
 TIMEOUT = 120.0
@@ -117,6 +113,10 @@ def assert_bitwise_equal(actual, expected) -> None:
 
 def largest_file(directory: Path) -> Path:
     return max((p for p in directory.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+
+
+def _replace_json(path: Path, edit) -> None:
+    path.write_text(json.dumps(edit(json.loads(path.read_text()))))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -770,7 +770,7 @@ def test_checksum_is_the_same_on_device_on_host_and_under_any_sharding(dtype):
     fsdp = jax.device_put(values, fsdp8_layout(on_one_device))
     reversed_devices = Mesh(np.array(jax.devices()[:4])[::-1], ("model",))
     reordered = jax.device_put(values, NamedSharding(reversed_devices, P("model")))
-    digests = [_digest(v) for v in (values, on_one_device, sharded, fsdp, reordered)]
+    digests = [digest(v) for v in (values, on_one_device, sharded, fsdp, reordered)]
     assert digests[0] is not None and len(set(digests)) == 1
     flat = values.reshape(-1)
     i = next(i for i in range(flat.size - 1) if flat[i] != flat[i + 1])
@@ -778,7 +778,7 @@ def test_checksum_is_the_same_on_device_on_host_and_under_any_sharding(dtype):
     changed[i] = flat[i + 1]  # one element differs
     swapped = flat.copy()
     swapped[[i, i + 1]] = flat[[i + 1, i]]  # two elements trade places
-    changed_digest, swapped_digest = (_digest(v.reshape(values.shape)) for v in (changed, swapped))
+    changed_digest, swapped_digest = (digest(v.reshape(values.shape)) for v in (changed, swapped))
     assert changed_digest != digests[0] and swapped_digest != digests[0]
 
 
@@ -795,13 +795,13 @@ def test_checksum_tells_constant_arrays_apart():
     # The old position-weighted sum was 0 for every constant float32 array whose length is a
     # multiple of 512, so ones(1024) and zeros(1024) had the same checksum.
     for n in (512, 1024, 4096):
-        digests = {_digest(jnp.full(n, value, jnp.float32)) for value in (0.0, 1.0, 2.0, -1.0)}
+        digests = {digest(jnp.full(n, value, jnp.float32)) for value in (0.0, 1.0, 2.0, -1.0)}
         assert len(digests) == 4, n
-    assert _digest(jnp.ones(1024)) != _digest(jnp.ones(2048)[:1024] * 0)
+    assert digest(jnp.ones(1024)) != digest(jnp.ones(2048)[:1024] * 0)
     # Known answers: the rule is part of the on-disk format (a changed rule would make every
     # saved checkpoint look damaged), so it is pinned.
-    assert _digest(jnp.arange(8.0)) == 4271693182
-    assert _digest(np.arange(8, dtype=np.int64)) == 1331129208
+    assert digest(jnp.arange(8.0)) == 4271693182
+    assert digest(np.arange(8, dtype=np.int64)) == 1331129208
 
 
 def test_checkpoint_of_the_previous_format_verifies_with_its_own_checksum(tmp_path):
@@ -909,646 +909,3 @@ def test_restore_argument_errors(tmp_path):
             checkpointer.restore(target=target, shardings={"w": P()})
         with pytest.raises(ValueError, match=r"`target` leaf `w` of shape \(6,\) cannot be placed"):
             checkpointer.restore(target=target, shardings=fsdp8_layout(jnp.ones(1)))
-
-
-# ---------------------------------------------------------------------------------------------
-# Two real processes: each writes its own shards; one process restores
-
-
-def _global_state_values() -> dict:
-    """The global values saved by the 2-process job, as NumPy arrays (the same in every
-    process and in the test)."""
-    rng = np.random.default_rng(11)
-    return {
-        "w": rng.normal(size=(16, 8)).astype(np.float32),
-        "b": rng.normal(size=(16,)).astype(np.float32),
-        "key_data": np.asarray(jax.random.key_data(jax.random.key(3))),
-    }
-
-
-def _child_saves_from_two_processes():
-    from multiprocess_util import initialize_cpu_distributed
-
-    process_id, _ = initialize_cpu_distributed(num_cpu_devices=4)
-    import jax
-
-    assert jax.device_count() == 8 and jax.local_device_count() == 4
-    mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("pipe", "model"))  # row p: process p
-    values = _global_state_values()
-
-    def global_array(value, spec):
-        sharding = NamedSharding(mesh, spec)
-        return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
-
-    state = {
-        "params": {
-            "w": global_array(values["w"], P("pipe", "model")),
-            "b": global_array(values["b"], P("pipe")),
-        },
-        "key": jax.random.wrap_key_data(global_array(values["key_data"], P())),
-        "step": 7,
-    }
-    assert not state["params"]["w"].is_fully_addressable
-    with Checkpointer(os.environ[ENV_DIRECTORY]) as checkpointer:
-        assert checkpointer.save(7, state)
-        # both processes restore onto another layout: columns over all 8 devices
-        other = NamedSharding(mesh, P(None, ("pipe", "model")))
-        target = {
-            "params": {
-                "w": jax.ShapeDtypeStruct((16, 8), np.float32, sharding=other),
-                "b": jax.ShapeDtypeStruct((16,), np.float32, sharding=NamedSharding(mesh, P())),
-            },
-            "key": jax.ShapeDtypeStruct(
-                (), jax.random.key(0).dtype, sharding=NamedSharding(mesh, P())
-            ),
-            "step": 0,
-        }
-        restored = checkpointer.restore(target=target)
-    assert restored["step"] == 7
-    for shard in restored["params"]["w"].addressable_shards:
-        np.testing.assert_array_equal(np.asarray(shard.data), values["w"][shard.index])
-    for shard in restored["params"]["b"].addressable_shards:
-        np.testing.assert_array_equal(np.asarray(shard.data), values["b"])
-    print(f"process {process_id} saved and restored", flush=True)
-
-
-@pytest.mark.multiprocess
-def test_two_processes_write_their_own_shards_and_one_process_restores(tmp_path):
-    results = run_processes(
-        _child_saves_from_two_processes,
-        num_processes=2,
-        timeout=TIMEOUT,
-        env={ENV_DIRECTORY: str(tmp_path)},
-    )
-    assert all(f"process {r.process_id} saved and restored" in r.stdout for r in results)
-    # each process wrote its own shards into its own OCDBT directory
-    item = tmp_path / "7" / "default"
-    for process in (0, 1):
-        written = [p for p in (item / f"ocdbt.process_{process}").rglob("*") if p.is_file()]
-        assert written, f"process {process} wrote nothing"
-
-    values = _global_state_values()
-    expected = {
-        "params": {"w": values["w"], "b": values["b"]},
-        "key": jax.random.wrap_key_data(jnp.asarray(values["key_data"])),
-        "step": 7,
-    }
-    abstract = {
-        "params": {
-            "w": jax.ShapeDtypeStruct((16, 8), jnp.float32),
-            "b": jax.ShapeDtypeStruct((16,), jnp.float32),
-        },
-        "key": jax.ShapeDtypeStruct((), jax.random.key(0).dtype),
-        "step": 0,
-    }
-    with Checkpointer(tmp_path) as checkpointer:
-        # one process with 8 devices, FSDP-like rows over `data`; then one device
-        for layout in (fsdp8_layout, one_device_layout):
-            shardings = {
-                "params": jax.tree.map(layout, abstract["params"]),
-                "key": None,
-                "step": None,
-            }
-            restored = checkpointer.restore(target=abstract, shardings=shardings)
-            assert restored["step"] == 7
-            assert restored["params"]["w"].sharding == layout(abstract["params"]["w"])
-            for name in ("w", "b"):
-                np.testing.assert_array_equal(
-                    np.asarray(restored["params"][name]), expected["params"][name]
-                )
-            np.testing.assert_array_equal(
-                jax.random.key_data(restored["key"]), jax.random.key_data(expected["key"])
-            )
-
-
-# ---------------------------------------------------------------------------------------------
-# Pipeline stage counts: model-order stacks restore under another layout by a reshape
-
-
-class _PipelinedNet(eqx.Module):
-    head: eqx.nn.Linear
-    body: Any  # a PipelineModule, or _SerialBody
-
-
-class _SerialBody(eqx.Module):
-    """One-device stand-in with the leaf paths of a PipelineModule (`stages/layers/...`) but the
-    layers stored as one plain `[L, ...]` scanned stack."""
-
-    stages: Any  # a ScannedLayers
-
-
-def _pipelined_net(num_stages: int, num_repeats: int, key: int):
-    from eqpar.nn.pipeline import PipelineModule
-
-    keys = jax.random.split(jax.random.key(key), 9)
-    layers = eqx.filter_vmap(lambda k: eqx.nn.MLP(4, 4, 8, 1, key=k))(keys[:8])
-    body = PipelineModule.from_layers(
-        layers, num_stages=num_stages, num_repeats=num_repeats, num_microbatches=1
-    )
-    return _PipelinedNet(eqx.nn.Linear(4, 2, key=keys[8]), body), layers
-
-
-def _placed_on_pipe_mesh(tree, size: int):
-    from eqpar.layout import partition_specs
-
-    mesh = mesh_of((size,), ("pipe",))
-    specs = partition_specs(tree)
-    return jax.tree.map(
-        lambda leaf, spec: (
-            jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=NamedSharding(mesh, spec))
-            if is_data(leaf)
-            else leaf
-        ),
-        tree,
-        specs,
-        is_leaf=lambda x: x is None,
-    )
-
-
-def test_pipeline_checkpoint_restores_under_another_stage_count_by_reshape(tmp_path):
-    from eqpar.nn.pipeline import ScannedLayers
-
-    saved, layers = _pipelined_net(8, 1, key=0)
-    assert saved.body.stages.layers.layers[0].weight.shape == (8, 1, 8, 4)
-    placed = jax.tree.map(
-        lambda leaf, target: jax.device_put(leaf, target.sharding) if is_data(target) else leaf,
-        saved,
-        _placed_on_pipe_mesh(eqx.filter_eval_shape(lambda: saved), 8),
-    )
-    with Checkpointer(tmp_path) as checkpointer:
-        checkpointer.save(0, placed)
-
-        # PP(S=4, V=2): stored [2, 4, 1, ...], sharded P(None, "pipe", ...) on 4 devices.
-        circular = eqx.filter_eval_shape(lambda: _pipelined_net(4, 2, key=1)[0])
-        target = _placed_on_pipe_mesh(circular, 4)
-        assert target.body.stages.layers.layers[0].weight.shape == (2, 4, 1, 8, 4)
-        with pytest.raises(CheckpointMismatchError, match=r"\(shape\): \(8, 1, 8, 4\) in the"):
-            checkpointer.restore(target=target)
-        restored = checkpointer.restore(target=target, reshape=True)
-        weight = restored.body.stages.layers.layers[0].weight
-        assert weight.sharding == target.body.stages.layers.layers[0].weight.sharding
-        assert_bitwise_equal(restored.body.to_layers(), layers)
-        assert_bitwise_equal(restored.head, saved.head)
-
-        # TP(8) without a pipeline (S = 1): the MLP's layers converted by a plan, split over
-        # "model"; the converted layers keep their leaves, so the paths are the same.
-        plan = {
-            "body/stages/layers/layers/0": eqpar.ColumnParallel(),
-            "body/stages/layers/layers/1": eqpar.RowParallel(),
-        }
-        tp = eqpar.parallelize(eqx.filter_eval_shape(lambda: _pipelined_net(1, 1, key=2)[0]), plan)
-        tp_mesh = mesh_of((1, 8), ("pipe", "model"))
-        tp = jax.tree.map(
-            lambda leaf, spec: (
-                jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=NamedSharding(tp_mesh, spec))
-                if is_data(leaf)
-                else leaf
-            ),
-            tp,
-            eqpar.partition_specs(tp),
-            is_leaf=lambda x: x is None,
-        )
-        restored = checkpointer.restore(target=tp, reshape=True)
-        weight = restored.body.stages.layers.layers[0].weight
-        assert weight.shape == (1, 8, 8, 4)
-        assert weight.sharding.spec == P("pipe", None, "model", None)
-        assert_bitwise_equal(eqpar.unparallelize(restored.body.to_layers()), layers)
-        assert_bitwise_equal(restored.head, saved.head)
-
-        # One device, a plain [8, ...] scanned stack at the same leaf paths.
-        serial = eqx.filter_eval_shape(
-            lambda: _PipelinedNet(saved.head, _SerialBody(ScannedLayers(layers)))
-        )
-        serial = place(serial, one_device_layout)
-        restored = checkpointer.restore(target=serial, reshape=True)
-        assert restored.body.stages.layers.layers[0].weight.shape == (8, 8, 4)
-        assert_bitwise_equal(restored.body.stages.layers, layers)
-        assert_bitwise_equal(restored.head, saved.head)
-
-        # Another layer of the same size (transposed) stays a mismatch even with reshape=True.
-        transposed = eqx.tree_at(
-            lambda n: n.head.weight, serial, jax.ShapeDtypeStruct((4, 2), jnp.float32)
-        )
-        with pytest.raises(CheckpointMismatchError, match=r"`head/weight` \(shape\): \(2, 4\)"):
-            checkpointer.restore(target=transposed, reshape=True)
-
-        # Sizes that differ stay a mismatch even with reshape=True.
-        wrong = eqx.tree_at(
-            lambda n: n.head.weight, serial, jax.ShapeDtypeStruct((3, 4), jnp.float32)
-        )
-        with pytest.raises(CheckpointMismatchError, match=r"`head/weight` \(shape\): \(2, 4\)"):
-            checkpointer.restore(target=wrong, reshape=True)
-
-
-def test_reshape_refuses_other_layers_of_the_same_size(tmp_path):
-    from eqpar.nn.pipeline import ScannedLayers
-
-    def linears(count: int, out: int) -> ScannedLayers:
-        keys = jax.random.split(jax.random.key(0), count)
-        return ScannedLayers(eqx.filter_vmap(lambda k: eqx.nn.Linear(4, out, key=k))(keys))
-
-    with Checkpointer(tmp_path) as checkpointer:
-        checkpointer.save(0, {"stack": linears(2, 8), "raw": jnp.zeros((2, 8, 4))})
-        # Two Linear(4, 8) hold as many numbers as four Linear(4, 4), but they are other layers.
-        target = eqx.filter_eval_shape(
-            lambda: {"stack": linears(4, 4), "raw": jnp.zeros((2, 8, 4))}
-        )
-        with pytest.raises(CheckpointMismatchError) as caught:
-            checkpointer.restore(target=target, reshape=True)
-        message = str(caught.value)
-        assert (
-            "first mismatching leaf: `stack/layers/weight` (shape): (2, 8, 4) in the checkpoint, "
-            "(4, 4, 4) in the target; one layer is (8, 4) in the checkpoint but (4, 4) in the "
-            "target, and `reshape=True` changes only the stacking dimensions" in message
-        )
-        assert "`stack/layers/bias` (shape): (2, 8) in the checkpoint" in message
-        # An array outside a ScannedLayers / PipelineModule has no stacking dimensions.
-        target = {
-            "stack": eqx.filter_eval_shape(lambda: linears(2, 8)),
-            "raw": jnp.zeros((4, 4, 4)),
-        }
-        with pytest.raises(CheckpointMismatchError, match=r"`raw` \(shape\): .* is not in one"):
-            checkpointer.restore(target=target, reshape=True)
-
-        # The checkpoint's own stacking depth counts too: three layers of (2, 4) are not six
-        # layers of (4,), though (3, 2, 4) ends in (4,).
-        checkpointer.save(1, {"stack": ScannedLayers({"w": jnp.zeros((3, 2, 4))})})
-        target = {"stack": ScannedLayers({"w": jax.ShapeDtypeStruct((6, 4), jnp.float32)})}
-        with pytest.raises(
-            CheckpointMismatchError, match=r"one layer is \(2, 4\) in the checkpoint"
-        ):
-            checkpointer.restore(1, target=target, reshape=True)
-
-
-# ---------------------------------------------------------------------------------------------
-# Restore targets for every plan: `parallelize` on an abstract model
-
-
-class _PlannedBlock(eqx.Module):
-    attention: eqx.nn.MultiheadAttention
-    up: eqx.nn.Linear
-    down: eqx.nn.Linear
-    norm: eqx.nn.LayerNorm
-    dropout: eqx.nn.Dropout
-    raw: jax.Array
-
-    def __init__(self, key):
-        k1, k2, k3, k4 = jax.random.split(key, 4)
-        self.attention = eqx.nn.MultiheadAttention(2, 8, key=k1)
-        self.up, self.down = eqx.nn.Linear(8, 16, key=k2), eqx.nn.Linear(16, 8, key=k3)
-        self.norm, self.dropout = eqx.nn.LayerNorm(8), eqx.nn.Dropout(0.1)
-        self.raw = jax.random.normal(k4, (8, 8))
-
-    def __call__(self, x):
-        return x + self.down(jax.nn.gelu(self.up(self.norm(x)))) @ self.raw
-
-
-class _PlannedModel(eqx.Module):
-    embed: eqx.nn.Embedding
-    layers: list
-
-    def __init__(self, key):
-        keys = jax.random.split(key, 5)
-        self.embed = eqx.nn.Embedding(16, 8, key=keys[0])
-        self.layers = [_PlannedBlock(k) for k in keys[1:]]
-
-    def __call__(self, x):
-        x = self.embed(x)
-        for layer in self.layers:
-            x = layer(x)
-        return x
-
-
-_BLOCK = r"layers/\d+"
-_TP = {f"{_BLOCK}/up": eqpar.ColumnParallel(), f"{_BLOCK}/down": eqpar.RowParallel()}
-_PLANS = {
-    "column-row": _TP,
-    "head": {f"{_BLOCK}/attention": eqpar.HeadParallel()},
-    "context": {f"{_BLOCK}/attention": eqpar.ContextParallel()},
-    "vocab": {"embed": eqpar.VocabParallel()},
-    "feature": {"embed": eqpar.FeatureParallel()},
-    "sequence": {f"{_BLOCK}/dropout": eqpar.SequenceParallel()},
-    "replicated": {f"{_BLOCK}/norm": eqpar.Replicated()},
-    "remat": {_BLOCK: eqpar.Remat()},
-    "split-sequence": {"layers": eqpar.SplitSequence()},
-    "sharded": {f"{_BLOCK}/raw": eqpar.Sharded(P(None, "model"))},
-    "pipeline": {"layers": eqpar.Pipeline(stages=2, microbatches=2)},
-    "circular": {"layers": eqpar.Pipeline(stages=2, microbatches=2, repeats=2)},
-    "1f1b": {"layers": eqpar.Pipeline(stages=2, microbatches=2, schedule="1f1b")},
-    "pipeline-tp": {"layers": eqpar.Pipeline(stages=2, microbatches=2), **_TP},
-}
-
-
-@pytest.mark.parametrize("plan", list(_PLANS.values()), ids=list(_PLANS))
-def test_parallelize_builds_the_abstract_parallel_model_with_every_style(plan):
-    """`parallelize(eqx.filter_eval_shape(...), plan)` is the parallel model with
-    ShapeDtypeStructs for arrays: the structure, shapes, dtypes and layout of the concrete
-    one (a restore target), and `unparallelize` gives the abstract plain model back. (The
-    ExpertParallel style: tests/test_experts.py.) On the old code a Pipeline entry failed:
-    "the layers have no array leaves"."""
-    abstract = eqx.filter_eval_shape(_PlannedModel, jax.random.key(0))
-    parallel = eqpar.parallelize(abstract, plan)
-    concrete = eqpar.parallelize(_PlannedModel(jax.random.key(0)), plan)
-    is_array = lambda leaf: isinstance(leaf, jax.Array)
-    assert not any(map(is_array, jax.tree.leaves(parallel)))
-    assert jax.tree.structure(parallel) == jax.tree.structure(concrete)
-    structs = lambda tree: [
-        (leaf.shape, leaf.dtype) for leaf in jax.tree.leaves(tree) if is_data(leaf)
-    ]
-    assert structs(parallel) == structs(concrete)
-    assert eqpar.partition_specs(parallel) == eqpar.partition_specs(concrete)
-    back = eqpar.unparallelize(parallel)
-    assert jax.tree.structure(back) == jax.tree.structure(abstract)
-    assert structs(back) == structs(abstract)
-
-
-def test_a_pipelined_checkpoint_restores_into_the_abstract_parallel_model(tmp_path):
-    """Saved from a model pipelined by a plan, restored into `parallelize(filter_eval_shape(
-    ...), plan)` placed by its own specs; a plain target gets a mismatch that names the fix."""
-    plan = {"layers": eqpar.Pipeline(stages=2, microbatches=2)}
-    mesh = mesh_of((2,), ("pipe",))
-    saved = eqpar.parallelize(_PlannedModel(jax.random.key(0)), plan)
-    saved = eqx.filter_shard(saved, eqpar.named_shardings(eqpar.partition_specs(saved), mesh))
-    abstract = eqx.filter_eval_shape(_PlannedModel, jax.random.key(1))
-    with Checkpointer(tmp_path) as checkpointer:
-        checkpointer.save(0, saved)
-        target = eqpar.parallelize(abstract, plan)
-        shardings = eqpar.named_shardings(eqpar.partition_specs(target), mesh)
-        restored = checkpointer.restore(target=target, shardings=shardings)
-        assert_bitwise_equal(restored, saved)
-        stacked = restored.layers.pipeline.stages.layers.up.weight
-        assert stacked.sharding.spec[0] == "pipe" and stacked.shape == (2, 2, 16, 8)
-        assert_bitwise_equal(eqpar.unparallelize(restored), eqpar.unparallelize(saved))
-
-        with pytest.raises(CheckpointMismatchError) as caught:
-            checkpointer.restore(target=abstract)
-        message = str(caught.value)
-        assert "`layers/0/up/weight` (missing leaf)" in message
-        assert (
-            "The checkpoint holds a parallelized model (its pipelined blocks stored stacked) "
-            "and `target` a plain one: restore into the parallelized structure, "
-            "`eqpar.parallelize(eqx.filter_eval_shape(Model, ...), plan)`" in message
-        )
-        assert "or save `eqpar.unparallelize(model)` instead" in message
-
-        # The other way round: a plain checkpoint, a parallelized target.
-        checkpointer.save(1, eqpar.unparallelize(saved))
-        with pytest.raises(CheckpointMismatchError, match="restore into the plain structure"):
-            checkpointer.restore(1, target=target, shardings=shardings)
-
-
-# ---------------------------------------------------------------------------------------------
-# Guarantees under faults: quarantine, damaged metadata, step identity, one writer, atomic
-# removal of old steps, a save on only some processes
-
-
-def test_damaged_step_is_quarantined_and_saving_goes_on_past_it(tmp_path):
-    with Checkpointer(tmp_path) as checkpointer:
-        checkpointer.save(10, corruption_state(10))
-        checkpointer.save(20, corruption_state(20))
-    _flip_array_bytes(tmp_path / "20")
-    with Checkpointer(tmp_path) as checkpointer:
-        with pytest.warns(UserWarning) as record:
-            restored = checkpointer.restore(target=corruption_target())
-        assert "moved aside" in str(record[-1].message)
-        assert restored["step"] == 10 and checkpointer.all_steps() == [10]
-        (moved,) = tmp_path.glob("20.damaged-*")  # kept for inspection, no longer a step
-        assert (moved / "_CHECKPOINT_METADATA").is_file()
-        assert checkpointer.should_save(20)
-        assert checkpointer.save(20, corruption_state(20))  # no longer blocked
-        assert checkpointer.all_steps() == [10, 20]
-        assert_bitwise_equal(checkpointer.restore(target=corruption_target()), corruption_state(20))
-
-
-def _replace_json(path: Path, edit) -> None:
-    path.write_text(json.dumps(edit(json.loads(path.read_text()))))
-
-
-def _drop_one_array_entry(metadata: dict) -> dict:
-    tree = metadata["tree_metadata"]
-    del tree[next(iter(tree))]
-    return metadata
-
-
-METADATA_DAMAGE = {
-    "step metadata not a dict": lambda d: (d / "_CHECKPOINT_METADATA").write_text("[]"),
-    "step metadata a string": lambda d: (d / "_CHECKPOINT_METADATA").write_text('"x"'),
-    "custom metadata not a dict": lambda d: _replace_json(
-        d / "_CHECKPOINT_METADATA", lambda m: {**m, "custom_metadata": [1]}
-    ),
-    "eqpar entry missing": lambda d: _replace_json(
-        d / "_CHECKPOINT_METADATA", lambda m: {**m, "custom_metadata": {}}
-    ),
-    "leaf list wrong contents": lambda d: _replace_json(
-        d / "_CHECKPOINT_METADATA",
-        lambda m: {**m, "custom_metadata": {"eqpar": {"version": 2, "leaves": [{"path": 3}]}}},
-    ),
-    "array metadata entry missing": lambda d: _replace_json(
-        d / "default" / "_METADATA", _drop_one_array_entry
-    ),
-    "array metadata not a dict": lambda d: (d / "default" / "_METADATA").write_text("[]"),
-}
-
-
-@pytest.mark.parametrize("damage", list(METADATA_DAMAGE), ids=list(METADATA_DAMAGE))
-def test_damaged_metadata_is_a_damaged_step(tmp_path, damage):
-    with Checkpointer(tmp_path) as checkpointer:
-        checkpointer.save(1, {"w": jnp.full(4, 1.0), "step": 1})
-        checkpointer.save(2, {"w": jnp.full(4, 2.0), "step": 2})
-    METADATA_DAMAGE[damage](tmp_path / "2")
-    target = {"w": jax.ShapeDtypeStruct((4,), jnp.float32), "step": 0}
-    with Checkpointer(tmp_path) as checkpointer:  # the directory still opens
-        assert checkpointer.all_steps() == [1, 2]
-        with pytest.raises(CorruptCheckpointError, match=r"step 2 at .* is damaged"):
-            checkpointer.restore(2, target=target)
-        with pytest.warns(UserWarning) as record:
-            assert checkpointer.restore(target=target)["step"] == 1
-        assert str(record[-1].message).startswith("Restored step 1")
-        assert checkpointer.save(2, {"w": jnp.full(4, 2.0), "step": 2})
-
-
-def test_restore_of_a_step_checks_the_step_it_holds(tmp_path):
-    with Checkpointer(tmp_path) as checkpointer:
-        checkpointer.save(1, {"w": jnp.full(4, 1.0)})
-        checkpointer.save(2, {"w": jnp.full(4, 2.0)})
-    shutil.rmtree(tmp_path / "2")
-    shutil.copytree(tmp_path / "1", tmp_path / "2")  # step 1's files under step 2's name
-    target = {"w": jax.ShapeDtypeStruct((4,), jnp.float32)}
-    with Checkpointer(tmp_path) as checkpointer:
-        with pytest.raises(CorruptCheckpointError, match="it holds step 1, not 2"):
-            checkpointer.restore(2, target=target)
-        with pytest.warns(UserWarning):
-            restored = checkpointer.restore(target=target)
-        assert checkpointer.restored_step == 1
-        np.testing.assert_array_equal(restored["w"], np.full(4, 1.0))
-
-
-def _edit_leaf_record(step_dir: Path, path: str, **changes) -> None:
-    """Change (or, with None, drop) fields of one leaf's record in eqpar's step metadata."""
-
-    def edit(metadata: dict) -> dict:
-        (record,) = (r for r in metadata["custom_metadata"]["eqpar"]["leaves"] if r["path"] == path)
-        record.update(changes)
-        for field in [field for field, value in changes.items() if value is None]:
-            del record[field]
-        return metadata
-
-    _replace_json(step_dir / "_CHECKPOINT_METADATA", edit)
-
-
-def test_a_leaf_record_contradicting_its_stored_array(tmp_path):
-    def state(step: int) -> dict:
-        return {"w": jnp.arange(4.0) * step, "n": step, "key": jax.random.key(step)}
-
-    def assert_is_state(restored: dict, step: int) -> None:
-        expected = state(step)
-        assert restored["n"] == step and type(restored["n"]) is int
-        np.testing.assert_array_equal(restored["w"], expected["w"])
-        key_data = jax.random.key_data
-        np.testing.assert_array_equal(key_data(restored["key"]), key_data(expected["key"]))
-
-    with Checkpointer(tmp_path) as checkpointer:
-        checkpointer.save(1, state(1))
-        checkpointer.save(2, state(2))
-    # The records say `w` is a Python int and `n` a PRNG key; the stored arrays say otherwise.
-    _edit_leaf_record(tmp_path / "2", "w", kind="int")
-    _edit_leaf_record(tmp_path / "2", "n", kind="prng_key", impl="threefry2x32")
-    target = {"w": jax.ShapeDtypeStruct((4,), jnp.float32), "n": 0, "key": jax.random.key(0)}
-    with Checkpointer(tmp_path) as checkpointer:
-        with pytest.warns(UserWarning) as record:
-            restored = checkpointer.restore(2, target=target)
-        assert_is_state(restored, 2)  # what the stored arrays hold, which fits the target
-        messages = sorted(str(warning.message) for warning in record)
-        assert "says `n` is a PRNG key array (impl threefry2x32)" in messages[0]
-        assert (
-            "says `w` is a Python int (stored as a 0-d int64 array), but its stored array is "
-            "float32 of shape (4,): the checkpoint's metadata is inconsistent with its stored "
-            "array. Restored the stored array" in messages[1]
-        )
-    # A PRNG key whose record lost its kind is not guessed: the step is damaged, and
-    # `restore()` falls back to step 1.
-    _edit_leaf_record(tmp_path / "2", "key", kind="int", impl=None)
-    with Checkpointer(tmp_path) as checkpointer:
-        with pytest.raises(
-            CorruptCheckpointError, match=r"is damaged: .* says `key` is a Python int"
-        ):
-            checkpointer.restore(2, target=target)
-        with pytest.warns(UserWarning):
-            assert_is_state(checkpointer.restore(target=target), 1)
-        assert checkpointer.restored_step == 1
-
-
-def test_one_writer_per_directory_and_readers_never_disturb_a_save(tmp_path):
-    writer = Checkpointer(tmp_path)
-    writer.save(1, {"w": jnp.ones(2)})
-    in_progress = tmp_path / "2.orbax-checkpoint-tmp"  # as if the writer were saving step 2
-    (in_progress / "default").mkdir(parents=True)
-    (in_progress / "default" / "data").write_bytes(b"partial")
-    with Checkpointer(tmp_path) as reader:  # e.g. an eval job
-        assert reader.all_steps() == [1]
-        assert reader.restore(target={"w": jnp.zeros(2)})["w"].tolist() == [1.0, 1.0]
-        with pytest.raises(RuntimeError, match=f"held by pid {os.getpid()} on host") as caught:
-            reader.save(3, {"w": jnp.ones(2)})
-        assert "One directory has one writer" in str(caught.value)
-    assert (in_progress / "default" / "data").read_bytes() == b"partial"  # untouched
-    writer.close()  # releases the lock (the file stays; the kernel's lock is what counts)
-    with Checkpointer(tmp_path) as next_writer:
-        assert next_writer.save(3, {"w": jnp.ones(2)})
-        assert not in_progress.exists()  # the lock holder removes unfinished saves
-        assert next_writer.all_steps() == [1, 3]
-
-
-def test_two_threads_on_one_checkpointer_are_refused(tmp_path, monkeypatch):
-    import eqpar.checkpoint as module
-
-    entered, release = threading.Event(), threading.Event()
-    real_leaves = module._leaves
-
-    def leaves(tree, argument):  # holds the other thread inside `save`
-        if threading.current_thread() is not threading.main_thread():
-            entered.set()
-            release.wait(timeout=60)
-        return real_leaves(tree, argument)
-
-    monkeypatch.setattr(module, "_leaves", leaves)
-    with Checkpointer(tmp_path) as checkpointer:
-        errors = []
-        thread = threading.Thread(
-            target=lambda: errors.append(checkpointer.save(0, {"w": jnp.ones(2)}))
-        )
-        thread.start()
-        assert entered.wait(timeout=60)
-        try:
-            with pytest.raises(RuntimeError, match="in use by another thread"):
-                checkpointer.save(1, {"w": jnp.ones(2)})
-        finally:
-            release.set()
-            thread.join(timeout=60)
-        assert errors == [True] and checkpointer.all_steps() == [0]
-
-
-def _child_dies_while_removing_an_old_step():
-    """keep=1: save step 1, then die by SIGKILL in the middle of removing it (after one of
-    its files is gone) while saving step 2."""
-    import jax
-
-    jax.config.update("jax_platforms", "cpu")
-    jax.config.update("jax_num_cpu_devices", 2)
-    import jax.numpy as jnp
-
-    real_rmtree = shutil.rmtree
-
-    def rmtree(path, *args, **kwargs):
-        files = sorted(p for p in Path(path).rglob("*") if p.is_file())
-        if files:
-            files[0].unlink()
-            print("killing myself while removing a step", flush=True)
-            os.kill(os.getpid(), signal.SIGKILL)
-        return real_rmtree(path, *args, **kwargs)
-
-    checkpointer = Checkpointer(os.environ[ENV_DIRECTORY], keep=1)
-    checkpointer.save(1, {"w": jnp.full(8, 1.0)})
-    shutil.rmtree = rmtree
-    checkpointer.save(2, {"w": jnp.full(8, 2.0)})
-    print("unreachable", flush=True)
-
-
-@pytest.mark.multiprocess
-def test_removing_old_steps_is_atomic_under_sigkill(tmp_path):
-    _run_child_until_it_kills_itself(_child_dies_while_removing_an_old_step, tmp_path)
-    target = {"w": jax.ShapeDtypeStruct((8,), jnp.float32)}
-    with Checkpointer(tmp_path, keep=1) as checkpointer:
-        assert checkpointer.all_steps() == [2]  # no half-removed step 1 listed
-        np.testing.assert_array_equal(checkpointer.restore(target=target)["w"], np.full(8, 2.0))
-        assert checkpointer.save(3, {"w": jnp.full(8, 3.0)})  # takes over the stale lock
-        assert checkpointer.all_steps() == [3]
-    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["3"]
-
-
-def _child_saves_on_one_process_only():
-    from multiprocess_util import initialize_cpu_distributed
-
-    process_id, _ = initialize_cpu_distributed(num_cpu_devices=2)
-    import jax.numpy as jnp
-
-    checkpointer = Checkpointer(os.environ[ENV_DIRECTORY], timeout=3)
-    if process_id == 0:
-        try:
-            checkpointer.save(0, {"w": jnp.ones(2)})
-        except RuntimeError as error:
-            print(f"refused: {error}", flush=True)
-    print(f"process {process_id} done", flush=True)
-
-
-@pytest.mark.multiprocess
-def test_save_on_only_some_processes_fails_in_bounded_time(tmp_path):
-    results = run_processes(
-        _child_saves_on_one_process_only,
-        num_processes=2,
-        timeout=60,
-        env={ENV_DIRECTORY: str(tmp_path)},
-        check=False,
-    )
-    assert "refused: `save` waited 3 s for the other processes" in results[0].stdout, results
-    assert "Every process must call `save` with the same step" in results[0].stdout
-    assert all(f"process {r.process_id} done" in r.stdout for r in results)
