@@ -36,6 +36,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "example
 
 import lm  # pyright: ignore[reportMissingImports]
 import train_lm  # pyright: ignore[reportMissingImports]
+import train_options  # pyright: ignore[reportMissingImports]
+import train_steps  # pyright: ignore[reportMissingImports]
 from _hlo import collective_ops, format_bytes, memory_figures
 
 LAYOUTS = {
@@ -62,7 +64,7 @@ def measure(config: lm.LMConfig, mesh_sizes: dict[str, int], precision: str) -> 
         train_lm.build_model(config, run, mesh), optimizer, mesh, fsdp=False
     )
     step = train_lm.build_step(model, mesh, run, optimizer)
-    tokens = train_lm.place_global_batch(
+    tokens = train_steps.place_global_batch(
         lm.Batches(
             jnp.zeros(4 * config.seq_len, jnp.int32),
             batch_size=run.batch_size,
@@ -85,7 +87,7 @@ def main(argv: list[str] | None = None) -> str:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="the tiny model of train_lm.py")
     args = parser.parse_args(argv)
-    config = train_lm.SIZES["tiny" if args.quick else "small"]
+    config = train_options.SIZES["tiny" if args.quick else "small"]
     figures = {
         (name, precision): measure(config, sizes, precision)
         for name, sizes in LAYOUTS.items()

@@ -71,7 +71,7 @@ need beyond both. The issue's target "with remat `full`, temp at 96 layers <= 1.
 at 12 layers" is about that memory, so it is judged on the activation temp. The step temp's
 ratio is printed beside it, not judged: beyond the activation temp the step holds the
 gradients, a buffer the size of the parameters (8x the layers' at 96 layers as at 12); Adam's
-update, the example's global-norm clipping included (`train_lm.clip_by_global_norm`), adds
+update, the example's global-norm clipping included (`train_steps.clip_by_global_norm`), adds
 no buffer of its own, and the sweep prints what one more layer adds to the step beyond the
 gradient computation, in layers' parameters. Without the gradients the optimizer would have
 to run per layer inside the backward pass, which global-norm clipping rules out: the norm
@@ -145,6 +145,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "example
 
 import lm  # pyright: ignore[reportMissingImports]
 import train_lm  # pyright: ignore[reportMissingImports]
+import train_steps  # pyright: ignore[reportMissingImports]
 from _hlo import (
     CollectiveOp,
     bytes_by_axes_of,
@@ -349,14 +350,14 @@ def pipe_bytes(
 
     `body` is the model's `PipelineModule`, whose `schedule(...)` is the table the step
     runs: the training table of its schedule where the step runs the schedule's own
-    backward pass (`train_lm.runs_own_backward`: every schedule on a pipe axis), else the
+    backward pass (`train_steps.runs_own_backward`: every schedule on a pipe axis), else the
     forward table (differentiated: autodiff of the scan sends each cotangent back over the
     pair its activation came by, in a conditional of the same branches). A direction whose
     steps all send over the same pairs has no conditional: its sends are outside, counted
     from the HLO.
     """
     pipe, model = sizes[lm.PIPE], sizes[lm.MODEL]
-    training = train_lm.runs_own_backward(run)
+    training = train_steps.runs_own_backward(run)
     table = body.schedule(run.schedule, include_backward=True) if training else body.schedule()
     program = _program.compile_schedule(table, store_residuals=training)
     steps = len(program.kind)
@@ -458,9 +459,9 @@ def compile_layout(
         bytes_by_axes_of([op for op in ops if op.in_conditional], sizes), sizes
     )
     pipe, stage_fraction, by_table = None, None, None
-    if sizes[lm.PIPE] > 1 and train_lm.runs_own_backward(run):
+    if sizes[lm.PIPE] > 1 and train_steps.runs_own_backward(run):
         by_table = table_weighted_bytes(compiled, model.body, run, sizes)
-    if sizes[lm.PIPE] > 1 and not train_lm.runs_own_backward(run):
+    if sizes[lm.PIPE] > 1 and not train_steps.runs_own_backward(run):
         table = model.body.schedule()
         forwards = sum(action.kind == "forward" for row in table.actions for action in row)
         stage_fraction = forwards / sizes[lm.PIPE] / len(table.actions)
@@ -528,7 +529,7 @@ def gradient_function(model: lm.LM, mesh: eqpar.DeviceMesh, run: Any) -> Any:
     builds it for `run`: the same `shard_map` over the same specs, the schedule's own
     backward pass for 1F1B and ZB-H1, autodiff of the loss otherwise, and the precision
     policy's casts. The meshes here have no context axis."""
-    if train_lm.context_size(run) > 1:
+    if train_steps.context_size(run) > 1:
         raise ValueError(
             f"gradient_function: expected a mesh without a context axis; got {run.mesh}. "
             "Drop the context axis (the scale layouts have none)."
@@ -536,11 +537,11 @@ def gradient_function(model: lm.LM, mesh: eqpar.DeviceMesh, run: Any) -> Any:
     specs = eqpar.partition_specs(model)  # what shard_map's body sees (no FSDP split)
     stored = train_lm.storage_specs(model, mesh, run.fsdp)
     policy = eqpar.Precision.from_name(run.precision)
-    if train_lm.runs_own_backward(run):
+    if train_steps.runs_own_backward(run):
         entering = stored if run.fsdp else specs
         sharded = eqpar.shard_map(
             functools.partial(
-                train_lm.loss_and_grads_scheduled,
+                train_steps.loss_and_grads_scheduled,
                 schedule=run.schedule,
                 stored=(stored, specs) if run.fsdp else None,
             ),
@@ -555,7 +556,7 @@ def gradient_function(model: lm.LM, mesh: eqpar.DeviceMesh, run: Any) -> Any:
 
         return loss_and_grads
     loss = eqpar.shard_map(
-        train_lm.sequence_loss,
+        train_steps.sequence_loss,
         mesh=mesh,
         in_specs=(specs, P(lm.DATA), P(lm.DATA)),
         out_specs=P(),
@@ -654,7 +655,7 @@ def ideal_collectives(f: Figures, config: lm.LMConfig) -> dict[str, float]:
     # 1/model of the data.
     per_token = activation / config.d_model
     if pipe > 1:
-        repeats = train_lm.pipeline_repeats(f.run)
+        repeats = train_steps.pipeline_repeats(f.run)
         sends = 2 * (repeats * pipe - 1) / pipe * activation
         # The embedding's output and the head input's cotangent (1/model on pipe), the
         # input gradient's and the final hidden state's broadcasts to every stage, and the

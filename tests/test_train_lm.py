@@ -18,6 +18,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "example
 
 import lm
 import train_lm
+import train_options
+import train_steps
 
 import eqpar
 from eqpar.nn import ContextParallelAttention
@@ -28,7 +30,7 @@ STEPS = 3
 
 def run_config(mesh: str, **options) -> train_lm.RunConfig:
     return train_lm.RunConfig(
-        mesh=train_lm.parse_mesh(mesh, 8 if mesh != "data=1" else 1),
+        mesh=train_options.parse_mesh(mesh, 8 if mesh != "data=1" else 1),
         steps=STEPS,
         batch_size=8,
         optimizer="sgd",
@@ -224,9 +226,9 @@ def test_serial_form_is_the_same_model():
 def test_cli_errors_name_the_problem(capsys):
     ConfigError = train_lm.ConfigError
     with pytest.raises(ConfigError, match="multiply to 4 but there are 8 devices"):
-        train_lm.parse_mesh("data=2,model=2", 8)
+        train_options.parse_mesh("data=2,model=2", 8)
     with pytest.raises(ConfigError, match="got 'tensor=2'"):
-        train_lm.parse_mesh("tensor=2", 2)
+        train_options.parse_mesh("tensor=2", 2)
     run = dataclasses.replace(run_config("pipe=8"), schedule="circular", repeats=2)
     with pytest.raises(ConfigError, match="num_layers=4 must divide by pipe x repeats = 16: "
                        "choose a smaller pipe in --mesh or fewer --repeats"):  # fmt: skip
@@ -286,8 +288,8 @@ def test_microbatches_only_cut_a_pipeline():
     # trains that way).
     run = run_config("data=8", microbatches=4, fsdp=True)
     train_lm.check_sizes(TINY, run)
-    assert train_lm.pipeline_microbatches(run) == 1
-    assert train_lm.pipeline_microbatches(run_config("data=2,pipe=4", microbatches=4)) == 4
+    assert train_steps.pipeline_microbatches(run) == 1
+    assert train_steps.pipeline_microbatches(run_config("data=2,pipe=4", microbatches=4)) == 4
 
 
 @pytest.mark.parametrize("size", [0.01, 10.0])  # global norm below and above the clip's 1
@@ -309,7 +311,7 @@ def test_adam_clips_as_optax(size):
             "w": size * jax.random.normal(parts[0], (3, 5)),
             "b": [size * jax.random.normal(parts[1], (5,)), size * jax.random.normal(parts[2])],
         }
-        clipped, _ = train_lm.clip_by_global_norm(1.0).update(grads, optax.EmptyState())
+        clipped, _ = train_steps.clip_by_global_norm(1.0).update(grads, optax.EmptyState())
         expected, _ = optax.clip_by_global_norm(1.0).update(grads, optax.EmptyState())
         for leaf, expected_leaf in zip(jax.tree.leaves(clipped), jax.tree.leaves(expected)):
             np.testing.assert_allclose(leaf, expected_leaf, rtol=2**-22, atol=0)
@@ -526,7 +528,7 @@ def test_precision_flag():
         train_lm.parse_options(["--precision", "float16"])
     run = run_config("data=8", precision="bfloat16")
     assert train_lm.describe(run) == "mesh data=8,pipe=1,model=1 | bfloat16 compute"
-    assert train_lm.check_tolerance("bfloat16") == train_lm.CHECK_TOLERANCE_BFLOAT16
+    assert train_lm.check_tolerance("bfloat16") == train_options.CHECK_TOLERANCE_BFLOAT16
 
 
 @pytest.mark.parametrize("target_mesh", ["pipe=4,model=2", "data=2,model=4", "data=1"])
@@ -670,7 +672,7 @@ def test_utilisation_needs_a_known_peak():
         unknown, "bfloat16"
     )
     # The model FLOPs of a token: 3 x the forward pass's matmuls and attention.
-    config = train_lm.SIZES["tiny"]  # d 32, hidden 64, 4 layers, vocab 32, seq 16
+    config = train_options.SIZES["tiny"]  # d 32, hidden 64, 4 layers, vocab 32, seq 16
     forward = 2 * (4 * (4 * 32 * 32 + 2 * 32 * 64 + 2 * 16 * 32) + 32 * 32)
     assert train_lm.training_flops_per_token(config) == 3 * forward
 
