@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
-from test_pipeline import layout, spy_layered_backward
+from test_pipeline import layout
+from test_pipeline_residuals import spy_layered_backward
 
 from eqpar.nn.pipeline import PipelineModule, ScannedLayers
 from eqpar.pipeline import Microbatched, _layered
