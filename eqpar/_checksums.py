@@ -88,9 +88,9 @@ def digest(value: PyTree, rule: int = CHECKSUM_RULE) -> int | None:
     if not digestible(value.dtype):
         return None
     if isinstance(value, jax.Array):
-        digest = _device_digest(value, rule=2 if rule <= 2 else 3)
+        summed = _device_digest(value, rule=2 if rule <= 2 else 3)
     else:
         view = lambda x, dtype: np.ascontiguousarray(x).view(dtype)
         words = _words(np.asarray(value), np, view)
-        digest = _combine(tuple(jnp.asarray(w) for w in words), rule=2 if rule <= 2 else 3)
-    return int(np.asarray(digest.addressable_data(0)))  # replicated scalar
+        summed = _combine(tuple(jnp.asarray(w) for w in words), rule=2 if rule <= 2 else 3)
+    return int(np.asarray(summed.addressable_data(0)))  # replicated scalar

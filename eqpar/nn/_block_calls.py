@@ -32,10 +32,9 @@ from ._own_region import (
     batch_axes,
     call_in_own_region,
     manual_specs,
-    modules_in,
     region_mesh,
 )
-from ._plan_blocks import block_options
+from ._plan_blocks import compiler_axes
 from .pipeline import PipelineModule
 from .stacks import ScannedLayers
 
@@ -719,16 +718,3 @@ def flag(batched: Any) -> bool:
 # run on one microbatch with the pipelined blocks' call changed: to capture what it is given
 # and stop there (before), or to return a given output (after; the code before the blocks
 # then computes nothing that is used, and the compiler drops it).
-
-
-def compiler_axes(tree: PyTree) -> frozenset:
-    """The mesh axes that `Sharded` keys lay raw arrays of blocks in `tree` out over: the
-    compiler's, never a region's."""
-    found: set = set()
-    for module in modules_in(tree):
-        options = block_options(module)
-        for _, spec in options.specs if options is not None else ():
-            for entry in spec:
-                if entry is not None and entry is not P.UNCONSTRAINED:
-                    found.update(axis_names_of(entry))
-    return frozenset(found)

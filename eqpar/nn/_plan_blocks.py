@@ -43,6 +43,7 @@ from ._own_region import (
     axis_names_of,
     call_in_own_region,
     manual_specs,
+    modules_in,
     needs_own_region,
     placed_mesh,
     region_axes,
@@ -159,11 +160,7 @@ def _block_call(base: type, options: BlockOptions) -> Any:
             return _in_own_sequence_region(self, base, options, args, kwargs)
         if options.split_on_entry is not None:
             if not args:
-                raise TypeError(
-                    f"{owner}: the plan splits the sequence of this block's first "
-                    f"positional argument, but it was called without one; pass the sequence "
-                    f"`[seq, ...]` positionally."
-                )
+                raise _no_sequence_error(owner)
             args = (_split(args[0], options.split_on_entry, owner, self), *args[1:])
         if options.local_fields:
             self = localized(self, base, options.local_fields)
@@ -208,6 +205,27 @@ def _block_call(base: type, options: BlockOptions) -> Any:
     return __call__
 
 
+def compiler_axes(tree: PyTree) -> frozenset:
+    """The mesh axes that `Sharded` keys lay raw arrays of blocks in `tree` out over: the
+    compiler's, never a region's."""
+    found: set = set()
+    for module in modules_in(tree):
+        options = block_options(module)
+        for _, spec in options.specs if options is not None else ():
+            for entry in spec:
+                if entry is not None and entry is not PartitionSpec.UNCONSTRAINED:
+                    found.update(axis_names_of(entry))
+    return frozenset(found)
+
+
+def _no_sequence_error(owner: str) -> TypeError:
+    """A block whose sequence the plan splits, called without a positional argument."""
+    return TypeError(
+        f"{owner}: the plan splits the sequence of this block's first positional argument, "
+        f"but it was called without one; pass the sequence `[seq, ...]` positionally."
+    )
+
+
 def _sequence_axis(options: BlockOptions) -> Hashable | None:
     """The axis a `SplitSequence` list (or block) splits the sequence over, if any."""
     for axis in (options.split_on_entry, options.gather_on_exit, options.gather_aux):
@@ -248,11 +266,7 @@ def _in_own_sequence_region(
     owner = base.__name__
     axis = _sequence_axis(options)
     if not args:
-        raise TypeError(
-            f"{owner}: the plan splits the sequence of this block's first positional "
-            f"argument, but it was called without one; pass the sequence `[seq, ...]` "
-            f"positionally."
-        )
+        raise _no_sequence_error(owner)
     mesh = region_mesh(owner, block, axis)
     sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
     types = dict(zip(mesh.axis_names, mesh.axis_types))
@@ -274,13 +288,7 @@ def _in_own_sequence_region(
             f"padding."
         )
     layers = region_axes(block) | set(axis_names_of(axis))
-    compiler = {
-        name
-        for _, spec in options.specs
-        for entry in spec
-        if entry is not None
-        for name in axis_names_of(entry)
-    }
+    compiler = compiler_axes(block)
     data = tuple(n for n in mesh.axis_names if n not in layers and n not in compiler)
     output_kind: list = []
 
@@ -393,7 +401,7 @@ def _lay_out(x: Any, axis: Hashable, owner: str, block: PyTree, *, split: bool) 
     """The compiled route: the sequence axis (`x`'s first) constrained to be split over `axis`
     (or whole), on the mesh in context or else the one the block's arrays are placed on (an
     Auto axis); the other axes as the compiler has them."""
-    names = axis if isinstance(axis, tuple) else (axis,)
+    names = axis_names_of(axis)
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or any(name not in mesh.axis_names for name in names):
         placed = placed_mesh(block, names)

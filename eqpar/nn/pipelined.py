@@ -52,7 +52,6 @@ from ._block_calls import (
     Chain,
     by_block,
     call_block,
-    compiler_axes,
     flag,
     is_abstract,
     no_vmap_error,
@@ -83,6 +82,7 @@ from ._own_region import (
     manual_specs,
     region_mesh,
 )
+from ._plan_blocks import compiler_axes
 from ._reduction import reduction_of
 from .pipeline import PipelineModule
 from .stacks import RematPolicy, ScannedLayers, map_arrays, stack_layers, unstack_layers
