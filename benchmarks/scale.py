@@ -403,15 +403,16 @@ def pipe_bytes(
 class AbstractStep(NamedTuple):
     """`run`'s training step lowered from shapes and shardings only (`lower_step`)."""
 
-    lowered: Any  # jax.stages.Lowered
+    lowered: Any  # jax.stages.Lowered (`lower_step`); the step function (`build_abstract_step`)
     model: Any  # the abstract model, each leaf a ShapeDtypeStruct with its sharding
     arrays: Any  # the model's array part
     opt_state: Any  # the abstract optimizer state, likewise
     specs: Any  # the model's storage specs
+    arguments: tuple[Any, Any, Any]  # the step's abstract (tokens, arrays, opt_state)
 
 
-def lower_step(config: lm.LMConfig, run: Any, devices: list[Any]) -> AbstractStep:
-    """Lower `run`'s training step for `config` as `examples/train_lm.py` builds it
+def build_abstract_step(config: lm.LMConfig, run: Any, devices: list[Any]) -> AbstractStep:
+    """`run`'s training step for `config` as `examples/train_lm.py` builds it
     (`build_model`, `storage_specs`, `build_step`), from shapes and shardings only: the
     model and the optimizer state are `eval_shape`d, nothing is allocated."""
     train_lm.check_sizes(config, run)
@@ -441,8 +442,14 @@ def lower_step(config: lm.LMConfig, run: Any, devices: list[Any]) -> AbstractSte
         jnp.int32,
         sharding=NamedSharding(mesh.jax_mesh, P(lm.DATA)),
     )
-    lowered = jax.jit(abstract_step, donate_argnums=(1, 2)).lower(tokens, arrays, opt_state)
-    return AbstractStep(lowered, model, arrays, opt_state, specs)
+    return AbstractStep(abstract_step, model, arrays, opt_state, specs, (tokens, arrays, opt_state))
+
+
+def lower_step(config: lm.LMConfig, run: Any, devices: list[Any]) -> AbstractStep:
+    """`build_abstract_step`, lowered (`lowered` a `jax.stages.Lowered`)."""
+    step = build_abstract_step(config, run, devices)
+    lowered = jax.jit(step.lowered, donate_argnums=(1, 2)).lower(*step.arguments)
+    return step._replace(lowered=lowered)
 
 
 def compile_layout(
@@ -450,7 +457,7 @@ def compile_layout(
 ) -> tuple[Figures, Any]:
     """Lower and compile `run`'s training step for `config` from shapes and shardings only."""
     started = time.perf_counter()
-    lowered, model, arrays, opt_state, specs = lower_step(config, run, devices)
+    lowered, model, arrays, opt_state, specs, _ = lower_step(config, run, devices)
     compiled = lowered.compile()
     compile_s = time.perf_counter() - started
     sizes = {axis: run.mesh[axis] for axis in AXES}

@@ -13,6 +13,7 @@ from . import inspect as inspect
 from . import nn as nn
 from . import pipeline as pipeline
 from . import placement as placement
+from . import planning as planning
 from . import precision as precision
 from . import ragged as ragged
 from . import schedule as schedule
@@ -56,6 +57,9 @@ from .plan import Style as Style
 from .plan import VocabParallel as VocabParallel
 from .plan import parallelize as parallelize
 from .plan import unparallelize as unparallelize
+from .planning import Estimate as Estimate
+from .planning import estimate as estimate
+from .planning import search as search
 from .precision import Precision as Precision
 from .runtime import initialize as initialize
 from .spmd import build_sharded as build_sharded
@@ -73,6 +77,7 @@ __all__ = [
     "DeclaresPartitionSpecs",
     "DeviceMesh",
     "Distribution",
+    "Estimate",
     "ExpertParallel",
     "FeatureParallel",
     "HeadParallel",
@@ -100,6 +105,7 @@ __all__ = [
     "distribute_model",
     "distribute_opt_state",
     "distribution",
+    "estimate",
     "fsdp_spec",
     "initialize",
     "inspect",
@@ -111,9 +117,11 @@ __all__ = [
     "partition_specs",
     "pipeline",
     "placement",
+    "planning",
     "precision",
     "ragged",
     "schedule",
+    "search",
     "set_distribution",
     "shard_map",
     "unparallelize",

@@ -1,0 +1,180 @@
+"""`eqpar.estimate` and `eqpar.search` against the compiler, on small shapes.
+
+The estimate reads the traced program; the compiler's figures (`memory_analysis()` and the
+collectives of the compiled HLO, `benchmarks/_hlo.py`) are the reference. Collective bytes are
+predicted exactly (within 1%); memory by a model of XLA's buffers, whose measured error on
+these shapes is stated beside each bound (`benchmarks/planner.py` prints the full grid).
+"""
+
+import argparse
+import pathlib
+import sys
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import eqpar
+from eqpar.planning import DeviceFigures, parse_bytes
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT / "examples")]
+
+import lm  # noqa: E402
+import scale  # noqa: E402
+from _hlo import bytes_by_axes_of, collective_ops, memory_figures  # noqa: E402
+
+CONFIG = lm.LMConfig(
+    vocab_size=512, seq_len=64, d_model=128, num_heads=4, d_hidden=512, num_layers=8
+)
+LAYOUTS = {
+    "DP": scale.Layout({lm.DATA: 8}),
+    "FSDP": scale.Layout({lm.DATA: 8}, fsdp=True),
+    "DPxTP": scale.Layout({lm.DATA: 2, lm.MODEL: 4}),
+    "1F1B": scale.Layout({lm.DATA: 2, lm.PIPE: 4}, schedule="1f1b"),
+}
+
+
+def example_step(layout: str, remat: str) -> tuple[Any, tuple, dict[str, int]]:
+    args = argparse.Namespace(microbatches=4, batch_size=16)
+    run = scale.make_run(CONFIG, LAYOUTS[layout], args, remat)
+    step = scale.build_abstract_step(CONFIG, run, jax.devices()[:8])
+    return step.lowered, step.arguments, {axis: run.mesh[axis] for axis in scale.AXES}
+
+
+def compiled_figures(step, arguments, sizes, donate=(1, 2)):
+    compiled = jax.jit(step, donate_argnums=donate).lower(*arguments).compile()
+    by_axes = bytes_by_axes_of(collective_ops(compiled), sizes)
+    return memory_figures(compiled), {axes: b for axes, b in by_axes.items() if b}
+
+
+def predicted_by_axes(estimate: eqpar.Estimate) -> dict[tuple[str, ...], float]:
+    out: dict[tuple[str, ...], float] = {}
+    for (_, axes), amount in estimate.collectives.items():
+        out[axes] = out.get(axes, 0.0) + amount
+    return out
+
+
+def assert_bytes_match(predicted, compiled):
+    assert set(predicted) == {tuple(sorted(a)) for a in compiled}, (predicted, compiled)
+    for axes, amount in compiled.items():
+        assert predicted[tuple(sorted(axes))] == pytest.approx(amount, rel=0.01), axes
+
+
+def test_replicated_weight_gradient_under_a_split_batch():
+    mesh = jax.make_mesh((8,), ("data",))
+    x = jax.ShapeDtypeStruct((64, 256), jnp.float32, sharding=NamedSharding(mesh, P("data")))
+    w = jax.ShapeDtypeStruct((256, 128), jnp.float32, sharding=NamedSharding(mesh, P()))
+
+    def grad(w, x):
+        return jax.grad(lambda w: jnp.tanh(x @ w).sum())(w)
+
+    est = eqpar.estimate(grad, w, x, compile=True)
+    # The compiler's all-reduce of the partial gradients: 2 (n-1)/n of them, by ring.
+    assert est.collectives == {("all-reduce", ("data",)): 2 * 256 * 128 * 4 * 7 / 8}
+    memory, by_axes = compiled_figures(grad, (w, x), {"data": 8}, donate=())
+    assert_bytes_match(predicted_by_axes(est), by_axes)
+    assert est.arguments == (256 * 128 * 4, 64 * 256 * 4 // 8)
+    assert est.outputs == pytest.approx(memory["output"], rel=1e-3)  # XLA pads scalars
+    assert est.compiled is not None and est.compiled.total == memory["total"]
+    assert set(est.ratios()) == {"peak", "temp"}
+    assert "all-reduce over data" in est.table()
+
+
+@pytest.mark.parametrize("remat", ["none", "full"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_example_step_against_the_compiler(layout, remat):
+    step, arguments, sizes = example_step(layout, remat)
+    est = eqpar.estimate(step, *arguments, donate_argnums=(1, 2))
+    memory, by_axes = compiled_figures(step, arguments, sizes)
+    assert_bytes_match(predicted_by_axes(est), by_axes)
+    assert sum(est.arguments) == pytest.approx(memory["argument"], rel=1e-3)
+    assert est.outputs == pytest.approx(memory["output"], rel=1e-3)  # XLA pads scalars
+    # Measured on this grid: 1.03-1.20 without a pipe axis, 1.24-1.41 with 1F1B (the model
+    # over-counts the schedule's buffers; see the docs' calibration table). The bound guards
+    # the walk against losing a whole class of buffers, either way.
+    ratio = est.peak / memory["total"]
+    assert 0.9 <= ratio <= (1.6 if layout == "1F1B" else 1.3), ratio
+
+
+def test_a_parallelized_model_under_the_one_device_step():
+    """A plan's converted layers open their own regions under the user's own step."""
+    mesh = jax.make_mesh((2, 4), ("data", "model"))
+    model = eqx.nn.MLP(64, 64, 256, depth=2, key=jax.random.key(0))
+    plan = {"layers/0": eqpar.ColumnParallel("model"), "layers/1": eqpar.RowParallel("model")}
+    model = eqpar.parallelize(model, plan, mesh=mesh)
+    arrays, static = eqx.partition(model, eqx.is_array)
+    optimizer = optax.sgd(0.1)
+    opt_state = optimizer.init(arrays)
+    batch = jax.device_put(jnp.ones((16, 64)), NamedSharding(mesh, P("data")))
+
+    def step(arrays, opt_state, batch):
+        def loss(arrays):
+            return jnp.mean(jax.vmap(eqx.combine(arrays, static))(batch) ** 2)
+
+        grads = jax.grad(loss)(arrays)
+        updates, opt_state = optimizer.update(grads, opt_state)
+        return optax.apply_updates(arrays, updates), opt_state
+
+    est = eqpar.estimate(step, arrays, opt_state, batch, donate_argnums=(0, 1))
+    memory, by_axes = compiled_figures(step, (arrays, opt_state, batch), {"data": 2, "model": 4},
+                                       donate=(0, 1))  # fmt: skip
+    # On this route (an Explicit mesh, the compiler placing the batch around each layer's
+    # region) the estimate names the axes that move data, but not yet their bytes: the
+    # compiler narrows and adds gathers the trace does not show (docs: "Will it fit?").
+    assert set(predicted_by_axes(est)) == set(by_axes)
+    assert sum(est.arguments) == pytest.approx(memory["argument"], rel=1e-3)
+
+
+def test_search_picks_the_only_plan_that_fits():
+    """Only FSDP with remat fits 10 MiB per device: search must pick it, and say so."""
+    candidates = [("DP", "none"), ("DP", "full"), ("FSDP", "none"), ("FSDP", "full")]
+
+    def build(candidate):
+        step, arguments, _ = example_step(*candidate)
+        return step, arguments
+
+    result = eqpar.search(
+        build, candidates, memory_per_device="10MiB", device="h100-sxm", donate_argnums=(1, 2)
+    )
+    assert result.best.candidate == ("FSDP", "full")
+    assert [r.fits for r in result.ranked] == [True, False, False, False]
+    assert "Chosen: ('FSDP', 'full')" in result.table()
+    # And the compiler agrees that it fits.
+    step, arguments, sizes = example_step("FSDP", "full")
+    memory, _ = compiled_figures(step, arguments, sizes)
+    assert memory["total"] <= 10 * 2**20
+    with pytest.raises(ValueError, match=r"no candidate fits in 0\.00 GiB"):
+        _ = eqpar.search(build, candidates[:1], memory_per_device=1000, donate_argnums=(1, 2)).best
+
+
+def test_search_ranks_by_the_stated_model():
+    device = DeviceFigures(flops_per_s=1e12, bytes_per_s=1e9, memory=2**30)
+    result = eqpar.search(
+        lambda c: example_step(*c)[:2], [("DP", "full"), ("DPxTP", "full")],
+        device=device, donate_argnums=(1, 2),
+    )  # fmt: skip
+    for r in result.ranked:
+        assert r.compute_s == pytest.approx(r.estimate.flops / 1e12)
+        assert r.communication_s == pytest.approx(r.estimate.collective_bytes() / 1e9)
+    assert result.ranked[0].step_s <= result.ranked[1].step_s
+
+
+def test_bad_input_is_named():
+    assert parse_bytes("16GiB") == 16 * 2**30
+    assert parse_bytes("80 GB") == 80 * 10**9
+    assert parse_bytes(1.5e9) == 1_500_000_000
+    for bad in ("sixteen", "-1GiB", 0, "12 parsecs"):
+        with pytest.raises(ValueError, match="memory_per_device"):
+            parse_bytes(bad)
+    with pytest.raises(ValueError, match="donate_argnums names argument 3"):
+        eqpar.estimate(lambda x: x, jnp.ones(3), donate_argnums=3)
+    with pytest.raises(TypeError, match="step"):
+        eqpar.estimate(3, jnp.ones(3))  # pyright: ignore[reportArgumentType]
+    with pytest.raises(ValueError, match="device must be one of"):
+        eqpar.search(lambda c: (lambda x: x, (jnp.ones(2),)), [1], device="abacus")
