@@ -16,8 +16,9 @@ peak, so that about half the grid fits): its choice against the best plan of the
 same step-time model fed with the compiler's figures, and its wall time against compiling the
 grid.
 
-    python benchmarks/planner.py            # both sizes (GPT-2 small compiles take minutes)
-    python benchmarks/planner.py --quick    # the small size only
+    python benchmarks/planner.py                     # every size
+    python benchmarks/planner.py --quick             # the small size only
+    python benchmarks/planner.py --sizes gpt2-small  # one size
 """
 
 import argparse
@@ -49,6 +50,7 @@ SIZES = {
         vocab_size=512, seq_len=64, d_model=128, num_heads=4, d_hidden=512, num_layers=8
     ),
     "gpt2-small": scale.CONFIGS["gpt2-small"],
+    "1.3b": scale.CONFIGS["1.3b"],
 }
 LAYOUTS = {
     "DP": scale.Layout({lm.DATA: 8}),

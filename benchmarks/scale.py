@@ -145,6 +145,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "example
 
 import lm  # pyright: ignore[reportMissingImports]
 import train_lm  # pyright: ignore[reportMissingImports]
+import train_plan  # pyright: ignore[reportMissingImports]
 import train_steps  # pyright: ignore[reportMissingImports]
 from _hlo import (
     CollectiveOp,
@@ -155,7 +156,6 @@ from _hlo import (
 )
 
 import eqpar
-from eqpar.distributions import match_param_specs
 from eqpar.pipeline import _program
 
 NUM_DEVICES = 8
@@ -310,18 +310,7 @@ def _is_abstract(leaf: Any) -> bool:
     return isinstance(leaf, jax.ShapeDtypeStruct)
 
 
-def _with_shardings(tree: Any, shardings: Any) -> Any:
-    """`tree`'s ShapeDtypeStructs, each carrying its sharding."""
-    return jax.tree.map(
-        lambda leaf, sharding: (
-            jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
-            if _is_abstract(leaf)
-            else leaf
-        ),
-        tree,
-        shardings,
-        is_leaf=lambda x: x is None,
-    )
+_with_shardings = train_plan.with_shardings
 
 
 def _nbytes(leaf: jax.ShapeDtypeStruct, shape: tuple[int, ...] | None = None) -> int:
@@ -400,49 +389,8 @@ def pipe_bytes(
     )
 
 
-class AbstractStep(NamedTuple):
-    """`run`'s training step lowered from shapes and shardings only (`lower_step`)."""
-
-    lowered: Any  # jax.stages.Lowered (`lower_step`); the step function (`build_abstract_step`)
-    model: Any  # the abstract model, each leaf a ShapeDtypeStruct with its sharding
-    arrays: Any  # the model's array part
-    opt_state: Any  # the abstract optimizer state, likewise
-    specs: Any  # the model's storage specs
-    arguments: tuple[Any, Any, Any]  # the step's abstract (tokens, arrays, opt_state)
-
-
-def build_abstract_step(config: lm.LMConfig, run: Any, devices: list[Any]) -> AbstractStep:
-    """`run`'s training step for `config` as `examples/train_lm.py` builds it
-    (`build_model`, `storage_specs`, `build_step`), from shapes and shardings only: the
-    model and the optimizer state are `eval_shape`d, nothing is allocated."""
-    train_lm.check_sizes(config, run)
-    mesh = train_lm.make_mesh(run.mesh, devices)
-    optimizer = train_lm.make_optimizer(run)
-    model = eqx.filter_eval_shape(train_lm.build_model, config, run, mesh)
-    specs = train_lm.storage_specs(model, mesh, run.fsdp)
-    model = _with_shardings(model, eqpar.named_shardings(specs, mesh))
-
-    def inexact(leaf: Any) -> bool:
-        return _is_abstract(leaf) and jnp.issubdtype(leaf.dtype, jnp.inexact)
-
-    opt_state = jax.eval_shape(optimizer.init, eqx.filter(model, inexact))
-    opt_specs = match_param_specs(opt_state, model, specs)
-    opt_state = _with_shardings(opt_state, eqpar.named_shardings(opt_specs, mesh))
-    step = train_lm.build_step(model, mesh, run, optimizer)
-    # The step is an `eqx.filter_jit`, which takes only arrays as traced arguments: wrap it in
-    # `jax.jit` over the abstract leaves, with the model's static part closed over.
-    arrays, static = eqx.partition(model, _is_abstract)
-
-    def abstract_step(tokens: jax.Array, arrays: Any, opt_state: Any) -> Any:
-        model, opt_state, loss = step(tokens, eqx.combine(arrays, static), opt_state)
-        return eqx.filter(model, eqx.is_array), opt_state, loss
-
-    tokens = jax.ShapeDtypeStruct(
-        (run.batch_size, config.seq_len + 1),
-        jnp.int32,
-        sharding=NamedSharding(mesh.jax_mesh, P(lm.DATA)),
-    )
-    return AbstractStep(abstract_step, model, arrays, opt_state, specs, (tokens, arrays, opt_state))
+AbstractStep = train_plan.AbstractStep  # a run's step from shapes and shardings
+build_abstract_step = train_plan.abstract_step  # one builder for the example and benchmarks
 
 
 def lower_step(config: lm.LMConfig, run: Any, devices: list[Any]) -> AbstractStep:

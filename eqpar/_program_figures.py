@@ -48,6 +48,8 @@ _FUSIBLE = frozenset(
 _REDUCTIONS = frozenset(
     "reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or argmax argmin".split()
 )
+# Results that are their operand's buffer, seen another way (no copy in XLA).
+_VIEWS = frozenset({"pvary", "reshape", "squeeze", "expand_dims"})
 _ALL_REDUCE = frozenset({"psum", "psum_invariant", "pmax", "pmin"})
 _ALL_GATHER = frozenset({"all_gather", "all_gather_invariant"})
 _REDUCE_SCATTER = frozenset({"reduce_scatter", "psum_scatter"})
@@ -106,6 +108,7 @@ class _Walk:
         self.collectives: dict[tuple[str, tuple[str, ...]], float] = defaultdict(float)
         self.flops = 0.0
         self.handed: list[bool] = []
+        self._views: dict[int, tuple[Any, dict[Any, Any]]] = {}
 
     def group(self, axes: Sequence[str]) -> int:
         return math.prod(self.sizes.get(a, 1) for a in axes)
@@ -138,21 +141,24 @@ class _Walk:
             axes_of[var] = axes
         for var in jaxpr.constvars:
             axes_of[var] = frozenset()
+        root = self.views(jaxpr)  # a view -> the value whose buffer it is
         uses: dict[Any, int] = defaultdict(int)
-        last_use: dict[Any, int] = {}
+        last_use: dict[Any, int] = {}  # by buffer: the last use of it or of any view of it
         consumers: dict[Any, list[str]] = defaultdict(list)
         for i, eqn in enumerate(jaxpr.eqns):
             for v in eqn.invars:
                 if isinstance(v, jex.Var):
                     uses[v] += 1
-                    last_use[v] = i
+                    last_use[root.get(v, v)] = i
                     consumers[v].append(eqn.primitive.name)
         outvars = {v for v in jaxpr.outvars if isinstance(v, jex.Var)}
         for v in outvars:
-            last_use[v] = len(jaxpr.eqns)
+            last_use[root.get(v, v)] = len(jaxpr.eqns)
             uses[v] += 1
 
         def stored(v: Any, name: str) -> bool:
+            if v in root:
+                return False  # a view of a buffer counted already
             if v in outvars or name not in _FUSIBLE:
                 return True
             if uses[v] != 1:
@@ -177,6 +183,7 @@ class _Walk:
             counted = [v for v in eqn.invars if isinstance(v, jex.Var)]
             handed = [
                 isinstance(v, jex.Var)
+                and v not in root
                 and last_use.get(v) == i
                 and v in size
                 and counted.count(v) == 1
@@ -195,11 +202,8 @@ class _Walk:
                         new_sizes.append(size[v])
             # A result may take the buffer of an operand this equation last uses, if the
             # sizes agree (XLA updates in place: loop carries, elementwise fusions).
-            dying = sorted(
-                size[v]
-                for v in {v for v in eqn.invars if isinstance(v, jex.Var)}
-                if last_use.get(v) == i and v in size
-            )
+            buffers = {root.get(v, v) for v in eqn.invars if isinstance(v, jex.Var)}
+            dying = sorted(size[b] for b in buffers if last_use.get(b) == i and b in size)
             reused = 0
             for b in sorted(new_sizes, reverse=True):
                 if b in dying:
@@ -207,9 +211,9 @@ class _Walk:
                     reused += b
             peak = max(peak, live + max(inner, made - reused))
             live += made
-            for v in {v for v in eqn.invars if isinstance(v, jex.Var)}:
-                if last_use.get(v) == i and v in size:
-                    live -= size.pop(v)
+            for b in buffers:
+                if last_use.get(b) == i and b in size:
+                    live -= size.pop(b)
             for v in eqn.outvars:
                 if v in size and v not in last_use:
                     live -= size.pop(v)  # made and never used
@@ -228,13 +232,13 @@ class _Walk:
         name = eqn.primitive.name
         params = eqn.params
         outs = eqn.outvars
+        handed = self.handed  # before nested walks overwrite it
         if name == "shard_map":
             return self.region(eqn, in_split, trips=trips, manual=manual)
-        if name not in ("scan", "while", "cond"):
-            subs = list(jex.jaxprs_in_params(params))
-            if len(subs) == 1 and len(subs[0].invars) == len(in_split):
-                # A call (jit, remat, custom derivatives): its own peak beyond its operands.
-                return self.call(subs[0], in_split, trips=trips, manual=manual)
+        called = _called(eqn)
+        if called is not None:
+            # A call (jit, remat, custom derivatives): its own peak beyond its operands.
+            return self.call(called, in_split, trips=trips, manual=manual)
         if name == "scan":
             body = params["jaxpr"].jaxpr
             length = params["length"]
@@ -249,7 +253,11 @@ class _Walk:
                 manual=manual,
                 owned=[i in carry for i in range(len(in_split))],
             )
-            peak -= sum(self.per_device(eqn.invars[i].aval, in_split[i]) for i in carry)
+            # A carry whose operand lives on after the loop is copied into the loop's buffer;
+            # one that dies here is updated in place.
+            peak -= sum(
+                self.per_device(eqn.invars[i].aval, in_split[i]) for i in carry if handed[i]
+            )
             # Stacked outputs are allocated whole; the body's peak rides on top of them.
             stacked = sum(
                 self.per_device(v.aval, axes)
@@ -258,11 +266,28 @@ class _Walk:
             return split, peak + stacked
         if name == "while":
             body = params["body_jaxpr"].jaxpr
-            nconsts = params["body_nconsts"]
             cond_nconsts = params["cond_nconsts"]
-            split, peak = self.run(body, in_split[cond_nconsts:], trips=trips, manual=manual)
-            del nconsts
-            return split, peak
+            body_nconsts = params["body_nconsts"]
+            operands = in_split[cond_nconsts:]
+            num_carry = len(operands) - body_nconsts
+            # As for a scan: the carries are the loop's own buffers, updated in place. The
+            # trip count is not known from the program: the body counts once.
+            split, peak = self.run(
+                body,
+                operands,
+                trips=trips,
+                manual=manual,
+                owned=[i >= body_nconsts for i in range(len(operands))],
+            )
+            first = cond_nconsts + body_nconsts
+            peak -= sum(
+                self.per_device(v.aval, a)
+                for v, a, own in zip(
+                    eqn.invars[first:], operands[body_nconsts:], handed[first:], strict=True
+                )
+                if own
+            )
+            return split[-num_carry:] if num_carry else [], peak
         if name == "cond":
             best_peak = 0
             best: list[frozenset[str]] = [frozenset()] * len(outs)
@@ -270,10 +295,12 @@ class _Walk:
             flops = self.flops
             branch_collectives = []
             branch_flops = []
+            handed = self.handed[1:]  # the operands after the branch index
             for branch in params["branches"]:
                 self.collectives = defaultdict(float)
                 self.flops = 0.0
-                split, peak = self.run(branch.jaxpr, in_split[1:], trips=trips, manual=manual)
+                self.handed = handed
+                split, peak = self.call(branch.jaxpr, in_split[1:], trips=trips, manual=manual)
                 branch_collectives.append(dict(self.collectives))
                 branch_flops.append(self.flops)
                 if peak >= best_peak:
@@ -323,6 +350,44 @@ class _Walk:
                 self.add("all-gather", gathered, result * (1 - 1 / group), trips)
             return [target] * len(outs), 0
         return [self.same_shape_split(eqn, in_split, v) for v in outs], 0
+
+    def views(self, jaxpr: Any) -> dict[Any, Any]:
+        """The values of `jaxpr` that are views of another's buffer (through `_VIEWS` and
+        calls or regions that return an operand as it came), each mapped to that value."""
+        key = id(jaxpr)
+        if key in self._views:
+            return self._views[key][1]
+        root: dict[Any, Any] = {}
+        for eqn in jaxpr.eqns:
+            operands = eqn.invars
+            if eqn.primitive.name in _VIEWS:
+                if operands and isinstance(operands[0], jex.Var):
+                    root[eqn.outvars[0]] = root.get(operands[0], operands[0])
+                continue
+            sub = _called(eqn)
+            if sub is None:
+                continue
+            for index, out in enumerate(eqn.outvars):
+                source = self.forwarded(sub).get(index)
+                if source is None or not isinstance(operands[source], jex.Var):
+                    continue
+                if eqn.primitive.name == "shard_map" and spec_axes(
+                    eqn.params["in_specs"][source]
+                ) != spec_axes(eqn.params["out_specs"][index]):
+                    continue  # the region changes where it lives: a new buffer
+                root[out] = root.get(operands[source], operands[source])
+        self._views[key] = (jaxpr, root)  # the jaxpr is kept so its id stays its own
+        return root
+
+    def forwarded(self, jaxpr: Any) -> dict[int, int]:
+        """Output index -> input index, for the outputs of `jaxpr` that are its inputs."""
+        root = self.views(jaxpr)
+        where = {v: i for i, v in enumerate(jaxpr.invars)}
+        out = {}
+        for index, v in enumerate(jaxpr.outvars):
+            if isinstance(v, jex.Var) and root.get(v, v) in where:
+                out[index] = where[root.get(v, v)]
+        return out
 
     def call(
         self, jaxpr: Any, in_split: list[frozenset[str]], *, trips: float, manual: frozenset[str]
@@ -421,6 +486,17 @@ class _Walk:
             for inner, spec in zip(split, params["out_specs"], strict=True)
         ]
         return outs, peak
+
+
+def _called(eqn: Any) -> Any:
+    """The jaxpr a call-like equation runs with its operands as they are (jit, remat,
+    custom derivatives, `shard_map`), or None (loops, conditionals, other primitives)."""
+    if eqn.primitive.name in ("scan", "while", "cond"):
+        return None
+    subs = list(jex.jaxprs_in_params(eqn.params))
+    if len(subs) == 1 and len(subs[0].invars) == len(eqn.invars):
+        return subs[0]
+    return None
 
 
 def program_figures(

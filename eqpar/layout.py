@@ -437,13 +437,15 @@ def partition_specs(
     return jax.tree_util.tree_unflatten(treedef, specs)
 
 
-def named_shardings(specs: Specs, mesh: DeviceMesh | Mesh) -> PyTree:
+def named_shardings(specs: Specs, mesh: DeviceMesh | Mesh | jax.sharding.AbstractMesh) -> PyTree:
     """Turn a specs pytree into `NamedSharding`s of `mesh` (`None` leaves stay `None`).
 
     **Arguments:**
 
     - `specs`: a pytree with `PartitionSpec` leaves, e.g. from `partition_specs`.
-    - `mesh`: a `DeviceMesh` or `jax.sharding.Mesh`.
+    - `mesh`: a `DeviceMesh` or `jax.sharding.Mesh`; or a `jax.sharding.AbstractMesh`
+      (axis sizes, no devices), whose shardings lay out `jax.ShapeDtypeStruct`s for
+      `eqpar.estimate`.
 
     **Returns:** the same pytree with `NamedSharding` leaves, ready for `jax.jit` or
     `jax.device_put`.
@@ -457,7 +459,7 @@ def named_shardings(specs: Specs, mesh: DeviceMesh | Mesh) -> PyTree:
     placed = eqx.combine(jax.device_put(params, shardings), static)
     ```
     """
-    jax_mesh = as_jax_mesh(mesh)
+    jax_mesh = mesh if isinstance(mesh, jax.sharding.AbstractMesh) else as_jax_mesh(mesh)
     return jax.tree.map(
         lambda spec: NamedSharding(jax_mesh, spec),
         specs,

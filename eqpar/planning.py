@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
-from jax.sharding import NamedSharding
+from jax.sharding import NamedSharding, PartitionSpec
 
 from ._program_figures import ProgramFigures, program_figures, spec_axes
 
@@ -35,6 +35,7 @@ __all__ = [
     "Estimate",
     "Ranked",
     "SearchResult",
+    "abstract_arrays",
     "estimate",
     "search",
 ]
@@ -151,6 +152,53 @@ class Estimate:
         return "\n".join(lines)
 
 
+def abstract_arrays(tree: Any, specs: Any, mesh: Any) -> Any:
+    """`tree` with each array leaf a `jax.ShapeDtypeStruct` laid out by `specs` on `mesh`:
+    the arguments `estimate` reads, with nothing allocated.
+
+    **Arguments:**
+
+    - `tree`: a pytree of arrays or `ShapeDtypeStruct`s (a model, e.g. from
+      `eqx.filter_eval_shape`, an optimizer state, a batch); other leaves stay as they are.
+    - `specs`: its layout: a pytree of `PartitionSpec`s of the same structure (`None` or
+      a missing spec for a replicated leaf), e.g. `eqpar.partition_specs(model)`.
+    - `mesh`: a `DeviceMesh`, a `jax.sharding.Mesh`, or a `jax.sharding.AbstractMesh`
+      (axis sizes only: a mesh larger than this machine).
+
+    **Returns:** the pytree of `ShapeDtypeStruct`s with their `NamedSharding`s.
+
+    ```python
+    import equinox as eqx, jax
+    from jax.sharding import AbstractMesh, AxisType
+    import eqpar
+
+    mesh = AbstractMesh((16, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+    model = eqpar.parallelize(eqx.nn.MLP(64, 64, 256, depth=2, key=jax.random.key(0)),
+                              {"layers/0": eqpar.ColumnParallel("model"),
+                               "layers/1": eqpar.RowParallel("model")})
+    arrays = eqpar.planning.abstract_arrays(
+        eqx.filter(model, eqx.is_array), eqpar.partition_specs(model), mesh
+    )
+    assert arrays.layers[0].weight.sharding.shard_shape((256, 64)) == (64, 64)
+    ```
+    """
+    from .layout import named_shardings  # the layout room: specs -> shardings
+
+    def is_array(leaf: Any) -> bool:
+        return hasattr(leaf, "shape") and hasattr(leaf, "dtype")
+
+    def placed(leaf: Any, spec: Any) -> Any:
+        if not is_array(leaf):
+            return leaf
+        sharding = named_shardings(spec if isinstance(spec, PartitionSpec) else
+                                   PartitionSpec(), mesh)  # fmt: skip
+        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
+
+    return jax.tree.map(
+        placed, tree, specs, is_leaf=lambda x: x is None or isinstance(x, PartitionSpec)
+    )
+
+
 def _axis_sizes(leaves: Sequence[Any], mesh: Any) -> dict[str, int]:
     if mesh is not None:
         if isinstance(mesh, Mapping):
@@ -191,8 +239,10 @@ def estimate(
     - `step`: the function you would `jax.jit` (an `eqx.filter_jit` step works too: pass its
       arrays as arguments and close over the rest).
     - `*args`: its positional arguments: pytrees of `jax.Array`s or `jax.ShapeDtypeStruct`s,
-      each leaf carrying its `NamedSharding` (`sharding=`); a leaf without one is taken as
-      replicated.
+      each leaf carrying its `NamedSharding` (`sharding=`; `abstract_arrays` lays a pytree
+      out by its specs); a leaf without one is taken as replicated. The shardings may be
+      over a `jax.sharding.AbstractMesh`, axis sizes without devices, to size a mesh larger
+      than this machine (`eqpar.shard_map` takes one as its `mesh`).
     - `donate_argnums`: the arguments whose buffers the step may reuse, as for `jax.jit`.
     - `mesh`: the mesh, or its axis sizes as a dict; by default the mesh of the arguments'
       shardings.

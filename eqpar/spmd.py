@@ -37,7 +37,7 @@ def shard_map(
     fn: Callable | None = None,
     /,
     *,
-    mesh: DeviceMesh | Mesh | None,
+    mesh: DeviceMesh | Mesh | jax.sharding.AbstractMesh | None,
     in_specs: PyTree,
     out_specs: PyTree,
     check_vma: bool = True,
@@ -138,7 +138,10 @@ def shard_map(
         )
     if not callable(fn):
         raise TypeError(f"shard_map: fn must be callable; got {type(fn).__name__}.")
-    jax_mesh = as_jax_mesh(mesh) if mesh is not None else None
+    # An `AbstractMesh` (axis sizes, no devices) traces as a mesh does: `eqpar.estimate`
+    # reads such a program for a mesh larger than the machine.
+    abstract = isinstance(mesh, jax.sharding.AbstractMesh)
+    jax_mesh = mesh if abstract else as_jax_mesh(mesh) if mesh is not None else None
     batch_stats = check_batch_stats(batch_stats, "shard_map")
     if isinstance(batch_stats, tuple) and jax_mesh is not None:
         manual = set(jax_mesh.axis_names if axis_names is None else axis_names)

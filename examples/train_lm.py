@@ -74,6 +74,7 @@ import launch
 import lm
 import metrics
 import train_options
+import train_plan
 from train_options import (
     CONFIG_FILE,
     ConfigError,
@@ -96,6 +97,7 @@ from train_steps import (
     learning_rate_schedule,
     make_mesh,
     make_optimizer,
+    open_data,
     place,
     row_spec,
     storage_specs,
@@ -919,6 +921,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 f"--processes {options.processes}: this job has {jax.process_count()}"
             )
         options.validate(count)
+        if options.plan == "auto":  # before the run is laid out: it chooses the layout
+            options, table = train_plan.choose(options, count, options.memory_bytes() or 0)
+            print(f"--plan auto chose {train_plan.label(options)}:\n{table}")
         run, config = options.run_config(count), options.model_config()
         check_sizes(config, run)  # before any output: a usage error comes first
         options = options.resolved(count)
@@ -929,6 +934,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             check_checkpoint_start(checkpoint, saved_steps(options.ckpt_dir), run.steps)
             if options.resume:
                 check_recorded_options(options)
+    if options.dry_run:
+        with _usage_errors():
+            return train_plan.dry_run(options, run, config, count)
     with metrics.console_logging(), _usage_errors():
         return _main(options, run, config)
 
@@ -1045,21 +1053,6 @@ def _main(options: TrainConfig, run: RunConfig, config: lm.LMConfig) -> dict[str
     if options.json and first:
         options.json.write_text(metrics.strict_json(summary))
     return summary
-
-
-def open_data(directory: pathlib.Path, config: lm.LMConfig, run: RunConfig) -> Any:
-    """The `--data` corpus as the rows of `run`'s batches; refused where its tokens do not
-    fit the model's vocabulary."""
-    corpus = input_data.open_corpus(directory)
-    if corpus.vocab_size > config.vocab_size:
-        raise ConfigError(
-            f"--data {directory}: its vocabulary has {corpus.vocab_size} tokens, the model's "
-            f"{config.vocab_size}: choose a --size with at least {corpus.vocab_size} or write "
-            f"the corpus with --vocab-size {config.vocab_size}."
-        )
-    return input_data.PackedCorpus(
-        corpus, batch_size=run.batch_size, seq_len=config.seq_len, seed=run.seed
-    )
 
 
 def exit_status(argv: Sequence[str] | None = None) -> int:

@@ -21,6 +21,8 @@ from typing import Annotated, Any, Literal
 import numpy as np
 import tyro
 
+from eqpar.planning import parse_bytes
+
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import data as input_data
 import lm
@@ -171,6 +173,15 @@ class TrainConfig:
     axes are 1; a context axis (e.g. data=2,context=4) splits every sequence over its
     devices, by ring attention (--seq-len must divide by 2 x context); unset:
     data=2,pipe=2,model=2 on 8 devices, else data=<count>"""
+    plan: Literal["auto"] | None = None
+    """auto: pick the mesh, --fsdp and --remat by eqpar.search before compiling (the
+    fastest modelled step whose predicted peak fits --memory-per-device) and print why;
+    not with --mesh, --fsdp, --remat, --schedule or --resume"""
+    memory_per_device: str | None = None
+    """device memory for --plan auto and --dry-run, e.g. 16GiB or 80GB"""
+    dry_run: bool = False
+    """print the step's predicted memory per device and collective bytes (eqpar.estimate:
+    traced, not compiled) and exit without training"""
     schedule: Schedule | None = None
     """pipeline schedule on the pipe axis (unset: gpipe); refused without a pipe axis"""
     microbatches: PositiveInt = 4
@@ -276,6 +287,29 @@ class TrainConfig:
         sizes the mesh cannot split are `check_sizes`'s."""
         if self.resume and self.ckpt_dir is None:
             raise ConfigError("--resume needs --ckpt-dir DIR (the directory to resume from)")
+        self.memory_bytes()  # a size that does not parse is refused here
+        if self.plan == "auto":
+            chosen = [
+                flag
+                for flag, given in (
+                    ("--mesh", self.mesh is not None),
+                    ("--fsdp", self.fsdp),
+                    ("--remat", self.remat != "none"),
+                    ("--schedule", self.schedule is not None),
+                    ("--resume", self.resume),
+                )
+                if given
+            ]
+            if chosen:
+                raise ConfigError(
+                    f"--plan auto chooses the layout itself; {', '.join(chosen)} would "
+                    "override its choice: leave them out, or drop --plan auto"
+                )
+            if self.memory_per_device is None:
+                raise ConfigError(
+                    "--plan auto needs --memory-per-device SIZE (e.g. 16GiB): the memory "
+                    "each device has, which the plan must fit"
+                )
         if self.top_k is not None and self.experts is None:
             raise ConfigError(
                 f"--top-k {self.top_k} chooses among the experts of --experts, and there is no "
@@ -309,6 +343,18 @@ class TrainConfig:
                 f"device holds every layer and there is no pipeline to schedule; add a pipe "
                 f"axis{example} or leave --schedule out"
             )
+
+    def memory_bytes(self) -> int | None:
+        """`--memory-per-device` in bytes (`ConfigError` where it does not parse)."""
+        if self.memory_per_device is None:
+            return None
+        try:
+            return parse_bytes(self.memory_per_device)
+        except ValueError:
+            raise ConfigError(
+                f"--memory-per-device {self.memory_per_device}: give a size such as 16GiB, "
+                "80GB or a number of bytes"
+            ) from None
 
     def resolved(self, device_count: int) -> "TrainConfig":
         """The options with every unset one that the run fills in filled in as it is (mesh,

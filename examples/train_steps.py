@@ -26,6 +26,7 @@ from eqpar.nn import PipelineModule
 from eqpar.spmd import gather_stored
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import data as input_data
 import lm
 from train_options import (
     AXES,
@@ -610,3 +611,18 @@ def training_flops_per_token(config: lm.LMConfig) -> float:
     per_layer = 4 * d * d + mlp + 2 * config.seq_len * d
     forward = 2 * (config.num_layers * per_layer + d * config.vocab_size)
     return 3.0 * forward
+
+
+def open_data(directory: pathlib.Path, config: lm.LMConfig, run: RunConfig) -> Any:
+    """The `--data` corpus as the rows of `run`'s batches; refused where its tokens do not
+    fit the model's vocabulary."""
+    corpus = input_data.open_corpus(directory)
+    if corpus.vocab_size > config.vocab_size:
+        raise ConfigError(
+            f"--data {directory}: its vocabulary has {corpus.vocab_size} tokens, the model's "
+            f"{config.vocab_size}: choose a --size with at least {corpus.vocab_size} or write "
+            f"the corpus with --vocab-size {config.vocab_size}."
+        )
+    return input_data.PackedCorpus(
+        corpus, batch_size=run.batch_size, seq_len=config.seq_len, seed=run.seed
+    )

@@ -95,11 +95,11 @@ def test_example_step_against_the_compiler(layout, remat):
     assert_bytes_match(predicted_by_axes(est), by_axes)
     assert sum(est.arguments) == pytest.approx(memory["argument"], rel=1e-3)
     assert est.outputs == pytest.approx(memory["output"], rel=1e-3)  # XLA pads scalars
-    # Measured on this grid: 1.03-1.20 without a pipe axis, 1.24-1.41 with 1F1B (the model
-    # over-counts the schedule's buffers; see the docs' calibration table). The bound guards
-    # the walk against losing a whole class of buffers, either way.
+    # Measured on this grid: 0.97-1.10 (DP without remat the highest: XLA reuses buffers of
+    # the loss the walk counts apart). The bound guards the walk against losing or doubling
+    # a class of buffers (a loop's carries, views, donated state).
     ratio = est.peak / memory["total"]
-    assert 0.9 <= ratio <= (1.6 if layout == "1F1B" else 1.3), ratio
+    assert 0.9 <= ratio <= 1.15, ratio
 
 
 def test_a_parallelized_model_under_the_one_device_step():
@@ -178,3 +178,45 @@ def test_bad_input_is_named():
         eqpar.estimate(3, jnp.ones(3))  # pyright: ignore[reportArgumentType]
     with pytest.raises(ValueError, match="device must be one of"):
         eqpar.search(lambda c: (lambda x: x, (jnp.ones(2),)), [1], device="abacus")
+
+
+def tp_mlp_step(mesh):
+    """A tensor-parallel MLP's gradient through `eqpar.shard_map`, and its abstract inputs."""
+    model = eqx.nn.MLP(64, 64, 256, depth=2, key=jax.random.key(0))
+    plan = {"layers/0": eqpar.ColumnParallel("model"), "layers/1": eqpar.RowParallel("model")}
+    model = eqpar.parallelize(model, plan)
+    specs = eqpar.partition_specs(model)
+    arrays, static = eqx.partition(model, eqx.is_array)
+
+    def loss(model, x):
+        return jax.lax.pmean(jnp.mean(jax.vmap(model)(x) ** 2), "data")
+
+    sharded = eqpar.shard_map(loss, mesh=mesh, in_specs=(specs, P("data")), out_specs=P())
+
+    def gradient(arrays, x):
+        return jax.grad(lambda a: sharded(eqx.combine(a, static), x))(arrays)
+
+    rows = 4 * mesh.shape["data"]
+    x = jax.ShapeDtypeStruct((rows, 64), jnp.float32, sharding=NamedSharding(mesh, P("data")))
+    return gradient, (eqpar.planning.abstract_arrays(arrays, specs, mesh), x)
+
+
+def test_a_plan_on_a_mesh_larger_than_the_machine():
+    """64 devices on an 8-device machine: an AbstractMesh needs no devices."""
+    from jax.sharding import AbstractMesh, AxisType
+
+    big = AbstractMesh((16, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+    step, args = tp_mlp_step(big)
+    est = eqpar.estimate(step, *args)
+    # Per device: the column layer's block (64 of 256 rows and their bias), the row layer's
+    # (64 of 256 columns), the last layer whole; their gradients all-reduced over data.
+    local = (64 * 64 + 64) + (256 * 64 + 256) + (64 * 256 + 64)
+    assert sum(est.arguments) == 4 * local + 4 * 64 * 4
+    data = est.collectives[("all-reduce", ("data",))]
+    assert data == pytest.approx(2 * 15 / 16 * (4 * local + 4))  # + the loss's pmean
+    # The same program on this machine's 8 devices: the walk against the compiler.
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+    step, args = tp_mlp_step(mesh)
+    est = eqpar.estimate(step, *args)
+    _, by_axes = compiled_figures(step, args, {"data": 2, "model": 4}, donate=())
+    assert_bytes_match(predicted_by_axes(est), by_axes)
