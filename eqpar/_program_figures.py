@@ -28,11 +28,13 @@ The model of the compiler, stated so its errors can be read:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import jax
 import numpy as np
 from jax.extend import core as jex
 from jax.sharding import PartitionSpec
@@ -67,12 +69,21 @@ class ProgramFigures:
     flops: float
 
 
+@functools.cache
+def _itemsize(dtype: Any) -> int:
+    """Bytes per element; a PRNG key's are those of its key data (8 for threefry)."""
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        data = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct((), dtype))
+        return math.prod(data.shape) * np.dtype(data.dtype).itemsize
+    return np.dtype(dtype).itemsize
+
+
 def _nbytes(aval: Any) -> int:
     shape = getattr(aval, "shape", None)
     dtype = getattr(aval, "dtype", None)
     if shape is None or dtype is None:
         return 0
-    return math.prod(shape) * np.dtype(dtype).itemsize
+    return math.prod(shape) * _itemsize(dtype)
 
 
 def spec_axes(spec: Any) -> frozenset[str]:
@@ -142,10 +153,13 @@ class _Walk:
         for var in jaxpr.constvars:
             axes_of[var] = frozenset()
         root = self.views(jaxpr)  # a view -> the value whose buffer it is
+        needed = _needed(jaxpr)
         uses: dict[Any, int] = defaultdict(int)
         last_use: dict[Any, int] = {}  # by buffer: the last use of it or of any view of it
         consumers: dict[Any, list[str]] = defaultdict(list)
         for i, eqn in enumerate(jaxpr.eqns):
+            if i not in needed:
+                continue
             for v in eqn.invars:
                 if isinstance(v, jex.Var):
                     uses[v] += 1
@@ -174,6 +188,8 @@ class _Walk:
                     live += size[var]
         peak = live
         for i, eqn in enumerate(jaxpr.eqns):
+            if i not in needed:
+                continue  # dead code, which the compiler removes (a gradient's unused primal)
             in_split = [
                 axes_of.get(v, frozenset()) if isinstance(v, jex.Var) else frozenset()
                 for v in eqn.invars
@@ -317,7 +333,7 @@ class _Walk:
             "all_to_all",
             "ppermute",
         ):
-            self.collective(eqn, trips)
+            self.collective(eqn, in_split, trips)
             return [in_split[0] if in_split else frozenset()] * len(outs), 0
         if name == "dot_general":
             (lc, _), _ = params["dimension_numbers"]
@@ -340,6 +356,20 @@ class _Walk:
                 return [split] * len(outs), partial  # the partial sums, before the reduction
             self.flops += trips * 2.0 * k * math.prod(out.shape) / max(1, self.group(sorted(split)))
             return [split] * len(outs), 0
+        if name in _REDUCTIONS and in_split and in_split[0] and 0 in params.get("axes", ()):
+            # A reduction over the leading (batch) dimension of a split operand: partial
+            # results, all-reduced by the compiler (a bias's gradient, a loss's mean).
+            partial = self.per_device(outs[0].aval, frozenset())
+            group = self.group(sorted(in_split[0]))
+            self.add("all-reduce", tuple(sorted(in_split[0])), 2 * (1 - 1 / group) * partial, trips)
+            return [frozenset()] * len(outs), partial
+        if name == "scatter-add" and len(in_split) > 2 and in_split[2] and not in_split[0]:
+            # Split updates into a whole operand (an embedding's gradient): each device adds
+            # its rows, the compiler all-reduces the table.
+            partial = self.per_device(outs[0].aval, frozenset())
+            group = self.group(sorted(in_split[2]))
+            self.add("all-reduce", tuple(sorted(in_split[2])), 2 * (1 - 1 / group) * partial, trips)
+            return [frozenset()] * len(outs), partial
         if name in ("sharding_constraint", "reshard"):
             target = _sharding_axes(params.get("sharding"))
             gathered = tuple(sorted(in_split[0] - target - manual)) if in_split else ()
@@ -424,26 +454,31 @@ class _Walk:
                 best = axes
         if best is not None:
             return best
-        # A different shape (a reduction, a slice): the split of the largest operand, if the
-        # result keeps as many dimensions.
-        ndim = len(shape or ())
+        # A different shape (a reshape, a slice, keys split per example): the split of the
+        # largest operand, where the result keeps its leading dimension (the batch, as a
+        # model's global view splits it) or its number of dimensions.
+        shape = tuple(shape or ())
         largest = max(
             zip(eqn.invars, in_split, strict=True),
             key=lambda pair: _nbytes(pair[0].aval),
             default=None,
         )
-        if largest is not None and len(getattr(largest[0].aval, "shape", ())) == ndim:
+        if largest is None:
+            return frozenset()
+        operand = tuple(getattr(largest[0].aval, "shape", ()))
+        if len(operand) == len(shape) or (operand and shape and operand[0] == shape[0]):
             return largest[1]
         return frozenset()
 
-    def collective(self, eqn: Any, trips: float) -> None:
+    def collective(self, eqn: Any, in_split: list[frozenset[str]], trips: float) -> None:
         name = eqn.primitive.name
         params = eqn.params
         axes = _axes_tuple(params.get("axes", params.get("axis_name")))
         g = self.group(axes)
         share = (g - 1) / g if g > 0 else 0.0
-        operand = sum(_nbytes(v.aval) for v in eqn.invars)
-        result = sum(_nbytes(v.aval) for v in eqn.outvars)
+        # In a region manual over some axes only, a value is still split over the others.
+        operand = sum(self.per_device(v.aval, a) for v, a in zip(eqn.invars, in_split))
+        result = sum(self.per_device(v.aval, a) for v, a in zip(eqn.outvars, in_split))
         if name in _ALL_REDUCE:
             self.add("all-reduce", axes, 2 * operand * share, trips)
         elif name in _ALL_GATHER:
@@ -486,6 +521,18 @@ class _Walk:
             for inner, spec in zip(split, params["out_specs"], strict=True)
         ]
         return outs, peak
+
+
+def _needed(jaxpr: Any) -> set[int]:
+    """The equations of `jaxpr` that its outputs depend on, or that have effects."""
+    wanted = {v for v in jaxpr.outvars if isinstance(v, jex.Var)}
+    needed = set()
+    for i in range(len(jaxpr.eqns) - 1, -1, -1):
+        eqn = jaxpr.eqns[i]
+        if eqn.effects or any(v in wanted for v in eqn.outvars):
+            needed.add(i)
+            wanted.update(v for v in eqn.invars if isinstance(v, jex.Var))
+    return needed
 
 
 def _called(eqn: Any) -> Any:
