@@ -258,8 +258,7 @@ class _Walk:
         if name == "scan":
             body = params["jaxpr"].jaxpr
             length = params["length"]
-            num_consts = params["num_consts"]
-            num_carry = params["num_carry"]
+            num_consts, num_carry = _scan_counts(params)
             carry = range(num_consts, num_consts + num_carry)
             # The carries are the loop's own buffers: counted in the body, updated in place.
             split, peak = self.run(
@@ -521,6 +520,14 @@ class _Walk:
             for inner, spec in zip(split, params["out_specs"], strict=True)
         ]
         return outs, peak
+
+
+def _scan_counts(params: Mapping[str, Any]) -> tuple[int, int]:
+    """A scan's numbers of constants and carries (JAX >= 0.11 states them as flat trees)."""
+    if "num_consts" in params:
+        return params["num_consts"], params["num_carry"]
+    consts, carry, _ = params["ft_in"].unpack()
+    return len(consts), len(carry)
 
 
 def _needed(jaxpr: Any) -> set[int]:
