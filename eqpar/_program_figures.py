@@ -11,18 +11,26 @@ The model of the compiler, stated so its errors can be read:
 - **Shapes per device.** Inside a `shard_map` region shapes are already per device over its
   manual axes. Outside (and over a region's automatic axes) a value is split over the mesh
   axes the walk can name: its input sharding, a sharding constraint, a region's `out_specs`,
-  else those of its largest operand of the same shape, else none (replicated).
+  else those of its largest operand of the same shape (or of the same leading dimension, the
+  batch a global view splits), else none (replicated).
 - **Memory.** Values live from the equation that makes them to their last use (inputs that are
-  not donated live throughout). Elementwise, broadcast, reshape and convert results used once
-  by another such equation or by a reduction are fused into it and never stored, as XLA fuses
-  them. A loop's body is counted once, its stacked outputs whole; a conditional at its largest
-  branch; a call or region at its own peak beyond its operands.
+  not donated live throughout); equations nothing depends on are dropped, as the compiler
+  drops them. Elementwise, broadcast, reshape and convert results used once by another such
+  equation or by a reduction are fused into it and never stored; `pvary`, reshapes and
+  regions or calls that return an operand as it came are views of its buffer. A result may
+  take the buffer of an operand of its size that dies there (in-place updates). A loop's
+  body counts once, its stacked outputs whole, its carries in place (copied where their
+  operand lives on); a conditional at its largest branch; a call or region at its own peak
+  beyond its operands, which it may free early where they die at the call.
 - **Collectives.** The ring cost that `benchmarks/_hlo.py` reads from compiled programs:
   all-reduce `2 (g-1)/g` of the operand, all-gather `(g-1)/g` of the result, reduce-scatter
   and all-to-all `(g-1)/g` of the operand, a permutation its operand on the devices that
-  receive one; inside a loop, once per iteration; a conditional at its busiest branch. A
-  region's operand split over a manual axis that its `in_specs` leave whole is gathered on
-  entry (an all-gather the compiler inserts).
+  receive one; inside a loop, once per iteration (a `while` loop's unknown trip count as
+  one); a conditional at its busiest branch. Besides those the program names, the ones the
+  compiler inserts: a region's operand split over a manual axis that its `in_specs` leave
+  whole is all-gathered on entry; a value resharded to fewer axes is all-gathered; a matrix
+  product contracting two operands split over the same automatic axes, a reduction over a
+  split batch and a scatter-add of split updates into a whole table are all-reduced.
 """
 
 from __future__ import annotations
@@ -339,7 +347,7 @@ class _Walk:
             lhs = eqn.invars[0].aval
             k = math.prod(lhs.shape[d] for d in lc)
             out = outs[0].aval
-            split = self.largest_split(eqn, in_split)
+            split = self.largest_split(in_split)
             both = in_split[0] & in_split[1]
             (_, _), (lhs_batch, _) = params["dimension_numbers"]
             if both and lc and not lhs_batch:
@@ -435,13 +443,10 @@ class _Walk:
         )
         return split, peak
 
-    def largest_split(self, eqn: Any, in_split: list[frozenset[str]]) -> frozenset[str]:
-        best: frozenset[str] = frozenset()
-        for v, axes in zip(eqn.invars, in_split, strict=True):
-            if len(axes) > len(best):
-                best = axes
-            del v
-        return best
+    @staticmethod
+    def largest_split(in_split: list[frozenset[str]]) -> frozenset[str]:
+        """The split over the most axes among the operands'."""
+        return max(in_split, key=len, default=frozenset())
 
     def same_shape_split(
         self, eqn: Any, in_split: list[frozenset[str]], out: Any
