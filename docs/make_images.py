@@ -1,7 +1,8 @@
 """Draw the pictures of the docs into `docs/images/`: the quick start's layout on the home
 page, the pipeline schedules of `docs/tutorials/pipeline.md` and
 `docs/tutorials/zero_bubble.md`, the parameter layout of `docs/tutorials/distributions.md`,
-the routing of `docs/tutorials/experts.md`, and the charts of `docs/performance.md`.
+the routing of `docs/tutorials/experts.md`, the charts of `docs/performance.md` and the
+planner's calibration chart of `docs/planning.md`.
 
 Run from anywhere: `python docs/make_images.py`. Needs matplotlib (the `plot` extra).
 
@@ -9,7 +10,8 @@ The performance page's charts are drawn from data: the scale table of
 `benchmarks/results.md` (memory and collective bytes per device per layout), eqpar's own
 schedule tables (bubble against microbatches), and the loss curves of
 `examples/train_lm.py --check` that `benchmarks/check_curves.py` wrote into
-`benchmarks/results.md`. Each chart carries the SHA-256 of its data in
+`benchmarks/results.md`, and the planner's predicted against compiled peaks that
+`benchmarks/planner.py` wrote there. Each chart carries the SHA-256 of its data in
 its PNG metadata (`Source`), and `python docs/make_images.py --check` (run by
 `tests/test_docs.py`) recomputes the data and fails when a chart was drawn from other data:
 after a new `benchmarks/results.md`, run the script again.
@@ -218,6 +220,7 @@ def routing() -> list[Path]:
 SCALE_CHART = IMAGES / "scale_per_device.png"
 BUBBLE_CHART = IMAGES / "bubble_microbatches.png"
 CHECK_CHART = IMAGES / "check_curves.png"
+PLANNER_CHART = IMAGES / "planner_calibration.png"
 _UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
 _SIZE = re.compile(r"([0-9.]+) (B|KiB|MiB|GiB|TiB)")
 # Columns of the scale table that the chart draws: memory held, and bytes moved, per device.
@@ -468,6 +471,64 @@ def check_chart() -> list[Path]:
     return [_save_stamped(figure, CHECK_CHART, data)]
 
 
+def planner_data(results: Path = RESULTS) -> dict[str, dict[str, float]]:
+    """`{configuration: {"predicted": MiB, "compiled": MiB}}`: the peaks per device of the
+    planner's calibration table in `benchmarks/results.md` (`## Planner calibration`)."""
+    section = _section(results, "## Planner calibration")
+    data: dict[str, dict[str, float]] = {}
+    header: list[str] = []
+    for line in section.splitlines():
+        if not line.startswith("|") or line.startswith("|---"):
+            continue
+        cells = _cells(line)
+        if cells[0] == "configuration":
+            header = cells
+            continue
+        if cells[0] == "rank":
+            header = []  # the search's table follows the calibration table
+        if not header or "peak MiB (pred / comp)" not in header or len(cells) != len(header):
+            continue
+        predicted, compiled = cells[header.index("peak MiB (pred / comp)")].split(" / ")
+        data[cells[0]] = {"predicted": float(predicted), "compiled": float(compiled)}
+    if not data:
+        raise ValueError(f"no planner calibration rows in {results}: run benchmarks/planner.py")
+    return data
+
+
+def planner_chart() -> list[Path]:
+    from matplotlib.figure import Figure
+
+    data = planner_data()
+    figure = Figure(figsize=(7, 5.5), layout="constrained")
+    ax = figure.subplots()
+    sizes = {"small": "#4c72b0", "gpt2-small": "#dd8452", "1.3b": "#55a868"}
+    for size, colour in sizes.items():
+        rows = [v for name, v in data.items() if name.split()[0] == size]
+        ax.scatter(
+            [r["compiled"] for r in rows],
+            [r["predicted"] for r in rows],
+            color=colour,
+            label=size,
+            s=18,
+        )
+    low = min(min(v.values()) for v in data.values()) * 0.8
+    high = max(max(v.values()) for v in data.values()) * 1.25
+    line = np.geomspace(low, high, 50)
+    ax.plot(line, line, color="black", linewidth=0.8, label="predicted = compiled")
+    ax.fill_between(line, line * 0.9, line * 1.1, color="grey", alpha=0.2, label="within 10%")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("compiled peak per device, MiB (memory_analysis)")
+    ax.set_ylabel("predicted peak per device, MiB (eqpar.estimate)")
+    ax.set_title(
+        f"eqpar.estimate against the compiler: {len(data)} training steps of the example LM "
+        "(benchmarks/planner.py)",
+        fontsize=9,
+    )
+    ax.legend(fontsize=8)
+    return [_save_stamped(figure, PLANNER_CHART, data)]
+
+
 def stale_charts() -> list[str]:
     """A message for every chart of the performance page not drawn from the current data."""
     problems = []
@@ -475,6 +536,7 @@ def stale_charts() -> list[str]:
         (SCALE_CHART, scale_data(), "benchmarks/results.md"),
         (BUBBLE_CHART, bubble_data(), "the schedule tables"),
         (CHECK_CHART, check_curve_data(), "benchmarks/results.md"),
+        (PLANNER_CHART, planner_data(), "benchmarks/results.md"),
     )
     for path, data, source in charts:
         wanted, found = f"sha256:{digest(data)}", stamp(path)
@@ -503,7 +565,7 @@ def main(argv: list[str] | None = None) -> list[Path]:
         return []
     IMAGES.mkdir(exist_ok=True)
     written = quickstart() + schedules() + layouts() + routing() + scale_chart() + bubble_chart()
-    written += check_chart()
+    written += check_chart() + planner_chart()
     for path in written:
         print(f"wrote {path}")
     return written
