@@ -328,6 +328,8 @@ class TrainConfig:
                 "for plain SGD only: Adam turns float32 rounding differences into full-size "
                 f"updates. To check, {fix}."
             )
+        if self.plan == "auto":
+            return  # the mesh is the plan's to choose; each candidate is checked with it
         mesh = parse_mesh(self.mesh or default_mesh(device_count), device_count)
         if self.accumulate > 1 and mesh[lm.PIPE] > 1:
             raise ConfigError(

@@ -144,8 +144,8 @@ def _factorizations(count: int) -> list[dict[str, int]]:
 
 def candidates(options: TrainConfig, count: int) -> list[TrainConfig]:
     """The plans `--plan auto` weighs: every mesh of `_factorizations`, with and without
-    FSDP (where data > 1), remat none and full; pipelines by 1F1B. Those whose sizes the
-    mesh cannot split (`check_sizes`) are left out."""
+    FSDP (where data > 1), remat none and full; pipelines by 1F1B. Those the run's other
+    options refuse, or whose sizes the mesh cannot split (`check_sizes`), are left out."""
     config = options.model_config()
     out = []
     for sizes in _factorizations(count):
@@ -159,7 +159,8 @@ def candidates(options: TrainConfig, count: int) -> list[TrainConfig]:
                     schedule="1f1b" if sizes[lm.PIPE] > 1 else None,
                     plan=None,
                 )
-                try:
+                try:  # with the run's other options (e.g. --accumulate refuses a pipe axis)
+                    option.validate(count)
                     check_sizes(config, option.run_config(count))
                 except ConfigError:
                     continue

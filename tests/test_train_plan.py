@@ -80,3 +80,16 @@ def test_plan_options_are_refused_with_the_fix(argv, message, capsys):
         train_lm.main(argv)
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+AUTO = ("--plan", "auto", "--memory-per-device", "4MiB")
+
+
+def test_plan_auto_weighs_only_what_the_other_options_allow():
+    every = train_plan.candidates(train_options.parse_options([*AUTO], 8), 8)
+    assert len(every) == 24 and any("pipe=2" in o.mesh for o in every if o.mesh)
+    # Accumulation refuses a pipe axis: no pipeline is weighed beside it.
+    accumulating = train_plan.candidates(
+        train_options.parse_options([*AUTO, "--accumulate", "2"], 8), 8
+    )
+    assert accumulating and all(o.mesh and "pipe=1" in o.mesh for o in accumulating)
