@@ -77,7 +77,16 @@ def parse_bytes(value: int | float | str, *, name: str = "memory_per_device") ->
 
 class CompiledMemory(NamedTuple):
     """The compiler's per-device memory of the same step (`memory_analysis()`); `total` is
-    argument + output + temp - alias (on CPU the reported peak leaves out temp)."""
+    argument + output + temp - alias (on CPU the reported peak leaves out temp).
+
+    ```python
+    import jax.numpy as jnp
+    import eqpar
+
+    estimate = eqpar.estimate(lambda x: x * 2, jnp.ones((4, 4)), compile=True)
+    assert estimate.compiled is not None and estimate.compiled.argument == 4 * 4 * 4
+    ```
+    """
 
     argument: int
     output: int
@@ -106,6 +115,15 @@ class Estimate:
       iteration, conditionals at their busiest branch);
     - `trace_seconds`: how long tracing and reading the program took;
     - `compiled`: with `compile=True`, the compiler's figures of the same step.
+
+    ```python
+    import jax.numpy as jnp
+    import eqpar
+
+    estimate = eqpar.estimate(lambda x: x * 2, jnp.ones((4, 4)))
+    assert estimate.arguments == (64,) and estimate.outputs == 64
+    assert estimate.peak == 64 + 64 + estimate.temp - estimate.aliased
+    ```
     """
 
     arguments: tuple[int, ...]
@@ -337,7 +355,17 @@ def estimate(
 class DeviceFigures(NamedTuple):
     """What the step-time model needs of a device: dense matrix-product FLOP/s at the step's
     precision, and bytes per second one device receives over a mesh axis (`bytes_per_s`, or
-    per axis name in `axis_bytes_per_s`, e.g. slower for an axis that crosses hosts)."""
+    per axis name in `axis_bytes_per_s`, e.g. slower for an axis that crosses hosts).
+
+    ```python
+    from eqpar.planning import DEVICES, DeviceFigures
+
+    mine = DeviceFigures(flops_per_s=100e12, bytes_per_s=50e9, memory=24 * 2**30,
+                         axis_bytes_per_s={"data": 12.5e9})
+    assert mine.axis_rate(("data", "model")) == 12.5e9  # the slowest axis of the group
+    assert DEVICES["h100-sxm"].memory == 80 * 2**30
+    ```
+    """
 
     flops_per_s: float
     bytes_per_s: float
@@ -363,7 +391,19 @@ DEVICES: dict[str, DeviceFigures] = {
 @dataclasses.dataclass(frozen=True)
 class Ranked:
     """One candidate of `search`: its estimate, whether it fits, and its modelled step time
-    (`compute_s` + `communication_s`)."""
+    (`compute_s` + `communication_s`).
+
+    ```python
+    import jax.numpy as jnp
+    import eqpar
+
+    result = eqpar.search(lambda n: (lambda x: x @ x, (jnp.ones((n, n)),)), [64, 128],
+                          memory_per_device="1MiB")
+    best = result.ranked[0]
+    assert best.candidate == 64 and best.fits
+    assert best.step_s == best.compute_s + best.communication_s
+    ```
+    """
 
     candidate: Any
     estimate: Estimate
@@ -379,7 +419,21 @@ class Ranked:
 
 @dataclasses.dataclass(frozen=True)
 class SearchResult:
-    """`search`'s answer: every candidate, those that fit first, fastest first."""
+    """`search`'s answer: every candidate, those that fit first, fastest first.
+
+    ```python
+    import jax.numpy as jnp
+    import eqpar
+
+    def build(n):  # a candidate: the matrix size
+        return (lambda x: x @ x), (jnp.ones((n, n)),)
+
+    result = eqpar.search(build, [256, 64], memory_per_device="300KiB")
+    assert result.best.candidate == 64  # 256 x 256 floats do not fit
+    assert [r.fits for r in result.ranked] == [True, False]
+    print(result.table())
+    ```
+    """
 
     ranked: tuple[Ranked, ...]
     memory_per_device: int
@@ -483,9 +537,9 @@ def search(
     for candidate in candidates:
         step, args = build(candidate)
         est = estimate(step, *args, donate_argnums=donate_argnums)
-        compute = est.flops / figures.flops_per_s
-        communication = sum(
-            amount / figures.axis_rate(axes) for (_, axes), amount in est.collectives.items()
+        compute = float(est.flops) / figures.flops_per_s
+        communication = float(
+            sum(amount / figures.axis_rate(axes) for (_, axes), amount in est.collectives.items())
         )
         ranked.append(Ranked(candidate, est, est.peak <= limit, compute, communication))
     ranked.sort(key=lambda r: (not r.fits, r.step_s if r.fits else r.estimate.peak))
