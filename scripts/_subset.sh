@@ -5,7 +5,6 @@
 SUBSET=(
     tests/test_spmd.py  # spmd, _specs, layout, _paths, mesh
     tests/test_planning.py::test_a_plan_on_a_mesh_larger_than_the_machine  # planning, _program_figures
-    "tests/test_planning.py::test_a_model_nobody_here_wrote_under_its_own_step[tp]"  # _program_figures: regions, calls
     tests/test_layout.py  # layout, _declare, _matching (LayoutMap)
     "tests/test_axis_types.py::test_shard_map_takes_arguments_typed_otherwise_and_equals_one_device"  # _axis_types
     tests/test_axis_types.py::test_quick_start_runs_as_printed_on_explicit_and_mixed_meshes  # _axis_types, nn/_own_region
