@@ -128,7 +128,7 @@ def modelled_seconds(flops: float, collective_bytes: float, device: Any) -> floa
     return flops / device.flops_per_s + collective_bytes / device.bytes_per_s
 
 
-def search_summary(rows: list[Row], device_name: str) -> list[str]:
+def search_summary(rows: list[Row], device_name: str, microbatches: int) -> list[str]:
     """`search`'s choice (from predictions) against the grid's best (from compiled figures),
     both under the same step-time model; `search`'s wall time against compiling the grid."""
     device = DEVICES[device_name]
@@ -137,7 +137,7 @@ def search_summary(rows: list[Row], device_name: str) -> list[str]:
     def build(name: str) -> tuple[Any, tuple[Any, ...]]:
         r = by_name[name]
         config = SIZES[r.size]
-        run = run_of(config, r.layout, r.remat, 8)
+        run = run_of(config, r.layout, r.remat, microbatches)
         step = scale.build_abstract_step(config, run, jax.devices()[:NUM_DEVICES])
         return step.lowered, step.arguments
 
@@ -217,7 +217,7 @@ def main(argv: list[str] | None = None) -> str:
         f" s, median compile {statistics.median(r.compile_s for r in rows):.1f} s."
     )
     out.append("")
-    out.extend(search_summary(rows, args.device))
+    out.extend(search_summary(rows, args.device, args.microbatches))
     text = "\n".join(out)
     print(text)
     return text

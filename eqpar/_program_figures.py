@@ -47,6 +47,9 @@ import numpy as np
 from jax.extend import core as jex
 from jax.sharding import PartitionSpec
 
+from ._axes import axis_names
+from ._specs import entry_names
+
 # Results XLA fuses into their consumer instead of storing (when used once).
 _FUSIBLE = frozenset(
     """abs acos acosh add and asin asinh atan atan2 atanh broadcast_in_dim cbrt ceil clamp
@@ -96,27 +99,13 @@ def _nbytes(aval: Any) -> int:
 
 def spec_axes(spec: Any) -> frozenset[str]:
     """The mesh axes a `PartitionSpec` splits over."""
-    axes: set[str] = set()
-    if spec is None:
-        return frozenset()
-    for entry in spec:
-        if entry is None:
-            continue
-        axes.update((entry,) if isinstance(entry, str) else entry)
-    return frozenset(axes)
+    names: frozenset[Any] = frozenset(n for entry in spec or () for n in entry_names(entry))
+    return names
 
 
 def _sharding_axes(sharding: Any) -> frozenset[str]:
     spec = getattr(sharding, "spec", None)
     return spec_axes(spec) if isinstance(spec, PartitionSpec) else frozenset()
-
-
-def _axes_tuple(axes: Any) -> tuple[str, ...]:
-    if axes is None:
-        return ()
-    if isinstance(axes, (str,)):
-        return (axes,)
-    return tuple(a for a in axes if isinstance(a, str))
 
 
 class _Walk:
@@ -477,7 +466,7 @@ class _Walk:
     def collective(self, eqn: Any, in_split: list[frozenset[str]], trips: float) -> None:
         name = eqn.primitive.name
         params = eqn.params
-        axes = _axes_tuple(params.get("axes", params.get("axis_name")))
+        axes = axis_names(params.get("axes", params.get("axis_name")))
         g = self.group(axes)
         share = (g - 1) / g if g > 0 else 0.0
         # In a region manual over some axes only, a value is still split over the others.
