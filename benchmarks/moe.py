@@ -67,6 +67,30 @@ SKEWS = (1.0, 1.1, 1.25, 1.5, 2.0, 3.0)
 COMPILE_EXPERTS = (8, 16, 32, 64)
 
 
+def _slots(n: int) -> int:
+    """Slots per device pair in the layer's exchange on this backend (on CPU one per local
+    expert; on GPU and TPU one the device's experts share)."""
+    return experts_module._slots_per_destination(EXPERTS // n)
+
+
+def _rows_per_pair(tokens: int, n: int, buffer_factor: float, slots: int) -> int:
+    """One round's rows per (source, destination) pair: `slots` slots of the slot's
+    balanced share times the factor."""
+    return slots * expert_buffer_rows(tokens, TOP_K, n * slots, buffer_factor)
+
+
+@contextlib.contextmanager
+def _one_slot_per_pair():
+    """The exchange as it runs on GPU and TPU (a device's experts share a slot per pair,
+    their rows in any mix, through `_apply_experts`), here on this backend."""
+    original = experts_module._slots_per_destination
+    experts_module._slots_per_destination = lambda local: 1
+    try:
+        yield
+    finally:
+        experts_module._slots_per_destination = original
+
+
 def _mesh(shape: tuple[int, ...], names: tuple[str, ...]) -> eqpar.DeviceMesh:
     return eqpar.DeviceMesh(shape, names, devices=jax.devices()[: math.prod(shape)])
 
@@ -226,11 +250,12 @@ def measure_exchange() -> list[dict]:
         for buffer_factor in BUFFER_FACTORS:
             layer = _layer(EXPERTS, buffer_factor)
             compiled, _ = _compiled_step(_moe_loss(layer, mesh, names), layer, mesh, x)
-            per_pair = expert_buffer_rows(TOKENS, TOP_K, n, buffer_factor)
+            per_pair = _rows_per_pair(TOKENS, n, buffer_factor, _slots(n))
             rows.append(
                 {
                     "mesh": mesh_name,
                     "n": n,
+                    "slots": _slots(n),
                     "buffer_factor": buffer_factor,
                     "rows_per_pair": per_pair,
                     "ideal": ideal_bytes(n),
@@ -243,13 +268,14 @@ def measure_exchange() -> list[dict]:
 
 def exchange_table(rows: list[dict]) -> str:
     lines = [
-        "| mesh | n | buffer_factor | rows/pair C | ideal KiB | all-to-all KiB | ratio "
+        "| mesh | n | buffer_factor | rows/pair C (slots) | ideal KiB | all-to-all KiB | ratio "
         "| all-to-alls | counts exchange B | further round KiB (ratio) | other collectives KiB |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['mesh']} | {r['n']} | {r['buffer_factor']} | {r['rows_per_pair']} | "
+            f"| {r['mesh']} | {r['n']} | {r['buffer_factor']} | {r['rows_per_pair']} "
+            f"({r['slots']}) | "
             f"{r['ideal'] / 1024:.1f} | {r['hidden'] / 1024:.1f} | "
             f"{r['hidden'] / r['ideal']:.3f} | {r['hidden_ops']} | {r['counts']:.0f} | "
             f"{r['fallback_round'] / 1024:.1f} ({r['fallback_round'] / r['ideal']:.3f}) | "
@@ -265,7 +291,8 @@ def exchange_table(rows: list[dict]) -> str:
         "counts. Measured: the all-to-alls of hidden states of round 0 (outside the loop "
         "over further rounds), each receiving (n-1)/n of its "
         "[n, C, F] buffer, C = ceil(buffer_factor x T k / n) rows per (source, destination) "
-        "pair; so the ratio is n C / (T k) = buffer_factor. Counts exchange: the integer "
+        "pair (on CPU one slot of ceil(buffer_factor x T k / E) rows per local expert, the "
+        "same C here); so the ratio is n C / (T k) = buffer_factor. Counts exchange: the integer "
         "collectives (all-to-all of per-expert counts, pmax of the rounds). Further round: "
         f"one trip of the loop a step runs when its routing overflows C ({'/'.join(map(str, ops))} "
         "all-to-alls per round: dispatch and combine forward, and in the backward the "
@@ -359,10 +386,19 @@ def measure_skew() -> list[dict]:
                 row["error"] = max(row["error"], float(error))
                 loads = np.bincount(np.concatenate(experts), minlength=EXPERTS + 1)[:EXPERTS]
                 row["expert_skew"] = loads.max() / (x.shape[0] * TOP_K / EXPERTS)
-                row["max_pair"] = int(np.max(sends))
-                row["pair_skew"] = row["max_pair"] / (SKEW_TOKENS * TOP_K / n)
+                # The layer's slots (per expert on CPU), and what one slot per device pair
+                # (GPU and TPU) would carry of the same assignments.
+                slots = _slots(n)
+                row["max_slot"] = int(np.max(sends))
+                row["slot_skew"] = row["max_slot"] / (SKEW_TOKENS * TOP_K / (n * slots))
+                per_slot = expert_buffer_rows(SKEW_TOKENS, TOP_K, n * slots, buffer_factor)
+                assert max(rounds) == -(-row["max_slot"] // per_slot)
+                local = EXPERTS // n
+                pairs = [np.bincount(e[e < EXPERTS] // local, minlength=n) for e in experts]
                 per_pair = expert_buffer_rows(SKEW_TOKENS, TOP_K, n, buffer_factor)
-                assert max(rounds) == -(-row["max_pair"] // per_pair)
+                row["max_pair"] = int(np.max(pairs))
+                row["pair_skew"] = row["max_pair"] / (SKEW_TOKENS * TOP_K / n)
+                row.setdefault("pair_rounds", {})[buffer_factor] = -(-row["max_pair"] // per_pair)
         rows.extend(found.values())
     return rows
 
@@ -373,22 +409,30 @@ def buffer_table(exchange_rows: list[dict], skew_rows: list[dict]) -> str:
         "|---|---|---|---|---|---|",
     ]
     for r in exchange_rows:
-        received = r["n"] * r["rows_per_pair"]
+        received = r["n"] * r["rows_per_pair"]  # the same total with a slot per expert
         lines.append(
             f"| {r['mesh']} | {r['n']} | {r['buffer_factor']} | {received} | "
             f"{TOKENS * TOP_K} | {received / (TOKENS * TOP_K):.3f} |"
         )
     factors = " | ".join(f"rounds at {f}" for f in BUFFER_FACTORS)
     skews = [
-        "| mesh | target skew | expert 0 load / balanced | max pair rows | max pair / balanced "
-        f"pair | {factors} | max rel. error vs serial |",
+        "| mesh | target skew | expert 0 load / balanced | max slot rows | max slot / balanced "
+        f"slot | {factors} | max rel. error vs serial |",
         "|---|---|---|---|---|" + "---|" * len(BUFFER_FACTORS) + "---|",
+    ]
+    shared = [
+        f"| mesh | target skew | max pair rows | max pair / balanced pair | {factors} |",
+        "|---|---|---|---|" + "---|" * len(BUFFER_FACTORS),
     ]
     for r in skew_rows:
         rounds = " | ".join(str(r["rounds"][f]) for f in BUFFER_FACTORS)
         skews.append(
-            f"| {r['mesh']} | {r['target']} | {r['expert_skew']:.3f} | {r['max_pair']} | "
-            f"{r['pair_skew']:.3f} | {rounds} | {r['error']:.1e} |"
+            f"| {r['mesh']} | {r['target']} | {r['expert_skew']:.3f} | {r['max_slot']} | "
+            f"{r['slot_skew']:.3f} | {rounds} | {r['error']:.1e} |"
+        )
+        rounds = " | ".join(str(r["pair_rounds"][f]) for f in BUFFER_FACTORS)
+        shared.append(
+            f"| {r['mesh']} | {r['target']} | {r['max_pair']} | {r['pair_skew']:.3f} | {rounds} |"
         )
     one_round = []
     for mesh_name, *_ in MESHES:
@@ -410,15 +454,21 @@ def buffer_table(exchange_rows: list[dict], skew_rows: list[dict]) -> str:
         "tokens per device (with T = 80 the sampling noise of 20 to 40 rows per device pair "
         "alone overflows 1.25 x). The router's bias first balances the E experts exactly on "
         "these tokens, then raises expert 0's share of all the assignments to the target "
-        "multiple of its balanced share. The pair counts and rounds are the layer's own "
-        "(every device's `_routing_meta`, recorded while the layer runs): a round carries at "
-        "most C = ceil(buffer_factor x T k / n) rows per (source, destination) pair, whose "
-        "balanced load is T k / n, so the rounds are ceil(max pair / C). The error is the "
-        "largest difference from the serial layer over the largest output, over the three "
-        "buffer factors (nothing dropped).\n\n"
+        "multiple of its balanced share. The slot counts and rounds are the layer's own "
+        "(every device's `_routing_meta`, recorded while the layer runs): on CPU a round "
+        "carries at most ceil(buffer_factor x T k / E) rows per (source, expert) slot, whose "
+        "balanced load is T k / E, so the rounds are ceil(max slot / that); with one expert "
+        "per device a slot is a device pair. The error is the largest difference from the "
+        "serial layer over the largest output, over the three buffer factors (nothing "
+        "dropped).\n\n"
         + "\n".join(skews)
-        + "\n\nWith buffer_factor 1.25 one round holds any routing whose busiest device pair "
-        "carries at most 1.25 x its balanced load: " + "; ".join(one_round) + ".\n"
+        + "\n\nWith buffer_factor 1.25 one round holds any routing whose busiest slot "
+        "carries at most 1.25 x its balanced load: " + "; ".join(one_round) + ".\n\n"
+        "On GPU and TPU a device's experts share one slot per device pair (C = "
+        "ceil(buffer_factor x T k / n) rows, the same buffer; the ragged dot takes the rows in "
+        "any mix of experts without extra memory), so a round is full only when a whole pair "
+        "is: the rounds those devices run on the same assignments (computed from the recorded "
+        "sorted experts):\n\n" + "\n".join(shared) + "\n"
     )
 
 
@@ -452,6 +502,15 @@ def measure_memory(exchange_rows: list[dict]) -> list[dict]:
                 name = f"MoE EP {mesh_name}, dropless, buffer_factor {r['buffer_factor']}"
                 row = {"name": name, "temp": r["temp"], "mesh": mesh_name}
                 rows.append(row | {"buffer_factor": r["buffer_factor"]})
+        if _slots(mesh.axis_size("expert")) > 1:
+            dropless = _layer(EXPERTS, 1.25)
+            with _one_slot_per_pair():
+                compiled, _ = _compiled_step(_moe_loss(dropless, mesh, names), dropless, mesh, x)
+            name = (
+                f"MoE EP {mesh_name}, dropless, buffer_factor 1.25, one slot per device pair "
+                "(the GPU/TPU layout, its experts as a scan on CPU)"
+            )
+            rows.append({"name": name, "temp": memory_figures(compiled)["temp"], "mesh": mesh_name})
         capped = _layer(EXPERTS, 1.25, capacity_factor=1.25)
         compiled, _ = _compiled_step(_moe_loss(capped, mesh, names), capped, mesh, x)
         name = f"MoE EP {mesh_name}, capacity_factor 1.25 (same C, one round, may drop)"
@@ -497,19 +556,20 @@ def memory_table(rows: list[dict]) -> str:
         "(`_sort_and_gather_loss`: per (source, expert) slots, overflow dropped, one batched "
         "matmul over the slots).\n\n"
         + "\n".join(lines)
-        + "\n\nWhat the layer holds beyond the baseline. (a) On CPU each grouped matmul is a "
-        "scan over the local experts (JAX's CPU rule for `lax.ragged_dot` copied the rows "
-        "once per expert: 1467 KiB for data=2,expert=4 at buffer factor 1.25 before); each "
-        "step multiplies every received row by one expert's weights and keeps that expert's "
-        "rows, so it holds one `[rows, out]` product besides the result, and with G local "
-        "experts does G times the multiply-adds (as JAX's rule did). On GPU and TPU the layer "
-        "runs XLA's ragged dot on rows sorted by expert instead, without either. The "
-        "baseline's fixed slots per (source, expert) pair make every expert's rows contiguous "
-        "and of fixed count, so one batched matmul serves, at the price of dropping what "
-        "overflows a pair's slots; the layer's buffer is per device pair, any mix of experts, "
-        "and nothing is dropped. (b) The dropless layer also holds the loop over further "
-        "rounds (round 0's residuals are kept; a further round recomputes its own in the "
-        "backward): dropless over capacity factor at the same C: " + fallback + ".\n"
+        + "\n\nWhere the layer stands. On CPU each local expert has its own slot of "
+        "ceil(buffer_factor x T k / E) rows in a pair's buffer, so the rows a device receives "
+        "come in one fixed block per expert and the experts run as one batched matmul, as in "
+        "the baseline: with a capacity factor (one round) the layer holds what the baseline "
+        "holds (its router losses aside), and nothing is dropped without one. Dropless, the "
+        "layer also holds the backward loop over further rounds (each recomputes its round "
+        "and adds the weights' and rows' gradients into running sums, which a one-round step "
+        "writes once): dropless over capacity factor at the same buffer: " + fallback + ". "
+        "With one slot per device pair, the layout of GPU and TPU, the rows come in any mix of "
+        "experts; there XLA's ragged dot takes them as they come, but on CPU JAX's rule for "
+        "`lax.ragged_dot` copies the rows once per expert, and the scan that replaces it "
+        "(every row times every local expert's weights, keeping its own) holds a product and "
+        "a weight slice per expert: the row above with one slot per pair is that layout run "
+        "on CPU.\n"
     )
 
 

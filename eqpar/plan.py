@@ -698,7 +698,9 @@ class ExpertParallel(Style):
     with the data axis: `P(("data", "expert"))`, or use the data axis itself); the layers
     outside the experts stay replicated over it. Dropless by default: one round of the
     exchange carries `buffer_factor` times each device pair's balanced share, and a step whose
-    routing overflows that runs more rounds instead of dropping tokens. With
+    routing overflows that runs more rounds instead of dropping tokens (on CPU each expert
+    has its own slot of a pair's rows, `buffer_factor` times its balanced share, so that
+    the experts run as one batched matmul: see `eqpar.nn.experts.expert_buffer_rows`). With
     `capacity_factor`, each expert takes at most `ceil(c * T * top_k / E)` of a device's `T`
     tokens and `RouterLosses.dropped` counts the rest. With `model_axis_name`, each expert's
     hidden features are split over that axis too (tensor parallelism inside each expert).

@@ -3,10 +3,11 @@ experts split over a mesh axis (expert parallelism).
 
 `MixtureOfExperts` is an ordinary Equinox layer: a router (`eqx.nn.Linear`, features ->
 experts), the experts' weights stacked `[E, ...]`, top-k gating, and the usual auxiliary
-losses. The experts run as grouped matmuls, so no token is padded to a fixed capacity and
-the program does not grow with E: on GPU and TPU `lax.ragged_dot` over the tokens sorted by
-expert; on CPU, where JAX lowers `ragged_dot` by copying the rows once per expert, a scan
-over the local experts that holds one expert's product at a time (`_apply_experts`).
+losses. On one device the experts run as grouped matmuls, so no token is padded to a fixed
+capacity and the program does not grow with E: on GPU and TPU `lax.ragged_dot` over the
+tokens sorted by expert; on CPU, where JAX lowers `ragged_dot` by copying the rows once per
+expert, a scan over the experts that holds one expert's product at a time
+(`_apply_experts`).
 
 With `expert_axis_name` set (the `eqpar.ExpertParallel` plan style sets it), each device of
 that axis holds `E / n` experts and its own tokens; the layer sends each (token, expert)
@@ -14,7 +15,10 @@ assignment to the device holding the expert and the result back (`lax.all_to_all
 exchange of counts). eqpar owns this exchange because `lax.ragged_all_to_all` has no CPU
 lowering and needs a receive buffer whose size is fixed at trace time: here the buffer holds
 `buffer_factor` times the balanced share, and a step whose routing overflows it runs more
-rounds of the same exchange instead of dropping tokens (the result stays exact).
+rounds of the same exchange instead of dropping tokens (the result stays exact). On GPU and
+TPU a device's experts share its slot of each pair's buffer and run as the ragged dot; on
+CPU each local expert has a slot of its own (`_slots_per_destination`), so the experts run
+as one batched matmul over fixed blocks, holding what a capacity-based exchange holds.
 """
 
 import dataclasses
@@ -75,9 +79,16 @@ def expert_buffer_rows(tokens: int, top_k: int, axis_size: int, buffer_factor: f
     `tokens * top_k / axis_size`, times `buffer_factor`, rounded up. A device receives
     `axis_size` times this many rows per round.
 
+    On CPU, with several experts per device, each expert has a slot of its own in a pair's
+    rows: `expert_buffer_rows(tokens, top_k, num_experts, buffer_factor)` rows per (source,
+    expert) per round (the same total where the division is exact), and a step runs as
+    many rounds as its busiest (source, expert) slot needs. On GPU and TPU the experts of a
+    device share the pair's rows.
+
     ```python
     from eqpar.nn.experts import expert_buffer_rows
     assert expert_buffer_rows(64, 2, 4, 1.25) == 40  # balanced 32 per pair, x1.25
+    assert expert_buffer_rows(64, 2, 8, 1.25) == 20  # per expert, 8 experts (2 per device)
     assert expert_buffer_rows(50, 4, 4, 1.1) == 55
     ```
     """
@@ -549,14 +560,15 @@ class MixtureOfExperts(eqx.Module):
             axes.add(self.expert_axis_name)
         return tuple(sorted(axes, key=str))
 
-    def _static(self, axis: int, rows_per_pair: int) -> "_Static":
+    def _static(self, axis: int, rows_per_slot: int, slots: int = 1) -> "_Static":
         return _Static(
             axis_name=self.expert_axis_name,
             axis_size=axis,
-            rows_per_pair=rows_per_pair,
+            rows_per_slot=rows_per_slot,
             local_experts=self.num_experts // axis,
             activation=self.activation,
             model_axis_name=self.model_axis_name,
+            slots=slots,
         )
 
     def _exchange(
@@ -586,16 +598,16 @@ class MixtureOfExperts(eqx.Module):
         # the data axes here, outside the rounds below: a sum inside them would wait on
         # devices of another data group, which may run another number of rounds.
         params = jax.tree.map(lambda leaf: cast_varying(leaf, varying_axes(rows)), params)
-        assignments = rows.shape[0]
+        slots = _slots_per_destination(local)
         if self.capacity_factor is not None:
             # Each source sends at most `capacity` per expert: one round always fits.
-            capacity = self._capacity(num_tokens)
-            per_pair = min(local * capacity, assignments)
+            per_slot = self._capacity(num_tokens) * (local // slots)
         else:
-            per_pair = expert_buffer_rows(num_tokens, self.top_k, n, self.buffer_factor)
-            per_pair = min(per_pair, assignments)
+            # The balanced share of a slot: a pair's over its slots (per expert when each
+            # expert has its own), times the buffer factor.
+            per_slot = expert_buffer_rows(num_tokens, self.top_k, n * slots, self.buffer_factor)
         static = dataclasses.replace(
-            self._static(n, per_pair),
+            self._static(n, min(per_slot, rows.shape[0]), slots),
             operand_axes=tuple(varying_axes(leaf) for leaf in jax.tree.leaves((rows, params))),
         )
         meta = _routing_meta(sorted_experts, static, self.num_experts)
@@ -669,10 +681,14 @@ class _ExpertParams(NamedTuple):
 class _Static:
     axis_name: Hashable | None
     axis_size: int
-    rows_per_pair: int
+    # One round's buffer: `slots` slots per (source, destination) pair of devices, each of
+    # `rows_per_slot` rows. A slot per local expert (`slots == local_experts`) or one that
+    # the destination's experts share (`slots == 1`, see `_slots_per_destination`).
+    rows_per_slot: int
     local_experts: int
     activation: Callable
     model_axis_name: Hashable | None
+    slots: int = 1
     # The replication types of the loop's operands (rows, then each parameter leaf), for
     # its backward, whose residuals may come back typed otherwise (read from a pipeline
     # schedule's buffer, say).
@@ -680,11 +696,28 @@ class _Static:
 
 
 class _RoutingMeta(NamedTuple):
-    send_counts: Array  # [n] assignments this device sends to each device
-    send_start: Array  # [n] where each destination's run starts in the sorted assignments
+    send_counts: Array  # [n, slots] assignments this device sends to each slot of each device
+    send_start: Array  # [n, slots] where each slot's run starts in the sorted assignments
     recv_bounds: Array  # [n, local experts] cumulative counts each source sends per expert
-    recv_counts: Array  # [n] assignments each source sends here
+    recv_counts: Array  # [n, slots] assignments each source sends to each slot here
     rounds: Array  # rounds of the exchange every device of the axis runs
+
+
+def _slots_per_destination(local_experts: int) -> int:
+    """A slot per local expert on CPU, one slot per device pair elsewhere.
+
+    With a slot per expert the rows a device receives come grouped by expert in fixed-size
+    blocks, and the experts run as one batched matmul over them: the layer holds what a
+    capacity-based exchange holds, nothing more. The price is more rounds under skew: a
+    round's limit is then per (source, expert) instead of per (source, device), and one
+    expert's share of a pair fluctuates more than the pair's total. Where XLA has a ragged
+    dot (GPU and TPU) a shared slot costs no memory (the ragged dot runs on the rows as they
+    come), so there the experts of a device share its slot and skew costs fewer rounds. On
+    CPU JAX's rule for the ragged dot copies the rows once per expert, and the scan that
+    replaces it (`_experts_on_cpu`) still holds an extra product per matmul and slices of
+    the weights. With one local expert both layouts are the same.
+    """
+    return local_experts if jax.default_backend() == "cpu" else 1
 
 
 def _within_capacity(assigned: Array, num_experts: int, capacity: int) -> Array:
@@ -703,17 +736,18 @@ def _apply_experts(
     """The experts on rows: row `i` through local expert `expert_of_row[i]` (an id past the
     last expert gives zeros). `grouped`: the rows already come sorted by expert.
 
-    On GPU and TPU the rows are sorted by expert (unless `grouped`) and run as XLA's ragged
-    dot. On CPU JAX lowers `lax.ragged_dot` by a generic rule that copies the rows once per
-    expert (a `[experts, rows, features]` masked copy, in the forward and again in each
-    transpose), so a layer's temp grew with its number of local experts; there each matmul
-    is instead a loop over the local experts that holds one `[rows, out]` product at a time
-    and selects each expert's rows from it, in the rows' own order (no sort, no gathered
-    copy), where that holds less (`_experts_on_cpu`). The loop does the same multiply-adds
-    as that rule (every row meets every local expert's weights; XLA's ragged dot does one
-    expert's work per row), and both give the same values: each output row is its own
-    expert's product, selected, not summed. The choice is made by the default backend
-    (`jax.default_backend()`) when the program is traced.
+    The serial layer's route, and the exchange's where a device's experts share a slot (GPU
+    and TPU). On GPU and TPU the rows are sorted by expert (unless `grouped`) and run as
+    XLA's ragged dot. On CPU JAX lowers `lax.ragged_dot` by a generic rule that copies the
+    rows once per expert (a `[experts, rows, features]` masked copy, in the forward and
+    again in each transpose), so a layer's temp grew with its number of local experts;
+    there each matmul is instead a loop over the local experts that holds one `[rows, out]`
+    product at a time and selects each expert's rows from it, in the rows' own order (no
+    sort, no gathered copy), where that holds less (`_experts_on_cpu`). The loop does the
+    same multiply-adds as that rule (every row meets every local expert's weights; XLA's
+    ragged dot does one expert's work per row), and both give the same values: each output
+    row is its own expert's product, selected, not summed. The choice is made by the
+    default backend (`jax.default_backend()`) when the program is traced.
     """
     # Chosen by the default backend while tracing, not by `lax.platform_dependent`: that is
     # a conditional, and under autodiff a conditional's forward keeps the residuals of
@@ -729,11 +763,13 @@ def _experts_on_cpu(
 ) -> Array:
     """The scan over experts where it holds less than JAX's CPU rule for `ragged_dot`: the
     scan holds a `[rows, hidden]` product besides each result, the rule a
-    `[experts, rows, features]` masked copy of each input. Measured (`benchmarks/moe.py`,
-    `tests/test_memory_guard.py`): with one local expert the scan always wins; with G
-    local experts it wins when `hidden <= G x features` (hidden 128 = 2 x 64: 1016 against
-    1467 KiB) and loses beyond (hidden 256 = 4 x 64 with 2 experts: 12% more temp in the
-    example's step), where the rule runs instead."""
+    `[experts, rows, features]` masked copy of each input. Measured on the exchange's rows
+    when they shared a slot on CPU too (`benchmarks/moe.py`, `tests/test_memory_guard.py`):
+    with one local expert the scan always wins; with G local experts it wins when
+    `hidden <= G x features` (hidden 128 = 2 x 64: 1016 against 1467 KiB) and loses beyond
+    (hidden 256 = 4 x 64 with 2 experts: 12% more temp in the example's step), where the
+    rule runs instead. On CPU the exchange now gives each expert its own slot and runs no
+    such loop; the serial layer (every expert local, rows grouped) still does."""
     features, hidden = params.up.shape[-2], params.up.shape[-1]
     local = static.local_experts
     if local == 1 or hidden <= local * features:
@@ -765,7 +801,7 @@ def _experts_by_loop(
     def times_own_expert(x: Array, weights: Array) -> Array:
         return _times_own_expert_by_loop(x, weights, expert_of_row)
 
-    return _expert_mlp(params, rows, expert_of_row, times_own_expert, static)
+    return _expert_mlp_by_row(params, rows, expert_of_row, times_own_expert, static)
 
 
 def _experts_by_ragged_dot(
@@ -779,25 +815,24 @@ def _experts_by_ragged_dot(
     def times_own_expert(x: Array, weights: Array) -> Array:
         return lax.ragged_dot(x, weights, group_sizes)
 
-    out = _expert_mlp(params, rows, expert_of_row, times_own_expert, static)
+    out = _expert_mlp_by_row(params, rows, expert_of_row, times_own_expert, static)
     return out if order is None else jnp.zeros_like(out).at[order].set(out)
 
 
 def _expert_mlp(
     params: _ExpertParams,
     rows: Array,
-    expert_of_row: Array,
     times_own_expert: Callable[[Array, Array], Array],
+    own_bias: Callable[[Array], Array],
     static: _Static,
 ) -> Array:
     """Each row through its expert's MLP, `times_own_expert(x, weights)` being each row of
-    `x` times its own expert's block of `weights` (`[experts, in, out]`)."""
-    local = static.local_experts
-    row_expert = jnp.minimum(expert_of_row, local - 1)
-    valid = (expert_of_row < local)[:, None]
+    `x` times its own expert's block of `weights` (`[experts, in, out]`) and
+    `own_bias(bias)` each row's expert's row of `bias` (`[experts, out]`), broadcastable
+    against the rows."""
     hidden = times_own_expert(rows, params.up)
     if params.up_bias is not None:
-        hidden = hidden + params.up_bias[row_expert]
+        hidden = hidden + own_bias(params.up_bias)
     if params.gate is not None:
         hidden = static.activation(times_own_expert(rows, params.gate)) * hidden
     else:
@@ -806,23 +841,58 @@ def _expert_mlp(
     if static.model_axis_name is not None:
         out = lax.psum(out, static.model_axis_name)
     if params.down_bias is not None:
-        out = out + params.down_bias[row_expert]
-    return jnp.where(valid, out, 0)
+        out = out + own_bias(params.down_bias)
+    return out
+
+
+def _expert_mlp_by_row(
+    params: _ExpertParams,
+    rows: Array,
+    expert_of_row: Array,
+    times_own_expert: Callable[[Array, Array], Array],
+    static: _Static,
+) -> Array:
+    """`_expert_mlp` on rows of any experts, row `i` of expert `expert_of_row[i]` (zeros for
+    an id past the last expert)."""
+    local = static.local_experts
+    row_expert = jnp.minimum(expert_of_row, local - 1)
+    out = _expert_mlp(params, rows, times_own_expert, lambda bias: bias[row_expert], static)
+    return jnp.where((expert_of_row < local)[:, None], out, 0)
+
+
+def _experts_by_slot(
+    params: _ExpertParams, received: Array, valid: Array, static: _Static
+) -> Array:
+    """The experts on a round's received rows laid out a slot per local expert,
+    `[sources, experts, rows, features]` (`valid`: `[sources, experts, rows]`, zeros where
+    not): each expert's rows from every source as one block, all experts as one batched
+    matmul, the same work and buffers as a capacity-based exchange."""
+    sources, local, rows_per_slot, features = received.shape
+    by_expert = received.transpose(1, 0, 2, 3).reshape(local, sources * rows_per_slot, features)
+
+    def times_own_expert(x: Array, weights: Array) -> Array:
+        return jnp.einsum("erf,efh->erh", x, weights)
+
+    out = _expert_mlp(params, by_expert, times_own_expert, lambda bias: bias[:, None], static)
+    out = out.reshape(local, sources, rows_per_slot, -1).transpose(1, 0, 2, 3)
+    return jnp.where(valid[..., None], out, 0)
 
 
 def _routing_meta(sorted_experts: Array, static: _Static, num_experts: int) -> _RoutingMeta:
-    n, local = static.axis_size, static.local_experts
+    n, local, slots = static.axis_size, static.local_experts, static.slots
     per_expert = jnp.zeros(num_experts, jnp.int32).at[sorted_experts].add(1, mode="drop")
     send_by_expert = per_expert.reshape(n, local)
     recv_by_expert = lax.all_to_all(send_by_expert, static.axis_name, 0, 0, tiled=True)
-    send_counts = jnp.sum(send_by_expert, axis=1)
+    # A slot's experts are consecutive, so each slot's assignments are one sorted run.
+    send_counts = jnp.sum(send_by_expert.reshape(n, slots, -1), axis=2)
+    flat = send_counts.reshape(-1)
     most = lax.pmax(jnp.max(send_counts), static.axis_name)
     return _RoutingMeta(
         send_counts=send_counts,
-        send_start=jnp.cumsum(send_counts) - send_counts,
+        send_start=(jnp.cumsum(flat) - flat).reshape(n, slots),
         recv_bounds=jnp.cumsum(recv_by_expert, axis=1),
-        recv_counts=jnp.sum(recv_by_expert, axis=1),
-        rounds=(most + static.rows_per_pair - 1) // static.rows_per_pair,
+        recv_counts=jnp.sum(recv_by_expert.reshape(n, slots, -1), axis=2),
+        rounds=(most + static.rows_per_slot - 1) // static.rows_per_slot,
     )
 
 
@@ -830,23 +900,30 @@ def _one_round(
     static: _Static, round_index: Array, meta: _RoutingMeta, rows: Array, params: _ExpertParams
 ) -> Array:
     """Round `round_index` of the exchange: rows `[r C, (r + 1) C)` of each (source,
-    destination) run go to their experts and back; the result rows of other rounds are 0."""
+    destination, slot) run go to their experts and back (`C` rows per slot); the result
+    rows of other rounds are 0."""
     assignments, features = rows.shape
-    position = round_index * static.rows_per_pair + jnp.arange(static.rows_per_pair)
-    send_valid = position[None, :] < meta.send_counts[:, None]  # [n, C]
-    send_index = jnp.where(send_valid, meta.send_start[:, None] + position[None, :], assignments)
+    position = round_index * static.rows_per_slot + jnp.arange(static.rows_per_slot)
+    send_valid = position < meta.send_counts[..., None]  # [n, slots, C]
+    send_index = jnp.where(send_valid, meta.send_start[..., None] + position, assignments)
     send = jnp.where(send_valid[..., None], rows[jnp.minimum(send_index, assignments - 1)], 0)
-    received = lax.all_to_all(send, static.axis_name, 0, 0, tiled=True)  # [n sources, C, f]
-    # The local expert of each received row, from the counts its source announced.
-    expert = jax.vmap(lambda bounds: jnp.searchsorted(bounds, position, side="right"))(
-        meta.recv_bounds
-    )
-    expert = jnp.where(position[None, :] < meta.recv_counts[:, None], expert, static.local_experts)
-    expert = expert.reshape(-1)
-    out = _apply_experts(params, received.reshape(-1, features), expert, static, grouped=False)
+    received = lax.all_to_all(send, static.axis_name, 0, 0, tiled=True)  # [sources, slots, C, f]
+    received_valid = position < meta.recv_counts[..., None]
+    if static.slots == static.local_experts:
+        out = _experts_by_slot(params, received, received_valid, static)
+    else:
+        # One shared slot: the local expert of each received row, from the counts its
+        # source announced.
+        expert = jax.vmap(lambda bounds: jnp.searchsorted(bounds, position, side="right"))(
+            meta.recv_bounds
+        )
+        expert = jnp.where(received_valid[:, 0], expert, static.local_experts).reshape(-1)
+        flat = received.reshape(-1, features)
+        out = _apply_experts(params, flat, expert, static, grouped=False)
     back = lax.all_to_all(out.reshape(received.shape), static.axis_name, 0, 0, tiled=True)
     # In the experts' result type (float32 parameters on bfloat16 tokens mix in float32,
     # as the serial layer does).
+    back, send_index = back.reshape(-1, features), send_index.reshape(-1)
     return jnp.zeros(rows.shape, back.dtype).at[send_index].add(back, mode="drop")
 
 
