@@ -294,8 +294,6 @@ def test_expert_parallel_holds_what_a_capacity_exchange_holds_on_cpu():
     import moe as bench  # benchmarks/moe.py (benchmarks/ is on the path, see conftest)
     from _hlo import memory_figures
 
-    from eqpar.nn import experts as experts_module
-
     _, shape, names = bench.MESHES[0]  # data=2,expert=4: two experts per device
     mesh = bench._mesh(shape, names)
     x = bench._tokens(mesh, names)
@@ -308,8 +306,7 @@ def test_expert_parallel_holds_what_a_capacity_exchange_holds_on_cpu():
     assert temp(capped, bench._moe_loss(capped, mesh, names)) <= 1.02 * baseline
     dropless = bench._layer(bench.EXPERTS, 1.25)
     per_expert = temp(dropless, bench._moe_loss(dropless, mesh, names))
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(experts_module, "_slots_per_destination", lambda local: 1)
+    with bench._one_slot_per_pair():
         shared = temp(dropless, bench._moe_loss(dropless, mesh, names))
     assert per_expert < 0.75 * shared, (per_expert, shared)
 
